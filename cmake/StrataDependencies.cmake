@@ -1,0 +1,50 @@
+# Every third-party dependency is found here, once, as an imported target.
+find_package(Threads REQUIRED)
+find_package(TBB REQUIRED)                       # TBB::tbb
+find_package(Boost 1.74 REQUIRED)                # Boost::headers (Asio, Beast)
+find_package(Eigen3 3.3 REQUIRED NO_MODULE)      # Eigen3::Eigen
+find_package(nlohmann_json 3.10 REQUIRED)        # nlohmann_json::nlohmann_json
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(liburing REQUIRED IMPORTED_TARGET liburing>=2.1)  # PkgConfig::liburing
+pkg_check_modules(xxhash REQUIRED IMPORTED_TARGET libxxhash>=0.8)   # PkgConfig::xxhash
+
+if(STRATA_BUILD_TESTS)
+  find_package(GTest REQUIRED)                   # GTest::gtest, GTest::gtest_main
+  include(GoogleTest)
+endif()
+if(STRATA_BUILD_BENCH)
+  find_package(benchmark REQUIRED)               # benchmark::benchmark
+endif()
+
+# CUDA is optional. AUTO turns it on when a CUDA compiler is found (Debian's toolkit lives in
+# /usr/local/cuda, which is not always on PATH).
+set(STRATA_CUDA_ENABLED OFF)
+if(NOT STRATA_WITH_CUDA STREQUAL "OFF")
+  if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX}
+     AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)           # Hopper (H100/H200); override on the command line
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)           # CUDA::cudart, CUDA::cublas
+    find_library(STRATA_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib)
+    find_path(STRATA_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+    if(STRATA_NCCL_LIBRARY AND STRATA_NCCL_INCLUDE_DIR)
+      add_library(strata_nccl UNKNOWN IMPORTED)
+      set_target_properties(strata_nccl PROPERTIES IMPORTED_LOCATION "${STRATA_NCCL_LIBRARY}"
+                            INTERFACE_INCLUDE_DIRECTORIES "${STRATA_NCCL_INCLUDE_DIR}")
+      add_library(strata::nccl ALIAS strata_nccl)
+    endif()
+    set(STRATA_CUDA_ENABLED ON)
+  elseif(STRATA_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "STRATA_WITH_CUDA=ON but no CUDA compiler was found; install the CUDA "
+                        "toolkit or set CUDACXX to nvcc")
+  endif()
+endif()
+message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, liburing ${liburing_VERSION}, "
+               "xxHash ${xxhash_VERSION}, TBB ${TBB_VERSION}, Boost ${Boost_VERSION}")

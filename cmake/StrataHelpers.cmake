@@ -1,0 +1,19 @@
+# Warnings for every Strata target; errors too when STRATA_WARNINGS_AS_ERRORS is on (CI).
+# -Wno-missing-field-initializers: GCC 12 warns on designated initializers that leave defaulted
+# fields out, which is exactly how our option structs are meant to be built.
+function(strata_set_warnings target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wno-missing-field-initializers
+      $<$<BOOL:${STRATA_WARNINGS_AS_ERRORS}>:-Werror>>)
+endfunction()
+
+# strata_add_test(NAME name SOURCES ... LIBS ... [LABELS ...])
+# One gtest binary per source folder; each TEST becomes its own CTest entry carrying LABELS.
+function(strata_add_test)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${ARG_NAME} ${ARG_SOURCES})
+  target_link_libraries(${ARG_NAME} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gtest_main)
+  strata_set_warnings(${ARG_NAME})
+  gtest_discover_tests(${ARG_NAME} DISCOVERY_MODE PRE_TEST
+                       PROPERTIES LABELS "${ARG_LABELS}")
+endfunction()

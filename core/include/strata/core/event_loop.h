@@ -1,0 +1,113 @@
+// The async spine: one Boost.Asio io_context run by an engine-owned thread, where every
+// completion lands. A chunk's journey is one coroutine that awaits device work, TBB jobs and
+// file descriptors (io_uring's eventfd) in turn:
+//
+//   Status s = co_await AwaitStream(device, Stream::kDeviceToHost);   // D2H copies done
+//   float norm = co_await AwaitJob(arena, [&] { return SumOfSquares(grads); });
+//   s = co_await AwaitReadable(ring_eventfd);
+//
+// Blocking work never runs on the loop thread: device completions arrive from the device's
+// threads, TBB jobs run in their arena, and each only posts its result to the loop.
+#pragma once
+
+#include <tbb/task_arena.h>
+
+#include <memory>
+#include <thread>
+#include <type_traits>
+
+#include "strata/core/asio.h"
+#include "strata/core/device.h"
+#include "strata/core/status.h"
+
+namespace strata {
+
+template <typename T>
+using Awaitable = boost::asio::awaitable<T>;
+
+/// Owns an io_context and the thread that runs it. Destruction stops the loop and joins the
+/// thread; coroutines still suspended are destroyed without resuming. Thread-safe.
+class EventLoop {
+ public:
+  EventLoop();
+  ~EventLoop();
+  EventLoop(const EventLoop&) = delete;
+  EventLoop& operator=(const EventLoop&) = delete;
+
+  boost::asio::io_context& context() { return context_; }
+  boost::asio::any_io_executor executor() { return context_.get_executor(); }
+  /// True on the loop's own thread.
+  bool InLoopThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  /// Starts `coroutine` on the loop and blocks the calling thread until it finishes, returning
+  /// its value. Must not be called from the loop thread (it would deadlock).
+  template <typename T>
+  T Run(Awaitable<T> coroutine) {
+    return boost::asio::co_spawn(context_, std::move(coroutine), boost::asio::use_future).get();
+  }
+
+ private:
+  boost::asio::io_context context_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
+  std::thread thread_;
+};
+
+namespace internal {
+
+/// Wraps a (move-only) completion handler so a copyable std::function can carry it, and
+/// delivers the result on the handler's own executor.
+template <typename Handler>
+auto PostingCallback(Handler&& handler) {
+  auto shared = std::make_shared<std::decay_t<Handler>>(std::forward<Handler>(handler));
+  return [shared](auto... results) {
+    auto executor = boost::asio::get_associated_executor(*shared);
+    boost::asio::post(executor,
+                      [shared, results...]() mutable { (*shared)(std::move(results)...); });
+  };
+}
+
+}  // namespace internal
+
+/// Completes when all work queued on `stream` before the call has run. The Status is not OK
+/// only when the device refused to queue the notification.
+inline Awaitable<Status> AwaitStream(Device& device, Stream stream) {
+  return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void(Status)>(
+      [&device, stream](auto handler) {
+        auto callback = internal::PostingCallback(std::move(handler));
+        Status queued = device.LaunchHostFunction(stream, [callback] { callback(Status()); });
+        if (!queued.ok()) callback(std::move(queued));
+      },
+      boost::asio::use_awaitable);
+}
+
+/// Runs `job` in `arena` (a TBB thread, never the loop thread) and resumes with its result.
+/// `job` must not block on I/O or on the loop.
+template <typename Job, typename R = std::invoke_result_t<Job&>>
+Awaitable<R> AwaitJob(tbb::task_arena& arena, Job job) {
+  if constexpr (std::is_void_v<R>) {
+    co_await boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void()>(
+        [&arena, job = std::move(job)](auto handler) mutable {
+          auto callback = internal::PostingCallback(std::move(handler));
+          // TBB calls enqueued functors as const; the job itself may be stateful.
+          arena.enqueue([job = std::make_shared<Job>(std::move(job)), callback] {
+            (*job)();
+            callback();
+          });
+        },
+        boost::asio::use_awaitable);
+  } else {
+    co_return co_await boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void(R)>(
+        [&arena, job = std::move(job)](auto handler) mutable {
+          auto callback = internal::PostingCallback(std::move(handler));
+          arena.enqueue(
+              [job = std::make_shared<Job>(std::move(job)), callback] { callback((*job)()); });
+        },
+        boost::asio::use_awaitable);
+  }
+}
+
+/// Completes when `fd` becomes readable (e.g. an eventfd signalled by io_uring). The fd stays
+/// owned by the caller. IoError when the wait fails.
+Awaitable<Status> AwaitReadable(int fd);
+
+}  // namespace strata

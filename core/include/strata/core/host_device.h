@@ -1,0 +1,26 @@
+// HostDevice: the Device interface on host memory and threads, always built.
+//
+// "Device memory" is host memory under a budget; each stream is one in-order worker thread;
+// copies may be throttled to a set bandwidth to imitate PCIe. Events and host functions keep
+// CUDA's ordering rules, so every pipeline and test runs on machines without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "strata/core/device.h"
+
+namespace strata {
+
+struct HostDeviceOptions {
+  /// Bytes that Allocate may hand out in total; beyond it Allocate returns ResourceExhausted.
+  uint64_t memory_budget_bytes = uint64_t{2} << 30;
+  /// Each copy takes at least bytes / this many seconds (per stream, as PCIe is full duplex).
+  /// 0 copies at memcpy speed.
+  double copy_bytes_per_second = 0.0;
+};
+
+/// Creates a HostDevice; InvalidArgument for a negative copy bandwidth.
+Result<std::unique_ptr<Device>> CreateHostDevice(const HostDeviceOptions& options = {});
+
+}  // namespace strata

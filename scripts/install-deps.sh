@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs everything Strata's build and tests need on Debian 12. Idempotent: installs only
+# what is missing, so a second run does not touch the network. Run as root (or with sudo).
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libtbb-dev libeigen3-dev libboost-dev nlohmann-json3-dev
+  liburing-dev libxxhash-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  fio python3 clang-format clang-tidy
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root to install: ${missing[*]}" >&2; exit 1; }
+  sudo="sudo"
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Quick start, part two: install dependencies if missing, build and run every test that this
+# machine can run (GPU tests only where a GPU is present), then the same tests under
+# AddressSanitizer + UBSan. Exits non-zero if anything fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/install-deps.sh
+jobs=$(nproc)
+
+label_args=()
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "test.sh: no GPU here; tests labelled 'gpu' are left out"
+  label_args=(-LE gpu)
+fi
+
+run_preset() {
+  local preset=$1
+  echo "=== ${preset}: configure and build"
+  local start=$SECONDS
+  cmake --preset "$preset" -DSTRATA_WARNINGS_AS_ERRORS=ON >/dev/null
+  cmake --build --preset "$preset" -j "$jobs"
+  echo "=== ${preset}: built in $((SECONDS - start)) s; testing"
+  ctest --preset "$preset" -j "$jobs" "${label_args[@]}"
+}
+
+run_preset release
+run_preset asan
+echo "test.sh: all tests passed (release and asan)"

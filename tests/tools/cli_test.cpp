@@ -1,0 +1,120 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_support.h"
+
+namespace strata::tools {
+namespace {
+
+using testing::RunCli;
+
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+size_t LineCount(const std::string& text) {
+  return static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+}
+
+TEST(CliTest, HelpListsCommands) {
+  auto r = RunCli("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("info"), std::string::npos);
+  EXPECT_NE(r.out.find("config check"), std::string::npos);
+  for (const char* command : {"info --help", "config check --help", "config --help"}) {
+    auto h = RunCli(command);
+    EXPECT_EQ(h.exit_code, 0) << command;
+    EXPECT_NE(h.out.find("Usage:"), std::string::npos) << command;
+  }
+}
+
+TEST(CliTest, UnknownCommandAndFlagsAreOneLineErrors) {
+  auto r = RunCli("frobnicate");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(LineCount(r.out), 1u) << r.out;
+  EXPECT_NE(r.out.find("unknown command \"frobnicate\""), std::string::npos);
+
+  r = RunCli("info --bogus");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(LineCount(r.out), 1u) << r.out;
+  EXPECT_NE(r.out.find("unknown flag --bogus"), std::string::npos);
+
+  r = RunCli("info --path");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--path needs a value"), std::string::npos);
+
+  r = RunCli("config check");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("missing FILE"), std::string::npos);
+
+  r = RunCli("config check x.json --format yaml");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("yaml"), std::string::npos);
+}
+
+TEST(CliTest, InfoJsonHasTheFacts) {
+  auto r = RunCli("info --json --path " + ::testing::TempDir(), /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["cpu"]["logical_cpus"].get<int>(), static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
+  EXPECT_TRUE(j["cpu"]["simd"].contains("avx512bf16"));
+  EXPECT_GT(j["memory"]["total_bytes"].get<uint64_t>(), 0u);
+  EXPECT_TRUE(j["memory"].contains("memlock_soft"));
+  EXPECT_TRUE(j["io_uring"]["available"].is_boolean());
+  if (!j["io_uring"]["available"].get<bool>()) {
+    EXPECT_FALSE(j["io_uring"]["reason"].get<std::string>().empty());
+  }
+  EXPECT_GT(j["path"]["direct_io_offset_alignment"].get<uint32_t>(), 0u);
+  EXPECT_TRUE(j["cuda"]["built"].is_boolean());
+  if (!j["cuda"]["available"].get<bool>()) {
+    EXPECT_FALSE(j["cuda"]["reason"].get<std::string>().empty());
+  }
+  EXPECT_TRUE(j["versions"].contains("liburing"));
+}
+
+TEST(CliTest, InfoTableAndBadPath) {
+  auto r = RunCli("info");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("RLIMIT_MEMLOCK"), std::string::npos);
+  r = RunCli("info --path /nonexistent/strata");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/strata does not exist"), std::string::npos);
+}
+
+TEST(CliTest, ConfigCheckDeepSpeed) {
+  const std::string path = WriteTemp("ds_config.json", R"({
+    "train_batch_size": 16,
+    "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+    "bf16": {"enabled": true}
+  })");
+  auto r = RunCli("config check " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("valid deepspeed config"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("train_batch_size"), std::string::npos) << "ignored keys are listed";
+  EXPECT_NE(r.out.find("\"nvme\""), std::string::npos);
+  // stdout alone is the resolved options in Strata's format.
+  auto out = RunCli("config check " + path, /*merge_stderr=*/false);
+  auto j = nlohmann::json::parse(out.out);
+  EXPECT_EQ(j["placement"]["optimizer_states"], "nvme");
+}
+
+TEST(CliTest, ConfigCheckBadFiles) {
+  auto r = RunCli("config check /nonexistent/ds.json");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/ds.json"), std::string::npos);
+  const std::string bad = WriteTemp("bad.json", R"({"zero_optimization": {"stage": 3,)");
+  r = RunCli("config check " + bad);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("bad.json"), std::string::npos) << r.out;
+  EXPECT_EQ(LineCount(r.out), 1u) << r.out;
+}
+
+}  // namespace
+}  // namespace strata::tools

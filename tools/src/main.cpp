@@ -1,0 +1,50 @@
+// strata: the command-line tool of the Strata offload engine.
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+
+namespace strata::tools {
+namespace {
+
+constexpr const char* kUsage = R"(strata — offload engine for training models larger than GPU memory
+
+Usage: strata <command> [flags]
+
+Commands:
+  info            CPU, memory, io_uring, file system and GPU facts that matter for offload
+  config check    validate a Strata or DeepSpeed config file and print the resolved options
+
+Run `strata <command> --help` for a command's flags.
+)";
+
+}  // namespace
+
+int Fail(int exit_code, const std::string& message, const std::string& command) {
+  std::cerr << "strata: error: " << message;
+  if (exit_code == kExitUsage && !command.empty()) std::cerr << " (see " << command << " --help)";
+  std::cerr << "\n";
+  return exit_code;
+}
+
+}  // namespace strata::tools
+
+int main(int argc, char** argv) {
+  using namespace strata::tools;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::cout << kUsage;
+    return args.empty() ? kExitUsage : kExitOk;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  if (command == "--version") {
+    std::cout << "strata " << STRATA_VERSION << "\n";
+    return kExitOk;
+  }
+  if (command == "info") return RunInfo(args);
+  if (command == "config") return RunConfig(args);
+  return Fail(kExitUsage, "unknown command \"" + command + "\"", "strata");
+}
