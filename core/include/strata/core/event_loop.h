@@ -66,6 +66,16 @@ auto PostingCallback(Handler&& handler) {
   };
 }
 
+/// void(R), or void() for jobs that return nothing.
+template <typename R>
+struct CompletionSignature {
+  using type = void(R);
+};
+template <>
+struct CompletionSignature<void> {
+  using type = void();
+};
+
 }  // namespace internal
 
 /// Completes when all work queued on `stream` before the call has run. The Status is not OK
@@ -82,28 +92,26 @@ inline Awaitable<Status> AwaitStream(Device& device, Stream stream) {
 
 /// Runs `job` in `arena` (a TBB thread, never the loop thread) and resumes with its result.
 /// `job` must not block on I/O or on the loop.
+///
+/// Deliberately not a coroutine itself: GCC 12 can destroy a by-value coroutine parameter
+/// twice when it is initialized from a temporary (a lambda passed inline, as callers do).
 template <typename Job, typename R = std::invoke_result_t<Job&>>
 Awaitable<R> AwaitJob(tbb::task_arena& arena, Job job) {
-  if constexpr (std::is_void_v<R>) {
-    co_await boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void()>(
-        [&arena, job = std::move(job)](auto handler) mutable {
-          auto callback = internal::PostingCallback(std::move(handler));
-          // TBB calls enqueued functors as const; the job itself may be stateful.
-          arena.enqueue([job = std::make_shared<Job>(std::move(job)), callback] {
+  using Signature = typename internal::CompletionSignature<R>::type;
+  return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, Signature>(
+      [&arena, job = std::move(job)](auto handler) mutable {
+        auto callback = internal::PostingCallback(std::move(handler));
+        // TBB calls enqueued functors as const; the job itself may be stateful.
+        arena.enqueue([job = std::make_shared<Job>(std::move(job)), callback] {
+          if constexpr (std::is_void_v<R>) {
             (*job)();
             callback();
-          });
-        },
-        boost::asio::use_awaitable);
-  } else {
-    co_return co_await boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void(R)>(
-        [&arena, job = std::move(job)](auto handler) mutable {
-          auto callback = internal::PostingCallback(std::move(handler));
-          arena.enqueue(
-              [job = std::make_shared<Job>(std::move(job)), callback] { callback((*job)()); });
-        },
-        boost::asio::use_awaitable);
-  }
+          } else {
+            callback((*job)());
+          }
+        });
+      },
+      boost::asio::use_awaitable);
 }
 
 /// Completes when `fd` becomes readable (e.g. an eventfd signalled by io_uring). The fd stays
