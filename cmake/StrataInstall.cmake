@@ -1,6 +1,5 @@
 # `cmake --install` lays out headers, libraries, the strata tool and a package config, so another
 # project can find_package(strata) and link strata::core.
-include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(TARGETS strata_core EXPORT strataTargets
