@@ -116,5 +116,39 @@ TEST(CliTest, ConfigCheckBadFiles) {
   EXPECT_EQ(LineCount(r.out), 1u) << r.out;
 }
 
+TEST(CliTest, BenchNvmeReportsBothPassesAsJson) {
+  auto r = RunCli("bench nvme --path " + ::testing::TempDir() +
+                      " --size 8MiB --block-size 256KiB --queue-depth 4 --json",
+                  /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0]["rw"], "write");
+  EXPECT_EQ(j[1]["rw"], "read");
+  for (const auto& pass : j) {
+    EXPECT_EQ(pass["block_size"].get<uint64_t>(), 256u << 10);
+    EXPECT_EQ(pass["queue_depth"].get<uint32_t>(), 4u);
+    EXPECT_EQ(pass["bytes"].get<uint64_t>(), 8u << 20);
+    EXPECT_GT(pass["seconds"].get<double>(), 0.0);
+    EXPECT_NEAR(pass["bytes_per_second"].get<double>(),
+                pass["bytes"].get<double>() / pass["seconds"].get<double>(), 1.0);
+  }
+}
+
+TEST(CliTest, BenchNvmeBadInput) {
+  auto r = RunCli("bench nvme");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--path is required"), std::string::npos);
+  r = RunCli("bench nvme --path /tmp --rw sideways");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("sideways"), std::string::npos);
+  r = RunCli("bench nvme --path /nonexistent/dir --size 1MiB");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
+  r = RunCli("bench warp");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("unknown benchmark \"warp\""), std::string::npos);
+}
+
 }  // namespace
 }  // namespace strata::tools

@@ -16,6 +16,7 @@ Usage: strata <command> [flags]
 Commands:
   info            CPU, memory, io_uring, file system and GPU facts that matter for offload
   config check    validate a Strata or DeepSpeed config file and print the resolved options
+  bench nvme      sequential O_DIRECT throughput of a directory through the I/O engine
 
 Run `strata <command> --help` for a command's flags.
 )";
@@ -27,6 +28,20 @@ int Fail(int exit_code, const std::string& message, const std::string& command) 
   if (exit_code == kExitUsage && !command.empty()) std::cerr << " (see " << command << " --help)";
   std::cerr << "\n";
   return exit_code;
+}
+
+int RunBench(const std::vector<std::string>& args) {
+  constexpr const char* kBenchUsage =
+      "Usage: strata bench <benchmark> [flags]\n\n"
+      "Benchmarks:\n"
+      "  nvme    sequential O_DIRECT read/write throughput through the I/O engine\n";
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+    std::cout << kBenchUsage;
+    return args.empty() ? kExitUsage : kExitOk;
+  }
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (args[0] == "nvme") return RunBenchNvme(rest);
+  return Fail(kExitUsage, "unknown benchmark \"" + args[0] + "\"", "strata bench");
 }
 
 }  // namespace strata::tools
@@ -46,5 +61,6 @@ int main(int argc, char** argv) {
   }
   if (command == "info") return RunInfo(args);
   if (command == "config") return RunConfig(args);
+  if (command == "bench") return RunBench(args);
   return Fail(kExitUsage, "unknown command \"" + command + "\"", "strata");
 }

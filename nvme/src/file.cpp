@@ -1,0 +1,110 @@
+#include "strata/nvme/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "strata/core/bytes.h"
+#include "strata/core/filesystem.h"
+#include "strata/core/log.h"
+
+namespace strata::nvme {
+namespace {
+
+std::string DirectoryOf(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
+/// O_DIRECT alignment of the file's file system; 4096 when it cannot be told.
+uint32_t DirectIoAlignment(const std::string& path) {
+  auto info = ProbeFilesystem(DirectoryOf(path));
+  if (!info.ok() || info->direct_io_offset_alignment == 0) return 4096;
+  return std::max(info->direct_io_offset_alignment, info->direct_io_memory_alignment);
+}
+
+}  // namespace
+
+File::~File() {
+  if (fd_ >= 0) close(fd_);
+}
+
+File::File(File&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      path_(std::move(other.path_)),
+      direct_(other.direct_),
+      alignment_(other.alignment_) {}
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    path_ = std::move(other.path_);
+    direct_ = other.direct_;
+    alignment_ = other.alignment_;
+  }
+  return *this;
+}
+
+Result<File> File::Create(const std::string& path, const FileOptions& options) {
+  return OpenWithFlags(path, options, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC);
+}
+
+Result<File> File::Open(const std::string& path, const FileOptions& options) {
+  return OpenWithFlags(path, options, O_RDWR | O_CLOEXEC);
+}
+
+Result<uint64_t> File::Size() const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return ErrnoError("fstat " + path_, errno);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+Result<File> File::OpenWithFlags(const std::string& path, const FileOptions& options, int flags) {
+  File file;
+  file.path_ = path;
+  if (options.direct_io) {
+    file.fd_ = open(path.c_str(), flags | O_DIRECT, 0600);
+    if (file.fd_ >= 0) {
+      file.direct_ = true;
+      file.alignment_ = DirectIoAlignment(path);
+      return file;
+    }
+    if (errno != EINVAL) return ErrnoError("opening " + path, errno);
+    auto fs = ProbeFilesystem(DirectoryOf(path));
+    const std::string fs_type = fs.ok() ? fs->type : "a file system";
+    const std::string problem = "nvme path " + DirectoryOf(path) + " is on " + fs_type +
+                                ", which does not support O_DIRECT";
+    if (!options.allow_buffered_fallback) {
+      return InvalidArgument(problem +
+                             "; use a real file system, or set nvme.allow_buffered_fallback "
+                             "(or nvme.direct_io=false) to accept buffered I/O");
+    }
+    Log(LogLevel::kWarning, problem + "; using buffered I/O, which goes through the page cache");
+  }
+  file.fd_ = open(path.c_str(), flags, 0600);
+  if (file.fd_ < 0) return ErrnoError("opening " + path, errno);
+  return file;
+}
+
+Status File::Reserve(uint64_t bytes) {
+  if (bytes == 0) return Status();
+  const int result = posix_fallocate(fd_, 0, static_cast<off_t>(bytes));
+  if (result == 0) return Status();
+  if (result == ENOSPC || result == EFBIG) {
+    struct statvfs fs {};
+    std::string free_text = "unknown";
+    if (fstatvfs(fd_, &fs) == 0) free_text = FormatBytes(uint64_t{fs.f_bavail} * fs.f_frsize);
+    return ResourceExhausted("nvme path " + DirectoryOf(path_) + ": cannot reserve " +
+                             FormatBytes(bytes) + " of swap space (" + free_text +
+                             " free); free space there, add nvme paths, or lower the "
+                             "offloaded state");
+  }
+  return ErrnoError("reserving " + FormatBytes(bytes) + " in " + path_, result);
+}
+
+}  // namespace strata::nvme
