@@ -89,11 +89,13 @@ TEST(EventLoopTest, CompletionsFromSeveralSourcesArriveInOrderWithoutBlocking) {
         },
         boost::asio::detached);
   };
+  // Gates captured by reference: they outlive every completion, and GCC 12 destroys a lambda
+  // with non-trivial captures twice when it is written inline in co_await (see AwaitJob).
   spawn("tbb",
-        [&]() -> Awaitable<void> { co_await AwaitJob(arena, [job_gate] { job_gate.wait(); }); });
+        [&]() -> Awaitable<void> { co_await AwaitJob(arena, [&job_gate] { job_gate.wait(); }); });
   spawn("device", [&]() -> Awaitable<void> {
     EXPECT_TRUE(
-        device->LaunchHostFunction(Stream::kCompute, [device_gate] { device_gate.wait(); }).ok());
+        device->LaunchHostFunction(Stream::kCompute, [&device_gate] { device_gate.wait(); }).ok());
     Status s = co_await AwaitStream(*device, Stream::kCompute);
     EXPECT_TRUE(s.ok());
   });

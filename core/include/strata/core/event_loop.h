@@ -3,7 +3,8 @@
 // file descriptors (io_uring's eventfd) in turn:
 //
 //   Status s = co_await AwaitStream(device, Stream::kDeviceToHost);   // D2H copies done
-//   float norm = co_await AwaitJob(arena, [&] { return SumOfSquares(grads); });
+//   auto norm_job = [&grads] { return SumOfSquares(grads); };
+//   float norm = co_await AwaitJob(arena, std::move(norm_job));
 //   s = co_await AwaitReadable(ring_eventfd);
 //
 // Blocking work never runs on the loop thread: device completions arrive from the device's
@@ -93,8 +94,10 @@ inline Awaitable<Status> AwaitStream(Device& device, Stream stream) {
 /// Runs `job` in `arena` (a TBB thread, never the loop thread) and resumes with its result.
 /// `job` must not block on I/O or on the loop.
 ///
-/// Deliberately not a coroutine itself: GCC 12 can destroy a by-value coroutine parameter
-/// twice when it is initialized from a temporary (a lambda passed inline, as callers do).
+/// GCC 12 hazard: a lambda with non-trivially destructible captures written inline in a
+/// co_await expression is destroyed twice (a compiler bug; a shared_ptr capture then frees
+/// early). Name the job first: `auto job = [state] {...}; co_await AwaitJob(arena,
+/// std::move(job));`. Lambdas capturing only references or trivial values are unaffected.
 template <typename Job, typename R = std::invoke_result_t<Job&>>
 Awaitable<R> AwaitJob(tbb::task_arena& arena, Job job) {
   using Signature = typename internal::CompletionSignature<R>::type;
