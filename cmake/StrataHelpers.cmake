@@ -17,3 +17,19 @@ function(strata_add_test)
   gtest_discover_tests(${ARG_NAME} DISCOVERY_MODE PRE_TEST
                        PROPERTIES LABELS "${ARG_LABELS}")
 endfunction()
+
+# strata_add_library(NAME folder SOURCES ... [PUBLIC deps...] [PRIVATE deps...])
+# One static library per folder: target strata_<folder>, alias strata::<folder>, public headers
+# in <folder>/include, warnings on. Like Abseil's absl_cc_library.
+function(strata_add_library)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;PUBLIC;PRIVATE" ${ARGN})
+  set(target strata_${ARG_NAME})
+  add_library(${target} STATIC ${ARG_SOURCES})
+  add_library(strata::${ARG_NAME} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${ARG_NAME})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_link_libraries(${target} PUBLIC ${ARG_PUBLIC} PRIVATE ${ARG_PRIVATE})
+  strata_set_warnings(${target})
+endfunction()
