@@ -9,6 +9,8 @@ packages=(
   liburing-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fio python3 clang-format clang-tidy
+  python3-torch python3-numpy   # cpu_adam's comparison against torch.optim (label torch)
+  libsimde-dev                  # tests the AVX-512 kernels on CPUs without AVX-512
 )
 
 missing=()

@@ -15,6 +15,7 @@ int RunInfo(const std::vector<std::string>& args);
 int RunConfig(const std::vector<std::string>& args);
 int RunBench(const std::vector<std::string>& args);
 int RunBenchNvme(const std::vector<std::string>& args);
+int RunBenchAdam(const std::vector<std::string>& args);
 
 /// Prints "strata: error: <message>" to stderr, with a pointer to --help for usage errors.
 int Fail(int exit_code, const std::string& message, const std::string& command = "");

@@ -16,6 +16,7 @@ Usage: strata <command> [flags]
 Commands:
   info            CPU, memory, io_uring, file system and GPU facts that matter for offload
   config check    validate a Strata or DeepSpeed config file and print the resolved options
+  bench adam      CPU optimizer step vs its memory-bandwidth roofline
   bench nvme      sequential O_DIRECT throughput of a directory through the I/O engine
 
 Run `strata <command> --help` for a command's flags.
@@ -34,12 +35,14 @@ int RunBench(const std::vector<std::string>& args) {
   constexpr const char* kBenchUsage =
       "Usage: strata bench <benchmark> [flags]\n\n"
       "Benchmarks:\n"
+      "  adam    CPU optimizer step vs its memory-bandwidth roofline (same arrays, same run)\n"
       "  nvme    sequential O_DIRECT read/write throughput through the I/O engine\n";
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     std::cout << kBenchUsage;
     return args.empty() ? kExitUsage : kExitOk;
   }
   const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (args[0] == "adam") return RunBenchAdam(rest);
   if (args[0] == "nvme") return RunBenchNvme(rest);
   return Fail(kExitUsage, "unknown benchmark \"" + args[0] + "\"", "strata bench");
 }
