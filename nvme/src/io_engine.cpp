@@ -18,23 +18,6 @@ namespace strata::nvme {
 
 const char* IoOpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
-const char* IoBackendKindName(IoBackendKind kind) {
-  switch (kind) {
-    case IoBackendKind::kAuto: return "auto";
-    case IoBackendKind::kIoUring: return "io_uring";
-    case IoBackendKind::kPosix: return "posix";
-  }
-  return "?";
-}
-
-Result<IoBackendKind> ParseIoBackendKind(std::string_view text) {
-  if (text == "auto") return IoBackendKind::kAuto;
-  if (text == "io_uring" || text == "uring") return IoBackendKind::kIoUring;
-  if (text == "posix") return IoBackendKind::kPosix;
-  return InvalidArgument("unknown I/O backend \"" + std::string(text) +
-                         "\": expected auto, io_uring or posix");
-}
-
 Status IoEngineOptions::Validate() const {
   if (block_size == 0 || block_size % 4096 != 0) {
     return InvalidArgument("block_size must be a positive multiple of 4KiB, got " +
@@ -358,13 +341,13 @@ Result<std::unique_ptr<IoEngine>> IoEngine::Create(IoEngineOptions options) {
   std::unique_ptr<IoBackend> backend;
   const uint32_t posix_threads =
       options.posix_threads != 0 ? options.posix_threads : std::min(options.queue_depth, 64u);
-  if (options.backend == IoBackendKind::kPosix) {
+  if (options.backend == NvmeBackend::kPosix) {
     backend = CreatePosixBackend(posix_threads);
   } else {
     auto uring = CreateUringBackend();
     if (uring.ok()) {
       backend = std::move(uring).value();
-    } else if (options.backend == IoBackendKind::kIoUring) {
+    } else if (options.backend == NvmeBackend::kIoUring) {
       return uring.status();
     } else {
       Log(LogLevel::kWarning, "io_uring is not usable here (" + uring.status().message() +

@@ -18,7 +18,7 @@ using testing::Pattern;
 using testing::ScratchDir;
 using testing::Zeroed;
 
-class FaultInjectionTest : public ::testing::TestWithParam<IoBackendKind> {
+class FaultInjectionTest : public ::testing::TestWithParam<NvmeBackend> {
  protected:
   void SetUp() override {
     plan_ = std::make_shared<FaultPlan>();
@@ -125,7 +125,7 @@ TEST_P(FaultInjectionTest, FlippedBitIsDataLossNamingTheExtent) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, FaultInjectionTest,
-                         ::testing::Values(IoBackendKind::kIoUring, IoBackendKind::kPosix),
+                         ::testing::Values(NvmeBackend::kIoUring, NvmeBackend::kPosix),
                          testing::BackendName);
 
 }  // namespace

@@ -22,7 +22,7 @@ using testing::Pattern;
 using testing::ScratchDir;
 using testing::Zeroed;
 
-class IoEngineTest : public ::testing::TestWithParam<IoBackendKind> {
+class IoEngineTest : public ::testing::TestWithParam<NvmeBackend> {
  protected:
   std::unique_ptr<IoEngine> MakeEngine(uint64_t block_size = 64 << 10, uint32_t depth = 8) {
     auto engine =
@@ -43,7 +43,7 @@ class IoEngineTest : public ::testing::TestWithParam<IoBackendKind> {
 
 TEST_P(IoEngineTest, UsesTheBackendAskedFor) {
   auto engine = MakeEngine();
-  EXPECT_EQ(engine->backend_name(), GetParam() == IoBackendKind::kPosix ? "posix" : "io_uring");
+  EXPECT_EQ(engine->backend_name(), GetParam() == NvmeBackend::kPosix ? "posix" : "io_uring");
 }
 
 TEST_P(IoEngineTest, RandomSizesAndOffsetsRoundTrip) {
@@ -159,7 +159,7 @@ TEST_P(IoEngineTest, InvalidRequestsFailAtOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, IoEngineTest,
-                         ::testing::Values(IoBackendKind::kIoUring, IoBackendKind::kPosix),
+                         ::testing::Values(NvmeBackend::kIoUring, NvmeBackend::kPosix),
                          testing::BackendName);
 
 TEST(IoEngineOptionsTest, Validate) {
@@ -168,8 +168,8 @@ TEST(IoEngineOptionsTest, Validate) {
             std::string::npos);
   EXPECT_NE(IoEngineOptions{.queue_depth = 0}.Validate().message().find("queue_depth"),
             std::string::npos);
-  EXPECT_EQ(*ParseIoBackendKind("posix"), IoBackendKind::kPosix);
-  EXPECT_FALSE(ParseIoBackendKind("aio").ok());
+  EXPECT_EQ(*ParseNvmeBackend("posix"), NvmeBackend::kPosix);
+  EXPECT_FALSE(ParseNvmeBackend("aio").ok());
 }
 
 }  // namespace

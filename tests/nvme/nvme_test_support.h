@@ -29,8 +29,8 @@ class ScratchDir {
 };
 
 /// Test-name suffix for suites run on each backend.
-inline std::string BackendName(const ::testing::TestParamInfo<IoBackendKind>& info) {
-  return info.param == IoBackendKind::kPosix ? "posix" : "io_uring";
+inline std::string BackendName(const ::testing::TestParamInfo<NvmeBackend>& info) {
+  return info.param == NvmeBackend::kPosix ? "posix" : "io_uring";
 }
 
 inline AlignedBuffer Pattern(size_t bytes, uint32_t seed) {

@@ -33,7 +33,7 @@ struct BenchSettings {
   uint64_t block_size = 1 << 20;
   uint32_t queue_depth = 32;
   uint64_t size = uint64_t{4} << 30;
-  nvme::IoBackendKind backend = nvme::IoBackendKind::kAuto;
+  NvmeBackend backend = NvmeBackend::kAuto;
   bool progress = true;
 };
 
@@ -265,7 +265,7 @@ int RunBenchNvme(const std::vector<std::string>& args) {
   if (s.size < s.block_size) {
     return Fail(kExitUsage, "--size must be at least --block-size", command);
   }
-  auto backend_kind = nvme::ParseIoBackendKind(backend);
+  auto backend_kind = ParseNvmeBackend(backend);
   if (!backend_kind.ok()) return Fail(kExitUsage, backend_kind.status().message(), command);
   s.backend = *backend_kind;
   s.queue_depth = static_cast<uint32_t>(queue_depth);

@@ -16,24 +16,16 @@
 #include <span>
 #include <string>
 
+#include "strata/core/options.h"  // NvmeBackend
 #include "strata/core/status.h"
 #include "strata/nvme/io_backend.h"
 #include "strata/nvme/io_request.h"
 
 namespace strata::nvme {
 
-enum class IoBackendKind : int {
-  kAuto = 0,     ///< io_uring when it works here, else POSIX (with one log line saying why).
-  kIoUring = 1,  ///< io_uring or an Unavailable error.
-  kPosix = 2,    ///< pread/pwrite thread pool.
-};
-
-/// "auto", "io_uring" or "posix".
-const char* IoBackendKindName(IoBackendKind kind);
-Result<IoBackendKind> ParseIoBackendKind(std::string_view text);
-
 struct IoEngineOptions {
-  IoBackendKind backend = IoBackendKind::kAuto;
+  /// auto: io_uring when it works here, else POSIX (with one log line saying why).
+  NvmeBackend backend = NvmeBackend::kAuto;
   /// Largest single read or write; requests are split into pieces of this size (DeepSpeed's
   /// aio.block_size). A multiple of 4 KiB.
   uint64_t block_size = uint64_t{1} << 20;
