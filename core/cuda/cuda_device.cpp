@@ -55,8 +55,8 @@ void ReadPcieLink(DeviceProperties& properties) {
   }
 }
 
-Result<DeviceProperties> QueryProperties(int index) {
-  cudaDeviceProp prop{};
+/// Our properties of GPU `index`; `prop` receives the runtime's, for callers that want more.
+Result<DeviceProperties> QueryProperties(int index, cudaDeviceProp& prop) {
   STRATA_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
   DeviceProperties properties;
   properties.kind = DeviceKind::kCuda;
@@ -305,9 +305,8 @@ Result<std::vector<CudaDeviceInfo>> ListCudaDevices() {
   for (int index = 0; index < count; ++index) {
     CudaDeviceInfo info;
     info.index = index;
-    STRATA_ASSIGN_OR_RETURN(info.properties, QueryProperties(index));
     cudaDeviceProp prop{};
-    STRATA_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+    STRATA_ASSIGN_OR_RETURN(info.properties, QueryProperties(index, prop));
     info.compute_capability_major = prop.major;
     info.compute_capability_minor = prop.minor;
     size_t free_bytes = 0, total_bytes = 0;
@@ -327,7 +326,8 @@ Result<std::unique_ptr<Device>> CreateCudaDevice(const CudaDeviceOptions& option
     return InvalidArgument("cuda device index " + std::to_string(options.device_index) +
                            " does not exist; " + std::to_string(count) + " device(s) visible");
   }
-  STRATA_ASSIGN_OR_RETURN(DeviceProperties properties, QueryProperties(options.device_index));
+  cudaDeviceProp prop{};
+  STRATA_ASSIGN_OR_RETURN(DeviceProperties properties, QueryProperties(options.device_index, prop));
   STRATA_CUDA_CHECK(cudaSetDevice(options.device_index));
   size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));

@@ -47,29 +47,6 @@ uint32_t LogicalBlockSize(dev_t device) {
   return 0;
 }
 
-void ProbeAlignment(const std::string& directory, const struct stat& st, FilesystemInfo& info) {
-#ifdef STATX_DIOALIGN
-  struct statx stx {};
-  if (statx(AT_FDCWD, directory.c_str(), 0, STATX_DIOALIGN, &stx) == 0 &&
-      (stx.stx_mask & STATX_DIOALIGN) != 0 && stx.stx_dio_offset_align != 0) {
-    info.direct_io_memory_alignment = stx.stx_dio_mem_align;
-    info.direct_io_offset_alignment = stx.stx_dio_offset_align;
-    info.alignment_source = "statx(STATX_DIOALIGN)";
-    return;
-  }
-#endif
-  if (const uint32_t block = LogicalBlockSize(st.st_dev); block != 0) {
-    info.direct_io_memory_alignment = block;
-    info.direct_io_offset_alignment = block;
-    info.alignment_source = "logical block size";
-    return;
-  }
-  const auto page = static_cast<uint32_t>(sysconf(_SC_PAGESIZE));
-  info.direct_io_memory_alignment = page;
-  info.direct_io_offset_alignment = page;
-  info.alignment_source = "page size (assumed)";
-}
-
 /// Creates a scratch file with O_DIRECT, writes one aligned block, and removes it.
 void ProbeDirectIo(const std::string& directory, FilesystemInfo& info) {
   std::string name = directory + "/.strata-dio-probe-XXXXXX";
@@ -102,6 +79,24 @@ void ProbeDirectIo(const std::string& directory, FilesystemInfo& info) {
 
 }  // namespace
 
+DirectIoAlignment QueryDirectIoAlignment(const std::string& path) {
+#ifdef STATX_DIOALIGN
+  struct statx stx {};
+  if (statx(AT_FDCWD, path.c_str(), 0, STATX_DIOALIGN, &stx) == 0 &&
+      (stx.stx_mask & STATX_DIOALIGN) != 0 && stx.stx_dio_offset_align != 0) {
+    return {stx.stx_dio_mem_align, stx.stx_dio_offset_align, "statx(STATX_DIOALIGN)"};
+  }
+#endif
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) {
+    if (const uint32_t block = LogicalBlockSize(st.st_dev); block != 0) {
+      return {block, block, "logical block size"};
+    }
+  }
+  const auto page = static_cast<uint32_t>(sysconf(_SC_PAGESIZE));
+  return {page, page, "page size (assumed)"};
+}
+
 Result<FilesystemInfo> ProbeFilesystem(const std::string& directory) {
   struct stat st {};
   if (stat(directory.c_str(), &st) != 0) {
@@ -118,7 +113,10 @@ Result<FilesystemInfo> ProbeFilesystem(const std::string& directory) {
   info.type = FilesystemTypeName(static_cast<int64_t>(fs.f_type));
   info.total_bytes = static_cast<uint64_t>(fs.f_blocks) * fs.f_bsize;
   info.free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_bsize;
-  ProbeAlignment(directory, st, info);
+  const DirectIoAlignment alignment = QueryDirectIoAlignment(directory);
+  info.direct_io_memory_alignment = alignment.memory;
+  info.direct_io_offset_alignment = alignment.offset;
+  info.alignment_source = alignment.source;
   ProbeDirectIo(directory, info);
   return info;
 }

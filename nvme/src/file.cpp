@@ -5,6 +5,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <utility>
 
@@ -18,13 +19,6 @@ namespace {
 std::string DirectoryOf(const std::string& path) {
   const size_t slash = path.find_last_of('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-
-/// O_DIRECT alignment of the file's file system; 4096 when it cannot be told.
-uint32_t DirectIoAlignment(const std::string& path) {
-  auto info = ProbeFilesystem(DirectoryOf(path));
-  if (!info.ok() || info->direct_io_offset_alignment == 0) return 4096;
-  return std::max(info->direct_io_offset_alignment, info->direct_io_memory_alignment);
 }
 
 }  // namespace
@@ -71,7 +65,8 @@ Result<File> File::OpenWithFlags(const std::string& path, const FileOptions& opt
     file.fd_ = open(path.c_str(), flags | O_DIRECT, 0600);
     if (file.fd_ >= 0) {
       file.direct_ = true;
-      file.alignment_ = DirectIoAlignment(path);
+      const DirectIoAlignment alignment = QueryDirectIoAlignment(path);
+      file.alignment_ = std::max(alignment.offset, alignment.memory);
       return file;
     }
     if (errno != EINVAL) return ErrnoError("opening " + path, errno);

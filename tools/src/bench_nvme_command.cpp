@@ -143,7 +143,9 @@ Result<std::vector<PassResult>> RunBench(const BenchSettings& s, const std::stri
   // both tools measure overwrites of the same blocks.
   Result<nvme::File> existing =
       scratch ? Result<nvme::File>(NotFound(path)) : nvme::File::Open(path, {});
-  const bool reuse = existing.ok() && existing->Size().ok() && *existing->Size() >= s.size;
+  const Result<uint64_t> existing_size =
+      existing.ok() ? existing->Size() : Result<uint64_t>(existing.status());
+  const bool reuse = existing_size.ok() && *existing_size >= s.size;
   nvme::File file;
   if (reuse) {
     file = std::move(existing).value();

@@ -26,6 +26,16 @@ struct FilesystemInfo {
   std::string direct_io_error;
 };
 
+/// O_DIRECT alignment of the file system holding `path` (a file or directory), asked of the
+/// kernel without doing any I/O.
+struct DirectIoAlignment {
+  uint32_t memory = 0;  ///< Alignment of buffer addresses.
+  uint32_t offset = 0;  ///< Alignment of file offsets and lengths.
+  /// "statx(STATX_DIOALIGN)", "logical block size" or "page size (assumed)".
+  std::string source;
+};
+DirectIoAlignment QueryDirectIoAlignment(const std::string& path);
+
 /// Probes `directory` (which must exist and be writable for the O_DIRECT check; a read-only
 /// directory reports direct_io_supported = false with the reason). NotFound when it does not
 /// exist, InvalidArgument when it is not a directory.
