@@ -1,11 +1,13 @@
 #include "strata/nvme/io_engine.h"
 
 #include <pthread.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <deque>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -41,6 +43,45 @@ struct FileEntry {
   std::string path;
   bool in_use = false;
 };
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1; older headers lack it, older kernels answer EINVAL.
+#endif
+
+/// The size of a transparent huge page (2MiB on x86-64), 0 when the kernel has none.
+uint64_t TransparentHugePageSize() {
+  uint64_t size = 0;
+  std::ifstream("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") >> size;
+  return size;
+}
+
+/// Backs the whole huge pages inside `arena` with transparent huge pages, best effort.
+///
+/// Why: the block layer gives a request at most max_segments physically contiguous pieces
+/// (254 on virtio-blk; NVMe drives have similar limits). A 1MiB buffer of scattered 4KiB pages
+/// is 256 pieces, so every 1MiB read or write goes to the device as two requests, and those
+/// requests are too fragmented to merge with their neighbours. Registered buffers make it
+/// systematic: io_uring hands the kernel one bvec per 4KiB page. On huge pages a block is one
+/// piece per 2MiB, io_uring registers it as such, and sequential requests merge up to
+/// max_sectors_kb.
+/// Measured on ext4 on virtio-blk, 1MiB x qd32: 4096 device requests per 2GiB before, 600 to
+/// 900 after (fio: 1900 to 2800, its malloc'd buffers being partly contiguous by chance).
+///
+/// MADV_COLLAPSE copies already touched pages into huge pages now, instead of waiting for
+/// khugepaged; it must happen before registration pins the pages. Pages it cannot collapse
+/// (no free huge page, pinned by a device, not anonymous memory) stay as they are.
+void BackWithHugePages(std::span<std::byte> arena) {
+  static const uint64_t huge_page = TransparentHugePageSize();
+  if (huge_page == 0) return;
+  const auto address = reinterpret_cast<uintptr_t>(arena.data());
+  const uint64_t begin = AlignUp(address, huge_page);
+  const uint64_t end = (address + arena.size()) / huge_page * huge_page;
+  if (begin >= end) return;
+  void* start = reinterpret_cast<void*>(begin);
+  // Advice first, so that pages the arena has not touched yet fault in as huge pages too.
+  if (madvise(start, end - begin, MADV_HUGEPAGE) != 0) return;
+  madvise(start, end - begin, MADV_COLLAPSE);
+}
 
 }  // namespace
 
@@ -118,6 +159,7 @@ class IoEngine::Impl {
 
   bool RegisterBuffers(std::span<std::byte> arena, size_t buffer_bytes) {
     if (buffer_bytes == 0 || arena.size() % buffer_bytes != 0) return false;
+    BackWithHugePages(arena);
     std::vector<iovec> iovecs;
     for (size_t offset = 0; offset < arena.size(); offset += buffer_bytes) {
       iovecs.push_back({arena.data() + offset, buffer_bytes});

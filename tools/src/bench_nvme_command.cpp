@@ -11,6 +11,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "commands.h"
@@ -52,7 +53,7 @@ struct PassResult {
 class SequentialPass {
  public:
   SequentialPass(nvme::IoEngine& engine, nvme::FileId file, IoOp op, const BenchSettings& s,
-                 AlignedBuffer& buffers, bool registered)
+                 std::span<std::byte> buffers, bool registered)
       : engine_(engine), op_(op), settings_(s), slots_(s.queue_depth) {
     for (uint32_t i = 0; i < s.queue_depth; ++i) {
       nvme::IoRequest& r = slots_[i];
@@ -159,13 +160,19 @@ Result<std::vector<PassResult>> RunBench(const BenchSettings& s, const std::stri
     }
   }
   STRATA_ASSIGN_OR_RETURN(nvme::FileId id, engine->RegisterFile(file.fd(), path));
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffers,
-                          AlignedBuffer::Allocate(s.block_size * s.queue_depth));
+  // The buffers start on a 2MiB boundary so that the engine can put all of them on huge pages
+  // (IoEngine::RegisterBuffers says why that matters).
+  constexpr uint64_t kHugePage = 2 * kMiB;
+  const uint64_t buffer_bytes = s.block_size * s.queue_depth;
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer memory, AlignedBuffer::Allocate(buffer_bytes + kHugePage));
+  const uint64_t skip = AlignUp(reinterpret_cast<uintptr_t>(memory.data()), kHugePage) -
+                        reinterpret_cast<uintptr_t>(memory.data());
+  const std::span<std::byte> buffers = memory.span().subspan(skip, buffer_bytes);
   std::mt19937_64 random(42);
   for (size_t i = 0; i < buffers.size() / 8; ++i) {
     reinterpret_cast<uint64_t*>(buffers.data())[i] = random();
   }
-  const bool registered = engine->RegisterBuffers(buffers.span(), s.block_size);
+  const bool registered = engine->RegisterBuffers(buffers, s.block_size);
 
   std::vector<PassResult> results;
   auto pass = [&](IoOp op, bool measured) -> Status {

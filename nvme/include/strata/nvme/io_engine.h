@@ -59,7 +59,9 @@ class IoEngine {
 
   /// Registers equal buffers (e.g. a StagingPool's arena split into its buffers) for fixed
   /// I/O. Returns true when registered; false when the backend or the system refused, in
-  /// which case one log line says why and plain I/O is used on the same buffers.
+  /// which case one log line says why and plain I/O is used on the same buffers. Either way
+  /// the whole huge pages inside `arena` are first moved onto transparent huge pages (best
+  /// effort; see BackWithHugePages in io_engine.cpp): a 2MiB-aligned arena gets the most.
   bool RegisterBuffers(std::span<std::byte> arena, size_t buffer_bytes);
 
   /// Starts `request`; its on_complete runs on the I/O thread. Invalid requests (unknown file,
