@@ -4,6 +4,7 @@
 
 #include "strata/core/config.h"
 #include "strata/core/host_device.h"
+#include "strata/offload/engine.h"
 
 int main() {
   auto config = strata::ParseConfig(R"({"zero_optimization": {"stage": 3}})");
@@ -23,7 +24,18 @@ int main() {
     return 1;
   }
   if (!(*device)->SynchronizeStream(strata::Stream::kHostToDevice).ok() || back != host) return 1;
-  std::printf("consumer ok: zero stage %d, %s\n", config->options.placement.zero_stage,
-              (*device)->properties().name.c_str());
+  // The offload engine on a one-parameter model, states on the host.
+  strata::EngineOptions options;
+  options.placement.chunk_bytes = 4096;
+  const std::vector<float> init(1000, 0.5f);
+  const std::vector<strata::offload::ParameterSpec> parameters = {{"w", {1000}, init}};
+  auto engine = strata::offload::Engine::Create(options, **device, parameters);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("consumer ok: zero stage %d, %s, %zu chunk(s)\n",
+              config->options.placement.zero_stage, (*device)->properties().name.c_str(),
+              (*engine)->chunk_count());
   return 0;
 }

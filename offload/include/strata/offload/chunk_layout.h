@@ -1,0 +1,97 @@
+// ChunkLayout: how registered parameters are packed into chunks.
+//
+// A chunk is the unit of everything in the engine (moves, I/O, optimizer steps, checkpoints): a
+// flat, contiguous group of whole parameters, like FSDP's FlatParameter. Parameters are packed
+// in registration order, so the chunks of a model follow its layers and the order in which
+// forward uses them. A chunk is closed when the next parameter would take its working
+// parameters past the target size; a parameter larger than the target gets a chunk of its own
+// (parameters are never split).
+//
+// Every parameter starts at a multiple of kParameterAlignment elements and every chunk's length
+// is a multiple of kChunkAlignment elements, so each state array of a chunk (fp32 or 16-bit) is a
+// whole number of 4 KiB pages: chunks can go to O_DIRECT files and DMA without copies, and the
+// padding is zero and stays zero through every optimizer step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "strata/core/dtype.h"
+#include "strata/core/status.h"
+
+namespace strata::offload {
+
+/// Elements between the starts of two parameters in a chunk: 64 (one cache line of fp32 at
+/// least, so no two parameters share a line).
+inline constexpr size_t kParameterAlignment = 64;
+/// Chunk lengths are multiples of this many elements: 1024 fp32 = 4 KiB.
+inline constexpr size_t kChunkAlignment = 1024;
+
+/// A parameter as the trainer registers it.
+struct ParameterSpec {
+  /// Unique, non-empty name (e.g. "blocks.3.fc1.weight"); checkpoints match parameters by it.
+  std::string name;
+  /// Dimensions, each >= 1; the parameter has their product elements.
+  std::vector<int64_t> shape;
+  /// Initial values in fp32, row-major, one per element; empty = zeros. Only read by
+  /// Engine::Create, which copies them.
+  std::span<const float> initial_values;
+
+  /// Product of the dimensions.
+  size_t numel() const;
+};
+
+/// Where one parameter lives.
+struct ParameterLocation {
+  size_t chunk = 0;   ///< Index of its chunk.
+  size_t offset = 0;  ///< First element within the chunk.
+  size_t numel = 0;   ///< Number of elements.
+};
+
+/// One chunk: `numel` elements (a multiple of kChunkAlignment), the parameters
+/// [first_parameter, first_parameter + parameter_count) of the registration order.
+struct ChunkInfo {
+  size_t numel = 0;
+  size_t used_numel = 0;  ///< Elements up to the end of its last parameter (the rest is padding).
+  size_t first_parameter = 0;
+  size_t parameter_count = 0;
+};
+
+/// The packing of a model into chunks. Immutable after Build; safe to share across threads.
+class ChunkLayout {
+ public:
+  /// Packs `parameters` with chunks of at most `chunk_bytes` of working parameters of
+  /// `working_dtype` (except a lone larger parameter). InvalidArgument for no parameters, an
+  /// empty or duplicate name, a dimension < 1, initial values of the wrong length, or a chunk
+  /// size smaller than 4 KiB; each message names the parameter.
+  static Result<ChunkLayout> Build(std::span<const ParameterSpec> parameters, DType working_dtype,
+                                   uint64_t chunk_bytes);
+
+  size_t chunk_count() const { return chunks_.size(); }
+  size_t parameter_count() const { return locations_.size(); }
+  const ChunkInfo& chunk(size_t index) const { return chunks_[index]; }
+  const std::vector<ChunkInfo>& chunks() const { return chunks_; }
+  const ParameterLocation& location(size_t parameter) const { return locations_[parameter]; }
+  const std::string& name(size_t parameter) const { return names_[parameter]; }
+  const std::vector<int64_t>& shape(size_t parameter) const { return shapes_[parameter]; }
+  /// Largest chunk, in elements.
+  size_t max_chunk_numel() const { return max_chunk_numel_; }
+  /// Sum of all chunks' elements (with padding).
+  size_t total_numel() const { return total_numel_; }
+  /// Sum of all parameters' elements (without padding).
+  size_t parameter_numel() const { return parameter_numel_; }
+
+ private:
+  std::vector<ChunkInfo> chunks_;
+  std::vector<ParameterLocation> locations_;
+  std::vector<std::string> names_;
+  std::vector<std::vector<int64_t>> shapes_;
+  size_t max_chunk_numel_ = 0;
+  size_t total_numel_ = 0;
+  size_t parameter_numel_ = 0;
+};
+
+}  // namespace strata::offload

@@ -1,0 +1,198 @@
+// Engine: what a trainer embeds to train a model whose state does not fit on its device.
+//
+// The engine owns every piece of training state except activations: the working parameters
+// (fp32/bf16/fp16) and their gradients on the device, and the fp32 master parameters and
+// optimizer moments in whichever tier EngineOptions::placement names (device, pinned host
+// memory or NVMe). Parameters are packed into chunks (see chunk_layout.h). A trainer drives it:
+//
+//   STRATA_ASSIGN_OR_RETURN(auto engine, Engine::Create(options, device, parameters));
+//   for (int step = 0; step < steps; ++step) {
+//     for (int micro = 0; micro < options.optimizer.gradient_accumulation_steps; ++micro) {
+//       for (size_t c = 0; c < engine->chunk_count(); ++c) {       // forward, chunk order
+//         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine->Acquire(c));
+//         RunForward(view.params, ...);                           // on Stream::kCompute
+//         engine->Release(c);
+//       }
+//       for (size_t c = engine->chunk_count(); c-- > 0;) {         // backward, reverse order
+//         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine->Acquire(c));
+//         RunBackward(view.params, view.grads, loss_scale ...);   // writes view.grads
+//         STRATA_RETURN_IF_ERROR(engine->GradsReady(c));          // offload starts now
+//         engine->Release(c);
+//       }
+//     }
+//     STRATA_ASSIGN_OR_RETURN(StepReport report, engine->Step().get());
+//   }
+//
+// What happens underneath: GradsReady queues the chunk's gradients device->host behind the
+// trainer's compute-stream work; on the last micro-step the chunk's optimizer step starts at
+// once (with gradient clipping or fp16 overflow checks, as soon as the last chunk's gradient
+// norm is in). Each chunk's journey (states NVMe->host, CPU Adam, parameters host->device,
+// states host->NVMe) is a coroutine on the engine's event loop; journeys of different chunks
+// overlap each other and the trainer's backward, bounded by staging buffers. Step() completes
+// when every chunk is updated and its working parameters are where the next forward needs them.
+//
+// Gradients written by backward are summed over micro-steps by the engine (in host fp32); like
+// DeepSpeed, the trainer divides its loss by gradient_accumulation_steps if it wants a mean.
+// With fp16, the trainer multiplies its loss by loss_scale() before backward.
+//
+// Failures: an error in any chunk's journey (an NVMe read or write, say) fails the step; when
+// optimizer states or parameters live on NVMe, a step is transactional: new states go to
+// shadow extents and new parameters reach the device only when every chunk succeeded, so a
+// failed step leaves the previous parameters and states intact, and calling Step() again retries
+// it from the gradients the engine still holds.
+//
+// Thread safety: Acquire, Release, GradsReady, Step, Save and Load are called by one trainer
+// thread (not concurrently with each other). metrics(), tier_usage() and the const accessors may
+// be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <future>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "strata/core/device.h"
+#include "strata/core/metrics.h"
+#include "strata/core/options.h"
+#include "strata/core/status.h"
+#include "strata/nvme/io_backend.h"
+#include "strata/offload/chunk_layout.h"
+#include "strata/offload/communicator.h"
+#include "strata/offload/tier_budget.h"
+
+namespace strata::offload {
+
+/// A chunk's device memory while it is acquired. Pointers are device addresses (host memory on
+/// HostDevice) valid until Release; `numel` elements of the working dtype each.
+struct ChunkView {
+  void* params = nullptr;  ///< Working parameters: read by forward and backward.
+  void* grads = nullptr;   ///< Gradients: written (overwritten, not accumulated) by backward.
+  size_t numel = 0;
+  DType dtype = DType::kFp32;
+};
+
+/// What one Step() did.
+struct StepReport {
+  int64_t step = 0;          ///< Optimizer steps taken so far (skipped steps do not count).
+  bool skipped = false;      ///< fp16 overflow: nothing was updated and the scale was lowered.
+  double grad_norm = 0.0;    ///< Global L2 norm of the (unscaled) gradients; NaN when skipped.
+  double loss_scale = 1.0;   ///< The scale the next backward should use.
+  double seconds = 0.0;      ///< From Step() to completion.
+};
+
+/// Bytes moved between tiers and time spent per resource since the engine started.
+struct EngineCounters {
+  uint64_t device_to_host_bytes = 0;
+  uint64_t host_to_device_bytes = 0;
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
+  double optimizer_seconds = 0.0;  ///< Busy time of the CPU optimizer (sum over chunks).
+  uint64_t optimizer_params = 0;   ///< Parameters updated by the CPU optimizer.
+  uint64_t device_optimizer_params = 0;  ///< Parameters updated on the device.
+  uint64_t evictions = 0;          ///< Offloaded parameter chunks dropped from the device.
+  uint64_t fetches = 0;            ///< Offloaded parameter chunks brought to the device.
+};
+
+/// Where each chunk's state lives (decided at Create from the placement options and budgets).
+struct ChunkPlacement {
+  Tier params = Tier::kDevice;            ///< Home of its working parameters between uses.
+  Tier optimizer_states = Tier::kHost;    ///< Home of its fp32 master parameters and moments.
+};
+
+/// Options of Save that do not belong in EngineOptions.
+struct SaveOptions {
+  /// Called after each chunk's file is written and synced, with (chunks done, chunks total),
+  /// on the calling thread. For progress output.
+  std::function<void(size_t done, size_t total)> on_chunk_saved;
+};
+
+/// What an engine is plugged into besides its options.
+struct EngineEnvironment {
+  /// Collectives across data-parallel ranks; null = a single rank.
+  std::unique_ptr<Communicator> communicator;
+  /// Wraps the NVMe I/O backend the engine creates (tests inject faults with it).
+  std::function<std::unique_ptr<nvme::IoBackend>(std::unique_ptr<nvme::IoBackend>)>
+      wrap_io_backend;
+};
+
+class Engine {
+ public:
+  /// Creates an engine on `device` (which must outlive it) for `parameters`, packed into chunks,
+  /// and places every chunk's state per `options` (validated here). Initial values are copied.
+  /// Errors: InvalidArgument for bad options or parameters; ResourceExhausted (naming the tier,
+  /// its budget and the minimum needed) when a budget cannot hold even one chunk's working set or
+  /// the states placed there; Unavailable for a placement this build cannot run (optimizer
+  /// steps on a CUDA device, more than one rank); NotFound/IoError for unusable nvme paths.
+  static Result<std::unique_ptr<Engine>> Create(const EngineOptions& options, Device& device,
+                                                std::span<const ParameterSpec> parameters,
+                                                EngineEnvironment environment = {});
+
+  /// Waits for in-flight work (a running step finishes first), then frees every tier.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const ChunkLayout& layout() const;
+  size_t chunk_count() const { return layout().chunk_count(); }
+  const ChunkPlacement& placement(size_t chunk) const;
+  DType working_dtype() const;
+
+  /// Makes `chunk`'s working parameters resident on the device and its gradient buffer free for
+  /// backward, blocking until both hold, and prefetches the chunks expected next (from the order
+  /// recorded during the first step). Pins the chunk until Release. Device work of the trainer
+  /// that uses the view must be queued on Stream::kCompute. ResourceExhausted when the device
+  /// budget cannot hold the chunk even after evicting every unpinned chunk.
+  Result<ChunkView> Acquire(size_t chunk);
+  /// Unpins a chunk acquired earlier (it may be evicted from now on).
+  void Release(size_t chunk);
+
+  /// Declares that backward has written `chunk`'s gradients (by work queued on Stream::kCompute
+  /// so far). The engine copies them to the host, and on the last micro-step of an optimizer
+  /// step may start the chunk's update at once. The chunk must be acquired. FailedPrecondition
+  /// when the chunk already received every micro-step's gradients for this step.
+  Status GradsReady(size_t chunk);
+
+  /// Finishes the optimizer step: completes when every chunk is updated (or the step was
+  /// skipped for fp16 overflow) and its working parameters are where the next forward needs them.
+  /// FailedPrecondition when some chunk has not received all its micro-steps' gradients.
+  /// On an error the previous parameters and states are intact (see the top of this file) and
+  /// Step() may be called again to retry with the same gradients.
+  std::future<Result<StepReport>> Step();
+
+  /// Scale the trainer multiplies its loss by (fp16; 1 otherwise).
+  double loss_scale() const;
+  /// Optimizer steps taken (skipped ones do not count).
+  int64_t step_count() const;
+  /// Sets the learning rate used from the next step on (for schedules).
+  void SetLearningRate(double lr);
+
+  /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
+  /// atomically). Must not be called while a step is running.
+  Status Save(const std::filesystem::path& dir, const SaveOptions& save_options = {});
+  /// Loads a checkpoint written by Save, possibly with a different placement. DataLoss for a
+  /// corrupted or incomplete checkpoint; InvalidArgument when its parameters do not match the
+  /// registered ones. On error the engine's state is unchanged.
+  Status Load(const std::filesystem::path& dir);
+
+  /// Copies the current fp32 master value of `parameter` (registration index) into `out`
+  /// (numel floats). For tests, evaluation and export; blocks on NVMe reads.
+  Status ReadMasterParameter(size_t parameter, std::span<float> out);
+
+  TierUsage tier_usage(Tier tier) const;
+  EngineCounters counters() const;
+  /// The engine's metrics (strata_* series), for the /metrics endpoint.
+  MetricsRegistry& metrics();
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::offload

@@ -1,0 +1,76 @@
+// The step pipeline benchmark behind `strata bench pipeline`: does a training step cost what its
+// slowest resource costs, or the sum of all of them?
+//
+// A synthetic model runs on HostDevice: `chunks` chunks of `chunk_bytes` working parameters,
+// whose forward and backward are sleeps on the device's compute stream (a GPU computing while
+// the CPU is free), with host<->device copies throttled to `copy_gbps`. Each resource is first
+// timed alone on exactly the bytes and work a step gives it (compute, both copy directions, the
+// CPU optimizer, NVMe reads and writes of the optimizer states), then full engine steps are
+// timed. PERFORMANCE.md's targets: step / slowest resource <= 1.10 with states on host, <= 1.15
+// on NVMe.
+//
+// The NVMe reads and writes of a step share the same drives, so the "nvme" resource is their sum;
+// both are reported separately too.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "strata/core/dtype.h"
+#include "strata/core/options.h"
+#include "strata/core/status.h"
+#include "strata/core/tier.h"
+
+namespace strata::offload {
+
+struct PipelineBenchmarkOptions {
+  /// Chunks of the synthetic model, >= 1.
+  int chunks = 16;
+  /// Working parameters per chunk, in bytes of `working_dtype` (a multiple of 4 KiB).
+  uint64_t chunk_bytes = 8 << 20;
+  DType working_dtype = DType::kBf16;
+  /// Device compute per chunk, forward and backward, in milliseconds (>= 0).
+  double forward_ms = 5.0;
+  double backward_ms = 10.0;
+  /// Host<->device copy bandwidth (each direction), GB/s; 0 = unthrottled memcpy.
+  double copy_gbps = 4.0;
+  /// Home of the optimizer states: host or nvme.
+  Tier optimizer_states = Tier::kHost;
+  /// NVMe directories (required for nvme).
+  std::vector<std::string> nvme_paths;
+  /// CPU optimizer threads, 0 = all.
+  int threads = 0;
+  int warmup_steps = 2;
+  int timed_steps = 5;
+  /// Called with a short line before each phase (progress output); may be empty.
+  std::function<void(const std::string&)> progress;
+
+  Status Validate() const;
+};
+
+/// One resource timed alone.
+struct ResourceTime {
+  std::string name;  ///< "compute", "host_to_device", "device_to_host", "cpu_adam", ...
+  double seconds = 0.0;
+  uint64_t bytes = 0;  ///< Bytes it moved (0 for compute).
+};
+
+struct PipelineBenchmarkResult {
+  std::vector<ResourceTime> resources;  ///< Each alone, in pipeline order.
+  std::string slowest;                  ///< Name of the slowest resource (nvme = read + write).
+  double slowest_seconds = 0.0;
+  double serial_seconds = 0.0;          ///< Sum of all resources: a step with no overlap.
+  std::vector<double> step_seconds;     ///< Each timed engine step.
+  double step_median_seconds = 0.0;
+  double ratio_to_slowest = 0.0;        ///< step_median / slowest (target <= 1.10 / 1.15).
+  double ratio_to_serial = 0.0;         ///< step_median / serial.
+  uint64_t params = 0;                  ///< Parameters of the synthetic model.
+};
+
+/// Runs the benchmark. Errors: InvalidArgument for bad options; whatever the engine or the NVMe
+/// path reports otherwise.
+Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOptions& options);
+
+}  // namespace strata::offload

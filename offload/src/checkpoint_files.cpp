@@ -1,0 +1,788 @@
+// Checkpoint files: staging, streamed hashed writes, atomic commit and verified reads.
+// See checkpoint_files.h for the crash-consistency argument.
+
+#include "checkpoint_files.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cinttypes>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "strata/core/log.h"
+
+// RENAME_EXCHANGE comes from <linux/fs.h> (or <stdio.h> with glibc >= 2.28); the value is ABI.
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
+
+namespace strata::offload::internal {
+
+namespace fs = std::filesystem;
+
+/// The XXH3 streaming state of one sink.
+struct CheckpointFileSink::HashState {
+  XXH3_state_t* state = nullptr;
+  ~HashState() { XXH3_freeState(state); }
+};
+
+void CheckpointFileSink::HashStateDeleter::operator()(HashState* state) const { delete state; }
+
+/// What a writer and its sinks share. Atomic because sinks may live on other threads.
+struct CheckpointFileSink::SharedState {
+  std::atomic<int> open_sinks{0};  ///< Created and not yet finished or destroyed.
+  std::atomic<int> unfinished{0};  ///< Failed, or destroyed without a successful Finish.
+};
+
+namespace {
+
+constexpr size_t kDigestBufferBytes = size_t{1} << 20;
+
+/// Owns a file descriptor; closes it on destruction (errors ignored: used for reads and for
+/// paths that already report an error).
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  [[nodiscard]] int get() const { return fd_; }
+  /// Closes now and returns close()'s errno, or 0.
+  int Close() {
+    const int fd = std::exchange(fd_, -1);
+    if (fd < 0 || ::close(fd) == 0 || errno == EINTR) return 0;  // Linux closes on EINTR.
+    return errno;
+  }
+
+ private:
+  int fd_;
+};
+
+std::string Hex(uint64_t value) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%016" PRIx64, value);
+  return text;
+}
+
+std::string Quote(const fs::path& path) { return path.string(); }
+
+/// A short rendering of a JSON value for messages (never throws on bad UTF-8).
+std::string Show(const nlohmann::json& value) {
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return text;
+}
+
+/// An IoError "cannot <operation> <path><detail>: <errno text>", saying what to do about a full
+/// disk.
+Status FileError(std::string_view operation, const fs::path& path, int err,
+                 std::string_view detail = {}) {
+  std::string what = "cannot " + std::string(operation) + " " + Quote(path) + std::string(detail);
+  Status status = ErrnoError(what, err);
+  if (err == ENOSPC || err == EDQUOT) {
+    return IoError(status.message() +
+                   ": the disk is full (or the quota is used up); free space on the file "
+                   "system holding " +
+                   Quote(path.parent_path()) + " or write checkpoints elsewhere");
+  }
+  return status;
+}
+
+/// Writes all `size` bytes, continuing short writes and retrying EINTR. Returns 0 or the errno.
+int WriteAll(int fd, const std::byte* data, size_t size) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;  // write() of a regular file never returns 0 for size > 0.
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+/// Reads up to `size` bytes, stopping early only at end of file. Returns the count, or -errno.
+ssize_t ReadFull(int fd, std::byte* data, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::read(fd, data + done, size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return static_cast<ssize_t>(done);
+}
+
+int FsyncRetry(int fd) {
+  while (::fsync(fd) != 0) {
+    if (errno != EINTR) return errno;
+  }
+  return 0;
+}
+
+/// fsyncs a directory so the entries created, renamed or removed in it are durable.
+Status SyncDirectory(const fs::path& dir) {
+  ScopedFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return FileError("open directory", dir, errno);
+  if (const int err = FsyncRetry(fd.get()); err != 0) return FileError("fsync directory", dir, err);
+  return Status::Ok();
+}
+
+Status ValidateFileName(std::string_view name) {
+  if (name.empty() || name == "." || name == ".." ||
+      name.find_first_of(std::string_view("/\0", 2)) != std::string_view::npos) {
+    return InvalidArgument("checkpoint file name \"" + std::string(name) +
+                           "\" is not a plain file name: it must be non-empty, not \".\" or "
+                           "\"..\", and contain no '/'");
+  }
+  if (name == kManifestFileName) {
+    return InvalidArgument("checkpoint file name \"" + std::string(name) +
+                           "\" is reserved for the manifest; choose another name");
+  }
+  return Status::Ok();
+}
+
+/// Checks the "format" and "version" fields. `where` names the manifest in messages.
+Status CheckManifestHeader(const nlohmann::json& manifest, const std::string& where) {
+  if (!manifest.is_object()) {
+    return InvalidArgument(where + " must be a JSON object (start from NewManifest()), got " +
+                           Show(manifest));
+  }
+  const auto format = manifest.find("format");
+  if (format == manifest.end() || !format->is_string() ||
+      format->get_ref<const std::string&>() != kCheckpointFormat) {
+    return InvalidArgument(where + " is not a Strata checkpoint manifest: \"format\" is " +
+                           (format == manifest.end() ? std::string("missing") : Show(*format)) +
+                           ", expected \"" + std::string(kCheckpointFormat) +
+                           "\" (start from NewManifest())");
+  }
+  const auto version = manifest.find("version");
+  if (version == manifest.end() || !version->is_number_integer()) {
+    return InvalidArgument(where + ": \"version\" must be an integer, got " +
+                           (version == manifest.end() ? std::string("nothing") : Show(*version)));
+  }
+  const bool huge =
+      version->is_number_unsigned() && version->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
+  const int64_t number = huge ? INT64_MAX : version->get<int64_t>();
+  if (number > kCheckpointFormatVersion) {
+    return InvalidArgument(where + " has checkpoint format version " + Show(*version) +
+                           ", but this build of Strata reads versions 1 to " +
+                           std::to_string(kCheckpointFormatVersion) +
+                           "; load it with the Strata release that wrote it or a newer one");
+  }
+  if (number < 1) {
+    return InvalidArgument(where + " has checkpoint format version " + Show(*version) +
+                           ", which does not exist; supported versions are 1 to " +
+                           std::to_string(kCheckpointFormatVersion));
+  }
+  return Status::Ok();
+}
+
+/// If `name` is "<prefix><pid>" with a positive decimal pid, returns the pid, else 0.
+pid_t LeftoverPid(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return 0;
+  const char* first = name.data() + prefix.size();
+  const char* last = name.data() + name.size();
+  long long pid = 0;
+  const auto [end, ec] = std::from_chars(first, last, pid);
+  if (ec != std::errc() || end != last || *first == '+' || pid <= 0 ||
+      pid > static_cast<long long>(INT32_MAX)) {
+    return 0;
+  }
+  return static_cast<pid_t>(pid);
+}
+
+bool ProcessIsGone(pid_t pid) {
+  if (pid == ::getpid()) return true;  // Our own leftover: one writer per dir at a time.
+  return ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+/// Cleans up after crashed writers of `dir`: removes "<name>.tmp-<pid>" of dead pids, and for
+/// "<name>.old-<pid>" of dead pids (left inside the fallback's window), puts the old checkpoint
+/// back at `dir` if nothing is there, else removes it. Best effort; logs what it does.
+void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
+  const std::string name = dir.filename().string();
+  const std::string staging_prefix = name + ".tmp-";
+  const std::string old_prefix = name + ".old-";
+  DIR* listing = ::opendir(parent.c_str());
+  if (listing == nullptr) return;
+  std::vector<std::string> stale_staging;
+  std::vector<std::string> stale_old;
+  while (const dirent* entry = ::readdir(listing)) {
+    const std::string entry_name = entry->d_name;
+    if (const pid_t pid = LeftoverPid(entry_name, staging_prefix); pid > 0 && ProcessIsGone(pid)) {
+      stale_staging.push_back(entry_name);
+    } else if (const pid_t old_pid = LeftoverPid(entry_name, old_prefix);
+               old_pid > 0 && ProcessIsGone(old_pid)) {
+      stale_old.push_back(entry_name);
+    }
+  }
+  ::closedir(listing);
+
+  for (const std::string& entry_name : stale_old) {
+    const fs::path old = parent / entry_name;
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) != 0 && errno == ENOENT) {
+      if (::rename(old.c_str(), dir.c_str()) == 0) {
+        SyncDirectory(parent).IgnoreError();
+        Log(LogLevel::kWarning, "checkpoint " + Quote(dir) +
+                                    " was missing after an interrupted save; restored the "
+                                    "previous checkpoint from " +
+                                    Quote(old));
+        continue;
+      }
+    }
+    std::error_code ec;
+    fs::remove_all(old, ec);
+    if (!ec) {
+      Log(LogLevel::kWarning, "removed " + Quote(old) + ", left by an interrupted checkpoint save");
+    }
+  }
+  for (const std::string& entry_name : stale_staging) {
+    const fs::path staging = parent / entry_name;
+    std::error_code ec;
+    fs::remove_all(staging, ec);
+    if (!ec) {
+      Log(LogLevel::kWarning,
+          "removed " + Quote(staging) + ", left by an interrupted checkpoint save");
+    }
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Free functions.
+
+nlohmann::json NewManifest() {
+  return nlohmann::json{{"format", std::string(kCheckpointFormat)},
+                        {"version", kCheckpointFormatVersion}};
+}
+
+Result<FileDigest> DigestFile(const fs::path& path) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound("file " + Quote(path) + " does not exist");
+    return FileError("open", path, err);
+  }
+  std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[kDigestBufferBytes]);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (buffer == nullptr || state == nullptr) {
+    return ResourceExhausted("out of memory while hashing " + Quote(path));
+  }
+  XXH3_64bits_reset(state.get());
+  FileDigest digest;
+  for (;;) {
+    const ssize_t n = ReadFull(fd.get(), buffer.get(), kDigestBufferBytes);
+    if (n < 0) return FileError("read", path, static_cast<int>(-n));
+    if (n == 0) break;
+    XXH3_64bits_update(state.get(), buffer.get(), static_cast<size_t>(n));
+    digest.bytes += static_cast<uint64_t>(n);
+  }
+  digest.xxh3 = XXH3_64bits_digest(state.get());
+  return digest;
+}
+
+// ------------------------------------------------------------------------------------------------
+// CheckpointFileSink.
+
+CheckpointFileSink::CheckpointFileSink() = default;
+
+CheckpointFileSink::CheckpointFileSink(int fd, fs::path path,
+                                       std::unique_ptr<HashState, HashStateDeleter> hash,
+                                       std::shared_ptr<SharedState> shared)
+    : fd_(fd), path_(std::move(path)), hash_(std::move(hash)), shared_(std::move(shared)) {}
+
+CheckpointFileSink::~CheckpointFileSink() { Release(/*finished=*/false); }
+
+CheckpointFileSink::CheckpointFileSink(CheckpointFileSink&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      path_(std::move(other.path_)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      failed_(std::exchange(other.failed_, false)),
+      hash_(std::move(other.hash_)),
+      shared_(std::move(other.shared_)) {
+  other.path_.clear();
+}
+
+CheckpointFileSink& CheckpointFileSink::operator=(CheckpointFileSink&& other) noexcept {
+  if (this != &other) {
+    Release(/*finished=*/false);
+    fd_ = std::exchange(other.fd_, -1);
+    path_ = std::move(other.path_);
+    other.path_.clear();
+    bytes_ = std::exchange(other.bytes_, 0);
+    failed_ = std::exchange(other.failed_, false);
+    hash_ = std::move(other.hash_);
+    shared_ = std::move(other.shared_);
+  }
+  return *this;
+}
+
+void CheckpointFileSink::Release(bool finished) {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (shared_ != nullptr) {
+    shared_->open_sinks.fetch_sub(1);
+    if (!finished) shared_->unfinished.fetch_add(1);
+    shared_.reset();
+  }
+}
+
+Status CheckpointFileSink::Append(std::span<const std::byte> bytes) {
+  if (failed_) {
+    return FailedPrecondition("cannot append to checkpoint file " + Quote(path_) +
+                              ": an earlier write to it failed");
+  }
+  if (fd_ < 0) {
+    return FailedPrecondition(path_.empty() ? std::string("Append on an empty CheckpointFileSink")
+                                            : "cannot append to checkpoint file " + Quote(path_) +
+                                                  ": it is already finished");
+  }
+  if (const int err = WriteAll(fd_, bytes.data(), bytes.size()); err != 0) {
+    failed_ = true;
+    return FileError("write checkpoint file", path_, err, " at offset " + std::to_string(bytes_));
+  }
+  XXH3_64bits_update(hash_->state, bytes.data(), bytes.size());
+  bytes_ += bytes.size();
+  return Status::Ok();
+}
+
+Result<FileDigest> CheckpointFileSink::Finish() {
+  if (failed_) {
+    return FailedPrecondition("cannot finish checkpoint file " + Quote(path_) +
+                              ": an earlier write to it failed");
+  }
+  if (fd_ < 0) {
+    return FailedPrecondition(path_.empty()
+                                  ? std::string("Finish on an empty CheckpointFileSink")
+                                  : "checkpoint file " + Quote(path_) + " is already finished");
+  }
+  // After a failed fsync the page cache may have dropped the dirty pages, and a second fsync
+  // can report success: the sink stays failed and the writer will not commit.
+  if (const int err = FsyncRetry(fd_); err != 0) {
+    failed_ = true;
+    Release(/*finished=*/false);
+    return FileError("fsync checkpoint file", path_, err);
+  }
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0 && errno != EINTR) {
+    const int err = errno;
+    failed_ = true;
+    Release(/*finished=*/false);
+    return FileError("close checkpoint file", path_, err);
+  }
+  const FileDigest digest{bytes_, XXH3_64bits_digest(hash_->state)};
+  Release(/*finished=*/true);
+  return digest;
+}
+
+// ------------------------------------------------------------------------------------------------
+// CheckpointWriter.
+
+CheckpointWriter::CheckpointWriter(fs::path dir, fs::path staging)
+    : dir_(std::move(dir)),
+      staging_(std::move(staging)),
+      shared_(std::make_shared<CheckpointFileSink::SharedState>()) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (!committed_ && !staging_.empty()) {
+    std::error_code ec;
+    fs::remove_all(staging_, ec);  // Best effort; the next Begin removes what is left.
+  }
+}
+
+CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept
+    : dir_(std::move(other.dir_)),
+      staging_(std::move(other.staging_)),
+      committed_(other.committed_),
+      shared_(std::move(other.shared_)) {
+  other.staging_.clear();
+}
+
+CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept {
+  if (this != &other) {
+    if (!committed_ && !staging_.empty()) {
+      std::error_code ec;
+      fs::remove_all(staging_, ec);
+    }
+    dir_ = std::move(other.dir_);
+    staging_ = std::move(other.staging_);
+    other.staging_.clear();
+    committed_ = other.committed_;
+    shared_ = std::move(other.shared_);
+  }
+  return *this;
+}
+
+Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) {
+  fs::path dir = requested_dir;
+  if (!dir.empty() && !dir.has_filename()) dir = dir.parent_path();  // "a/b/" names "a/b".
+  const std::string name = dir.filename().string();
+  if (name.empty() || name == "." || name == "..") {
+    return InvalidArgument("checkpoint path \"" + Quote(requested_dir) +
+                           "\" does not name a directory to create; give a path such as "
+                           "/checkpoints/step-1000");
+  }
+  fs::path parent = dir.parent_path();
+  if (parent.empty()) parent = ".";
+
+  struct stat st {};
+  if (::stat(parent.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return NotFound("cannot write checkpoint " + Quote(dir) + ": its parent directory " +
+                      Quote(parent) + " does not exist (" + std::strerror(err) +
+                      "); create it first");
+    }
+    return ErrnoError("cannot write checkpoint " + Quote(dir) +
+                          ": cannot examine its parent directory " + Quote(parent),
+                      err);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return InvalidArgument("cannot write checkpoint " + Quote(dir) + ": its parent " +
+                           Quote(parent) + " is not a directory");
+  }
+
+  // Resolve symbolic links so the staging directory sits next to the real target: rename()
+  // cannot cross file systems.
+  std::error_code ec;
+  fs::path resolved = fs::weakly_canonical(dir, ec);
+  if (!ec && resolved.has_filename()) {
+    dir = std::move(resolved);
+    parent = dir.parent_path();
+  }
+
+  if (::lstat(dir.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) {
+      return InvalidArgument("cannot write checkpoint " + Quote(dir) +
+                             ": it exists and is not a directory; a checkpoint is a directory, "
+                             "so remove that file or choose another path");
+    }
+  } else if (errno != ENOENT) {
+    return ErrnoError("cannot write checkpoint " + Quote(dir) + ": cannot examine it", errno);
+  }
+
+  CleanUpLeftovers(parent, dir);
+
+  fs::path staging = parent / (dir.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  fs::remove_all(staging, ec);
+  if (ec) {
+    return ErrnoError("cannot remove the stale staging directory " + Quote(staging), ec.value());
+  }
+  if (::mkdir(staging.c_str(), 0755) != 0) {
+    return FileError("create staging directory", staging, errno)
+        .WithContext("cannot write checkpoint " + Quote(dir));
+  }
+  return CheckpointWriter(std::move(dir), std::move(staging));
+}
+
+Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
+  if (staging_.empty()) return FailedPrecondition("CreateFile on a moved-from CheckpointWriter");
+  if (committed_) {
+    return FailedPrecondition("cannot add file \"" + std::string(name) + "\" to checkpoint " +
+                              Quote(dir_) + ": it is already committed");
+  }
+  STRATA_RETURN_IF_ERROR(ValidateFileName(name));
+  fs::path path = staging_ / std::string(name);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EEXIST) {
+      return AlreadyExists("checkpoint " + Quote(dir_) + " already has a file named \"" +
+                           std::string(name) + "\"");
+    }
+    return FileError("create checkpoint file", path, err);
+  }
+  std::unique_ptr<CheckpointFileSink::HashState, CheckpointFileSink::HashStateDeleter> hash(
+      new (std::nothrow) CheckpointFileSink::HashState);
+  if (hash != nullptr) hash->state = XXH3_createState();
+  if (hash == nullptr || hash->state == nullptr) {
+    ::close(fd);
+    ::unlink(path.c_str());
+    return ResourceExhausted("out of memory for the hash state of " + Quote(path));
+  }
+  XXH3_64bits_reset(hash->state);
+  shared_->open_sinks.fetch_add(1);
+  return CheckpointFileSink(fd, std::move(path), std::move(hash), shared_);
+}
+
+Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
+  if (staging_.empty()) return FailedPrecondition("Commit on a moved-from CheckpointWriter");
+  if (committed_) {
+    return FailedPrecondition("checkpoint " + Quote(dir_) + " is already committed");
+  }
+  const std::string what = "cannot commit checkpoint " + Quote(dir_);
+  if (const int open = shared_->open_sinks.load(); open > 0) {
+    return FailedPrecondition(what + ": " + std::to_string(open) +
+                              " of its files are still open; call Finish on every "
+                              "CheckpointFileSink before Commit");
+  }
+  if (const int unfinished = shared_->unfinished.load(); unfinished > 0) {
+    return FailedPrecondition(what + ": " + std::to_string(unfinished) +
+                              " of its files failed or were abandoned before Finish, so their "
+                              "content is not durable");
+  }
+  STRATA_RETURN_IF_ERROR(
+      CheckManifestHeader(manifest, "the manifest of checkpoint " + Quote(dir_)));
+  std::string text;
+  try {
+    text = manifest.dump(2);
+  } catch (const nlohmann::json::exception& e) {
+    return InvalidArgument(what + ": the manifest cannot be written as JSON: " + e.what());
+  }
+  text += '\n';
+
+  const fs::path manifest_path = staging_ / std::string(kManifestFileName);
+  {
+    ScopedFd fd(::open(manifest_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return FileError("create", manifest_path, errno).WithContext(what);
+    if (const int err =
+            WriteAll(fd.get(), reinterpret_cast<const std::byte*>(text.data()), text.size());
+        err != 0) {
+      return FileError("write", manifest_path, err).WithContext(what);
+    }
+    if (const int err = FsyncRetry(fd.get()); err != 0) {
+      return FileError("fsync", manifest_path, err).WithContext(what);
+    }
+    if (const int err = fd.Close(); err != 0) {
+      return FileError("close", manifest_path, err).WithContext(what);
+    }
+  }
+  STRATA_RETURN_IF_ERROR(SyncDirectory(staging_).WithContext(what));
+  return Publish();
+}
+
+Status CheckpointWriter::Publish() {
+  const std::string what = "cannot commit checkpoint " + Quote(dir_);
+  const fs::path parent = dir_.parent_path();
+  // Where the previous checkpoint ends up once the new one is in place (empty: there was none).
+  fs::path old;
+
+  struct stat st {};
+  bool exists = ::lstat(dir_.c_str(), &st) == 0;
+  if (!exists) {
+    if (::rename(staging_.c_str(), dir_.c_str()) == 0) {
+      committed_ = true;
+    } else if (errno == EEXIST || errno == ENOTEMPTY) {
+      exists = true;  // Something appeared at dir_ since lstat: swap with it instead.
+    } else {
+      return FileError("rename staging directory", staging_, errno, " to " + Quote(dir_))
+          .WithContext(what);
+    }
+  }
+  if (exists) {
+    if (::syscall(SYS_renameat2, AT_FDCWD, staging_.c_str(), AT_FDCWD, dir_.c_str(),
+                  RENAME_EXCHANGE) == 0) {
+      committed_ = true;
+      old = staging_;
+    } else if (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) {
+      // No atomic exchange here. Two renames: a crash between them leaves no checkpoint at
+      // dir_, the old one at `old` (the next Begin puts it back) and the new one at staging_.
+      old = parent / (dir_.filename().string() + ".old-" + std::to_string(::getpid()));
+      std::error_code ec;
+      fs::remove_all(old, ec);
+      if (::rename(dir_.c_str(), old.c_str()) != 0) {
+        return FileError("rename previous checkpoint", dir_, errno, " to " + Quote(old))
+            .WithContext(what);
+      }
+      if (::rename(staging_.c_str(), dir_.c_str()) != 0) {
+        const Status error =
+            FileError("rename staging directory", staging_, errno, " to " + Quote(dir_));
+        if (::rename(old.c_str(), dir_.c_str()) != 0) {
+          return error.WithContext(what +
+                                   " (and the previous checkpoint could not be put back from " +
+                                   Quote(old) + "; the next save restores it)");
+        }
+        return error.WithContext(what);
+      }
+      committed_ = true;
+    } else {
+      return FileError("exchange staging directory", staging_, errno,
+                       " with the previous checkpoint " + Quote(dir_))
+          .WithContext(what);
+    }
+  }
+
+  STRATA_RETURN_IF_ERROR(SyncDirectory(parent).WithContext(
+      "checkpoint " + Quote(dir_) + " was committed but may not survive a crash"));
+  if (!old.empty()) {
+    std::error_code ec;
+    fs::remove_all(old, ec);
+    if (ec) {
+      Log(LogLevel::kWarning,
+          "checkpoint " + Quote(dir_) + " was committed, but removing the previous one at " +
+              Quote(old) + " failed: " + ec.message() + "; the next save to this path removes it");
+    }
+  }
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------------------------------------
+// CheckpointReader.
+
+Result<CheckpointReader> CheckpointReader::Open(const fs::path& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return NotFound(Quote(dir) + " is not a Strata checkpoint: the directory does not exist");
+    }
+    return ErrnoError("cannot open checkpoint " + Quote(dir), err);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return InvalidArgument(Quote(dir) +
+                           " is not a Strata checkpoint: it is a file; a checkpoint is a "
+                           "directory holding manifest.json");
+  }
+  const fs::path manifest_path = dir / std::string(kManifestFileName);
+  ScopedFd fd(::open(manifest_path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return NotFound(Quote(dir) + " is not a Strata checkpoint: its manifest " +
+                      Quote(manifest_path) + " is missing");
+    }
+    return FileError("open", manifest_path, err);
+  }
+  try {
+    std::string text;
+    char buffer[65536];
+    for (;;) {
+      const ssize_t n = ReadFull(fd.get(), reinterpret_cast<std::byte*>(buffer), sizeof(buffer));
+      if (n < 0) return FileError("read", manifest_path, static_cast<int>(-n));
+      if (n == 0) break;
+      text.append(buffer, static_cast<size_t>(n));
+    }
+    nlohmann::json manifest;
+    try {
+      manifest = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::parse_error& e) {
+      std::string message = e.what();
+      // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
+      if (auto end = message.find("] ");
+          !message.empty() && message[0] == '[' && end != std::string::npos) {
+        message.erase(0, end + 2);
+      }
+      return DataLoss("checkpoint manifest " + Quote(manifest_path) +
+                      " is damaged: malformed JSON at byte " + std::to_string(e.byte) + ": " +
+                      message);
+    }
+    if (!manifest.is_object()) {
+      return DataLoss("checkpoint manifest " + Quote(manifest_path) +
+                      " is damaged: expected a JSON object, got " + Show(manifest));
+    }
+    STRATA_RETURN_IF_ERROR(
+        CheckManifestHeader(manifest, "checkpoint manifest " + Quote(manifest_path)));
+    return CheckpointReader(dir, std::move(manifest));
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("out of memory while reading " + Quote(manifest_path));
+  } catch (const std::exception& e) {
+    return Internal("unexpected error while reading " + Quote(manifest_path) + ": " + e.what());
+  }
+}
+
+Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expected,
+                                  const ConsumeFn& consume, size_t piece_bytes) const {
+  STRATA_RETURN_IF_ERROR(ValidateFileName(name));
+  if (piece_bytes == 0) {
+    return InvalidArgument("ReadFile of checkpoint file \"" + std::string(name) +
+                           "\": piece_bytes must be positive");
+  }
+  const fs::path path = dir_ / std::string(name);
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return DataLoss("checkpoint " + Quote(dir_) + " is incomplete: file " + std::string(name) +
+                      " is missing");
+    }
+    return FileError("open checkpoint file", path, err);
+  }
+  const std::string expected_text =
+      std::to_string(expected.bytes) + " bytes with xxh3 " + Hex(expected.xxh3);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return FileError("stat checkpoint file", path, errno);
+  if (static_cast<uint64_t>(st.st_size) != expected.bytes) {
+    return DataLoss(
+        "checkpoint file " + Quote(path) + " is " +
+        (static_cast<uint64_t>(st.st_size) < expected.bytes ? "truncated" : "longer than written") +
+        ": it has " + std::to_string(st.st_size) + " bytes, the manifest expects " + expected_text);
+  }
+  ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+
+  const size_t buffer_bytes =
+      static_cast<size_t>(std::max<uint64_t>(1, std::min<uint64_t>(piece_bytes, expected.bytes)));
+  std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[buffer_bytes]);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (buffer == nullptr || state == nullptr) {
+    return ResourceExhausted("out of memory for a " + std::to_string(buffer_bytes) +
+                             "-byte read buffer for " + Quote(path) + "; lower piece_bytes");
+  }
+  XXH3_64bits_reset(state.get());
+
+  uint64_t offset = 0;
+  while (offset < expected.bytes) {
+    const size_t want =
+        static_cast<size_t>(std::min<uint64_t>(buffer_bytes, expected.bytes - offset));
+    const ssize_t n = ReadFull(fd.get(), buffer.get(), want);
+    if (n < 0) {
+      return FileError("read checkpoint file", path, static_cast<int>(-n),
+                       " at offset " + std::to_string(offset));
+    }
+    if (static_cast<size_t>(n) < want) {  // Shrunk since fstat.
+      return DataLoss("checkpoint file " + Quote(path) + " is truncated: it ended after " +
+                      std::to_string(offset + static_cast<uint64_t>(n)) +
+                      " bytes, the manifest expects " + expected_text);
+    }
+    XXH3_64bits_update(state.get(), buffer.get(), want);
+    STRATA_RETURN_IF_ERROR(consume(std::span<const std::byte>(buffer.get(), want), offset));
+    offset += want;
+  }
+  std::byte extra[1];
+  const ssize_t tail = ReadFull(fd.get(), extra, 1);
+  if (tail < 0) return FileError("read checkpoint file", path, static_cast<int>(-tail));
+  if (tail > 0) {  // Grew since fstat.
+    return DataLoss("checkpoint file " + Quote(path) +
+                    " is longer than written: it has more than the " + expected_text +
+                    " the manifest expects");
+  }
+  const uint64_t actual = XXH3_64bits_digest(state.get());
+  if (actual != expected.xxh3) {
+    return DataLoss("checkpoint file " + Quote(path) +
+                    " is corrupt: its content does not match its checksum: expected " +
+                    expected_text + ", found " + std::to_string(offset) + " bytes with xxh3 " +
+                    Hex(actual));
+  }
+  return Status::Ok();
+}
+
+}  // namespace strata::offload::internal

@@ -1,0 +1,237 @@
+// Checkpoint files: the file layer of crash-consistent checkpoints.
+//
+// A checkpoint is a directory holding data files and a manifest.json that describes them. It is
+// written whole into a staging directory next to its final place and then swapped in with one
+// rename, so a reader only ever sees a complete checkpoint:
+//
+//   CheckpointWriter::Begin(dir)  makes "<dir>.tmp-<pid>" (the staging directory).
+//   CreateFile / Append / Finish  write each data file there; Finish fsyncs it.
+//   Commit(manifest)              writes and fsyncs manifest.json, fsyncs the staging directory,
+//                                 then puts it at `dir` atomically and fsyncs the parent.
+//   CheckpointReader              opens `dir`, checks the manifest and verifies every file it
+//                                 reads against the size and XXH3-64 recorded by the writer.
+//
+// Crash consistency. Nothing at `dir` changes until Commit's rename, and by then every byte of
+// the new checkpoint (data files, manifest, the staging directory's entries) is on stable
+// storage. The rename is the only step that changes `dir`:
+//   - `dir` absent: rename(staging, dir). A crash leaves either nothing at `dir` (there was no
+//     checkpoint before) or the complete new one.
+//   - `dir` present: renameat2(staging, dir, RENAME_EXCHANGE) swaps the two directories in one
+//     atomic step, so `dir` holds the complete old or the complete new checkpoint, never a mix
+//     and never nothing. The old one is then at the staging name and is removed.
+//   - File systems without RENAME_EXCHANGE (renameat2 fails with EINVAL, ENOSYS or EOPNOTSUPP)
+//     fall back to rename(dir, "<dir>.old-<pid>") then rename(staging, dir). A crash between the
+//     two renames leaves NO checkpoint at `dir`: the old one is complete at "<dir>.old-<pid>"
+//     and the new one complete at "<dir>.tmp-<pid>". The next CheckpointWriter::Begin on the
+//     same `dir` (after that process is gone) renames the old one back into place, so the window
+//     loses the new checkpoint but never the old one. A reader inside the window gets NotFound.
+// Other leftovers of a crash ("<dir>.tmp-<pid>" of a dead pid: an unfinished staging directory
+// or a half-removed old checkpoint) are removed by the next Begin on the same `dir`.
+//
+// Only one writer at a time may target a given `dir` (the staging name is per process, and a
+// second writer in the same process would remove the first one's staging directory).
+//
+// None of these classes is thread-safe: use each object from one thread at a time. Distinct
+// CheckpointFileSinks of one writer may be used on different threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "strata/core/status.h"
+
+namespace strata::offload::internal {
+
+/// The manifest's "format" value that marks a Strata checkpoint.
+inline constexpr std::string_view kCheckpointFormat = "strata-checkpoint";
+/// The manifest "version" this build writes, and the newest it reads.
+inline constexpr int kCheckpointFormatVersion = 1;
+/// Name of the manifest inside a checkpoint directory; not usable as a data file name.
+inline constexpr std::string_view kManifestFileName = "manifest.json";
+
+/// Size and XXH3-64 hash of a whole file's content. Recorded in the manifest by the engine and
+/// checked by CheckpointReader::ReadFile.
+struct FileDigest {
+  uint64_t bytes = 0;  ///< File size in bytes.
+  uint64_t xxh3 = 0;   ///< XXH3_64bits (seed 0) of the file's content.
+
+  friend bool operator==(const FileDigest&, const FileDigest&) = default;
+};
+
+/// Returns {"format": "strata-checkpoint", "version": 1}: the manifest header that Commit
+/// requires and CheckpointReader::Open checks. The engine adds its own keys to it.
+nlohmann::json NewManifest();
+
+/// Reads the whole file at `path` and returns its size and XXH3-64. NotFound when it does not
+/// exist, IoError on a read error. For tests and diagnostics.
+Result<FileDigest> DigestFile(const std::filesystem::path& path);
+
+/// One data file being written into a checkpoint's staging directory: a move-only handle that
+/// owns the file descriptor (closed on destruction) and a streaming XXH3-64 state.
+///
+/// Bytes go in with Append, in as many calls of any size as convenient; Finish makes them
+/// durable and returns the digest. A sink destroyed without a successful Finish leaves a partial,
+/// unsynced file, and the writer's Commit then refuses to commit. After any error the sink is
+/// failed: later calls return FailedPrecondition.
+///
+/// Not thread-safe; sinks are independent of each other and of the writer's object (they may
+/// outlive it), so different sinks may be used on different threads at once.
+class CheckpointFileSink {
+ public:
+  /// An empty sink: every call fails with FailedPrecondition. Assign a real one from CreateFile.
+  CheckpointFileSink();
+  ~CheckpointFileSink();
+  CheckpointFileSink(CheckpointFileSink&& other) noexcept;
+  CheckpointFileSink& operator=(CheckpointFileSink&& other) noexcept;
+  CheckpointFileSink(const CheckpointFileSink&) = delete;
+  CheckpointFileSink& operator=(const CheckpointFileSink&) = delete;
+
+  /// Writes all of `bytes` at the end of the file (short writes are continued, EINTR retried)
+  /// and adds them to the hash. IoError naming the file, the operation and the errno text; a
+  /// full disk (ENOSPC/EDQUOT) says so. The caller keeps ownership of `bytes`; nothing is kept
+  /// after the call returns.
+  Status Append(std::span<const std::byte> bytes);
+
+  /// fsyncs and closes the file and returns its size and XXH3-64. After Finish the sink is
+  /// closed; a second Finish or an Append fails with FailedPrecondition.
+  Result<FileDigest> Finish();
+
+  /// Full path of the file in the staging directory (empty for an empty sink).
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+  /// Bytes appended so far.
+  [[nodiscard]] uint64_t bytes_written() const { return bytes_; }
+
+ private:
+  friend class CheckpointWriter;
+  struct HashState;  // Wraps XXH3_state_t, so this header does not include xxhash.h.
+  struct HashStateDeleter {
+    void operator()(HashState* state) const;
+  };
+  struct SharedState;  // Shared with the writer: counts sinks not yet finished.
+
+  CheckpointFileSink(int fd, std::filesystem::path path,
+                     std::unique_ptr<HashState, HashStateDeleter> hash,
+                     std::shared_ptr<SharedState> shared);
+  /// Closes the fd (if open) and settles the writer's count of open sinks.
+  void Release(bool finished);
+
+  int fd_ = -1;
+  std::filesystem::path path_;
+  uint64_t bytes_ = 0;
+  bool failed_ = false;
+  std::unique_ptr<HashState, HashStateDeleter> hash_;
+  std::shared_ptr<SharedState> shared_;
+};
+
+/// Writes one checkpoint into a staging directory and commits it atomically at its final path.
+/// Move-only; owns the staging directory until Commit succeeds. A writer destroyed without a
+/// successful Commit removes its staging directory (best effort) and leaves `dir` untouched.
+/// Not thread-safe: one thread at a time (its sinks may be on other threads, see above).
+class CheckpointWriter {
+ public:
+  ~CheckpointWriter();
+  CheckpointWriter(CheckpointWriter&& other) noexcept;
+  CheckpointWriter& operator=(CheckpointWriter&& other) noexcept;
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  /// Starts a checkpoint whose final path is `dir` (symbolic links in it are resolved, so the
+  /// staging directory is on the same file system as the real target). The parent of `dir` must
+  /// exist (NotFound naming it otherwise; InvalidArgument if it is not a directory; IoError with
+  /// the errno text if it cannot be examined) and `dir`, if it exists, must be a directory
+  /// (InvalidArgument otherwise). Creates a fresh staging directory "<dir>.tmp-<pid>", removing a
+  /// stale one of that name first, and cleans up after crashed writers of the same `dir` (see
+  /// the file comment).
+  static Result<CheckpointWriter> Begin(const std::filesystem::path& dir);
+
+  /// Creates the data file `name` in the staging directory and returns its sink. `name` must be
+  /// a plain file name: not empty, no '/', not "." or "..", not "manifest.json"
+  /// (InvalidArgument). AlreadyExists if this checkpoint already has a file of that name.
+  /// FailedPrecondition after Commit.
+  Result<CheckpointFileSink> CreateFile(std::string_view name);
+
+  /// Writes `manifest` as manifest.json (2-space indent), makes it and the staging directory
+  /// durable and puts the checkpoint at `dir`, replacing any previous checkpoint there
+  /// atomically (see the file comment), then removes the previous one.
+  ///
+  /// InvalidArgument if `manifest` is not an object with "format": "strata-checkpoint" and an
+  /// integer "version" this build supports (start from NewManifest()), or if it cannot be
+  /// serialized (e.g. a string that is not UTF-8). FailedPrecondition if a sink of this writer is
+  /// still open, or one failed or was destroyed before a successful Finish (its data is not
+  /// durable), or after a successful Commit. IoError on a file system error: `dir` is unchanged
+  /// and Commit may be retried, except when the message says the checkpoint was committed but
+  /// syncing the parent directory failed (the new checkpoint is in place but may not survive a
+  /// crash). Failing to remove the old checkpoint afterwards only logs a warning; the next Begin
+  /// removes it.
+  Status Commit(const nlohmann::json& manifest);
+
+  /// The final path: Begin's `dir` with symbolic links resolved.
+  [[nodiscard]] const std::filesystem::path& dir() const { return dir_; }
+  /// The staging directory ("<dir>.tmp-<pid>").
+  [[nodiscard]] const std::filesystem::path& staging_dir() const { return staging_; }
+
+ private:
+  CheckpointWriter(std::filesystem::path dir, std::filesystem::path staging);
+  /// Moves the staging directory to dir_ (rename or exchange) and removes the old checkpoint.
+  Status Publish();
+
+  std::filesystem::path dir_;
+  std::filesystem::path staging_;
+  bool committed_ = false;
+  std::shared_ptr<CheckpointFileSink::SharedState> shared_;
+};
+
+/// A committed checkpoint opened for reading: its parsed manifest and verified file reads.
+/// A plain value (copyable, movable) that holds no open files between calls. Not thread-safe for
+/// mutation (assignment), but its const calls (manifest(), ReadFile) may run on several threads
+/// at once, each ReadFile with its own buffer.
+class CheckpointReader {
+ public:
+  /// Reads and checks `dir`/manifest.json. NotFound if `dir` or the manifest does not exist (the
+  /// message says it is not a Strata checkpoint); DataLoss if the manifest is not valid JSON
+  /// (with the parser's message) or not a JSON object; InvalidArgument if its "format" is not
+  /// "strata-checkpoint" or its "version" is not an integer from 1 to kCheckpointFormatVersion
+  /// (a newer version names both versions), or if `dir` is a file; IoError on a read error.
+  static Result<CheckpointReader> Open(const std::filesystem::path& dir);
+
+  /// Called by ReadFile with each piece of the file in order: `piece` is valid only during the
+  /// call (it points into ReadFile's buffer), `offset` is its position in the file. A non-OK
+  /// return stops the read and is returned by ReadFile unchanged.
+  using ConsumeFn = std::function<Status(std::span<const std::byte> piece, uint64_t offset)>;
+
+  /// Reads the whole data file `name` through an internal buffer, hashing as it goes, and hands
+  /// it to `consume` in order, in pieces of `piece_bytes` (the last one may be shorter). Returns
+  /// DataLoss naming the file if it is missing ("checkpoint is incomplete"), if its size differs
+  /// from `expected.bytes` (checked before any piece is consumed) or if its XXH3-64 differs from
+  /// `expected.xxh3` (the message gives expected and actual size and hash in hex).
+  ///
+  /// Hazard: the hash is known only at the end, so `consume` may already have received bad
+  /// bytes when DataLoss is returned. On any non-OK return the caller must treat everything
+  /// `consume` wrote as garbage (the engine loads into scratch buffers and only then publishes).
+  /// `consume` is never given bytes past `expected.bytes`. InvalidArgument for a bad `name` or a
+  /// zero `piece_bytes`; IoError on a read error.
+  Status ReadFile(std::string_view name, const FileDigest& expected, const ConsumeFn& consume,
+                  size_t piece_bytes = size_t{8} << 20) const;
+
+  /// The parsed manifest, including "format" and "version".
+  [[nodiscard]] const nlohmann::json& manifest() const { return manifest_; }
+  /// The checkpoint directory given to Open.
+  [[nodiscard]] const std::filesystem::path& dir() const { return dir_; }
+
+ private:
+  CheckpointReader(std::filesystem::path dir, nlohmann::json manifest)
+      : dir_(std::move(dir)), manifest_(std::move(manifest)) {}
+
+  std::filesystem::path dir_;
+  nlohmann::json manifest_;
+};
+
+}  // namespace strata::offload::internal

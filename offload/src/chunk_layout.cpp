@@ -1,0 +1,71 @@
+#include "strata/offload/chunk_layout.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
+
+namespace strata::offload {
+
+size_t ParameterSpec::numel() const {
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(std::max<int64_t>(d, 0));
+  return n;
+}
+
+Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters,
+                                       DType working_dtype, uint64_t chunk_bytes) {
+  if (parameters.empty()) return InvalidArgument("no parameters registered");
+  if (chunk_bytes < kHostAlignment) {
+    return InvalidArgument("chunk_bytes " + std::to_string(chunk_bytes) +
+                           " is below the minimum of 4096");
+  }
+  const size_t target_numel = std::max<size_t>(chunk_bytes / DTypeSize(working_dtype), 1);
+
+  ChunkLayout layout;
+  std::unordered_set<std::string_view> seen;
+  ChunkInfo open;  // The chunk being filled.
+  auto close = [&] {
+    open.numel = AlignUp(open.used_numel, kChunkAlignment);
+    layout.max_chunk_numel_ = std::max(layout.max_chunk_numel_, open.numel);
+    layout.total_numel_ += open.numel;
+    layout.chunks_.push_back(open);
+    open = ChunkInfo{.first_parameter = layout.locations_.size()};
+  };
+
+  for (const ParameterSpec& p : parameters) {
+    if (p.name.empty()) return InvalidArgument("a parameter has an empty name");
+    if (!seen.insert(p.name).second) {
+      return InvalidArgument("parameter name '" + p.name + "' is registered twice");
+    }
+    if (p.shape.empty()) return InvalidArgument("parameter '" + p.name + "' has no dimensions");
+    for (int64_t d : p.shape) {
+      if (d < 1) {
+        return InvalidArgument("parameter '" + p.name + "' has dimension " + std::to_string(d) +
+                               "; every dimension must be >= 1");
+      }
+    }
+    const size_t numel = p.numel();
+    if (!p.initial_values.empty() && p.initial_values.size() != numel) {
+      return InvalidArgument("parameter '" + p.name + "' has " + std::to_string(numel) +
+                             " elements but " + std::to_string(p.initial_values.size()) +
+                             " initial values");
+    }
+    size_t offset = AlignUp(open.used_numel, kParameterAlignment);
+    if (open.parameter_count > 0 && offset + numel > target_numel) {
+      close();
+      offset = 0;
+    }
+    layout.locations_.push_back({layout.chunks_.size(), offset, numel});
+    layout.names_.push_back(p.name);
+    layout.shapes_.push_back(p.shape);
+    layout.parameter_numel_ += numel;
+    open.used_numel = offset + numel;
+    ++open.parameter_count;
+  }
+  close();
+  return layout;
+}
+
+}  // namespace strata::offload

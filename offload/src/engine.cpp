@@ -1,0 +1,486 @@
+// Engine creation: placement of every chunk's state, budgets, allocations and initial values;
+// the public methods that only forward to Impl.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "engine_impl.h"
+#include "strata/core/bytes.h"
+#include "strata/core/log.h"
+
+namespace strata::offload {
+
+// ---- LoopSemaphore ----
+
+Awaitable<void> LoopSemaphore::Acquire() {
+  return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void()>(
+      [this](auto handler) {
+        auto resume = internal::PostingCallback(std::move(handler));
+        if (count_ > 0) {
+          --count_;
+          resume();
+        } else {
+          waiters_.emplace_back(std::move(resume));
+        }
+      },
+      boost::asio::use_awaitable);
+}
+
+void LoopSemaphore::Release() {
+  if (waiters_.empty()) {
+    ++count_;
+    return;
+  }
+  auto next = std::move(waiters_.front());
+  waiters_.pop_front();
+  next();
+}
+
+// ---- Placement and budgets ----
+
+namespace {
+
+uint64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page_size > 0 ? uint64_t(pages) * uint64_t(page_size) : 0;
+}
+
+/// The device budget the engine may use: what the device has free now, capped by the CUDA
+/// budget option.
+uint64_t DeviceBudgetBytes(const EngineOptions& options, const Device& device) {
+  const uint64_t free = device.memory_info().free_bytes;
+  if (options.device.kind == DeviceKind::kCuda && options.device.cuda_memory_bytes > 0) {
+    return std::min(free, options.device.cuda_memory_bytes);
+  }
+  return free;
+}
+
+uint64_t HostBudgetBytes(const EngineOptions& options) {
+  if (options.host.pinned_memory_bytes > 0) return options.host.pinned_memory_bytes;
+  return PhysicalMemoryBytes() / 10 * 8;  // Automatic: 80% of physical memory.
+}
+
+Result<AlignedBuffer> AllocateZeroed(size_t bytes) {
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::Allocate(bytes));
+  std::memset(buffer.data(), 0, buffer.size());
+  return buffer;
+}
+
+}  // namespace
+
+Engine::Impl::Impl(const EngineOptions& options, Device& device, ChunkLayout layout,
+                   EngineEnvironment environment)
+    : options_(options),
+      device_(device),
+      layout_(std::move(layout)),
+      environment_(std::move(environment)),
+      device_budget_(Tier::kDevice, DeviceBudgetBytes(options, device)),
+      host_budget_(Tier::kHost, HostBudgetBytes(options)),
+      nvme_budget_(Tier::kNvme, 0),
+      loss_scaler_(options.precision),
+      lr_(options.optimizer.lr) {}
+
+Engine::Impl::~Impl() {
+  WaitIdle();
+  // Preloaded states hold staging buffers, which must go back before the pool is destroyed.
+  if (!chunks_.empty()) loop_.Run(DropPreloads());
+}
+
+void Engine::Impl::WaitIdle() {
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] {
+        if (step_running_) return false;
+        for (const Chunk& c : chunks_) {
+          if (c.fetching || c.grads_in_flight) return false;
+        }
+        return true;
+      });
+    }
+    // Updates started during backward may still run though no step was asked for.
+    auto idle = [this]() -> Awaitable<bool> {
+      co_return step_.updates_running == 0 && !step_.committing && preloads_running_ == 0;
+    };
+    if (loop_.Run(idle())) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
+  const size_t n_chunks = layout_.chunk_count();
+  const size_t wsize = working_size();
+  const int gas = options_.optimizer.gradient_accumulation_steps;
+  const PlacementOptions& place = options_.placement;
+
+  if (environment_.communicator == nullptr) {
+    environment_.communicator = CreateSingleRankCommunicator();
+  }
+  if (environment_.communicator->size() > 1) {
+    return Unavailable("sharding across " + std::to_string(environment_.communicator->size()) +
+                       " ranks is not implemented yet; run one rank per engine");
+  }
+  const bool wants_device_states =
+      place.optimizer_states == Tier::kDevice || place.offload_ratio < 1.0;
+  if (wants_device_states && place.params != Tier::kDevice) {
+    return InvalidArgument(
+        "optimizer states kept on the device (offload_optimizer.device=none or ratio < 1) need "
+        "the working parameters on the device too; set placement.params to device");
+  }
+  if (wants_device_states && options_.device.kind == DeviceKind::kCuda) {
+    return Unavailable(
+        "optimizer steps on a CUDA device are not built yet (they come with the GPU kernels); "
+        "place optimizer states on host or nvme with offload_ratio 1");
+  }
+
+  // --- Where each chunk lives ---
+  chunks_.resize(n_chunks);
+  uint64_t params_in_host = 0;
+  for (size_t i = 0; i < n_chunks; ++i) {
+    Chunk& c = chunks_[i];
+    c.numel = layout_.chunk(i).numel;
+    c.placement.params = place.params;
+    if (place.params == Tier::kNvme &&
+        params_in_host + c.working_bytes(wsize) <= place.max_params_in_host) {
+      c.placement.params = Tier::kHost;  // Within max_params_in_host: cached in host memory.
+      params_in_host += c.working_bytes(wsize);
+    }
+    c.placement.optimizer_states = place.optimizer_states;
+  }
+
+  STRATA_ASSIGN_OR_RETURN(zeros_, AllocateZeroed(layout_.max_chunk_numel() * wsize));
+
+  // --- Device: working parameters and gradients of device-home chunks ---
+  for (size_t i = 0; i < n_chunks; ++i) {
+    Chunk& c = chunks_[i];
+    if (c.params_offloaded()) continue;
+    const uint64_t bytes = 2 * c.working_bytes(wsize);
+    Status reserved = device_budget_.Reserve(
+        bytes, "the working parameters and gradients of chunk " + std::to_string(i));
+    if (!reserved.ok()) {
+      uint64_t needed = 0;
+      for (const Chunk& other : chunks_) needed += 2 * other.working_bytes(wsize);
+      return ResourceExhausted("device memory budget of " +
+                               FormatBytes(device_budget_.usage().budget_bytes) +
+                               " cannot hold the working parameters and gradients (" +
+                               FormatBytes(needed) +
+                               "); offload the parameters (placement.params host or nvme) or "
+                               "raise the device budget");
+    }
+    static_reservations_.emplace_back(&device_budget_, bytes);
+    STRATA_ASSIGN_OR_RETURN(c.params, device_.Allocate(c.working_bytes(wsize)));
+    STRATA_ASSIGN_OR_RETURN(c.grads, device_.Allocate(c.working_bytes(wsize)));
+    STRATA_RETURN_IF_ERROR(
+        device_.CopyToDevice(c.grads.data(), zeros_.data(), c.working_bytes(wsize)));
+  }
+
+  // --- Device: optimizer states kept there (all of them, or the 1 - ratio share) ---
+  size_t wanted_device_states = 0;
+  if (place.optimizer_states == Tier::kDevice) {
+    wanted_device_states = n_chunks;
+  } else if (place.offload_ratio < 1.0) {
+    wanted_device_states = static_cast<size_t>(std::llround((1.0 - place.offload_ratio) * n_chunks));
+  }
+  // The first chunks stay: backward produces their gradients last, so the CPU gets the chunks
+  // whose gradients arrive first and the most time to update them.
+  for (size_t i = 0; i < wanted_device_states; ++i) {
+    Chunk& c = chunks_[i];
+    const uint64_t bytes = c.state_bytes() + (gas > 1 ? c.numel * sizeof(float) : 0);
+    if (!device_budget_.TryReserve(bytes)) {
+      if (place.optimizer_states == Tier::kDevice) {
+        return ResourceExhausted(
+            "device memory budget of " + FormatBytes(device_budget_.usage().budget_bytes) +
+            " cannot hold the optimizer states of chunk " + std::to_string(i) + " (" +
+            FormatBytes(bytes) + " more; " + FormatBytes(device_budget_.usage().used_bytes) +
+            " in use); offload them (offload_optimizer.device cpu or nvme)");
+      }
+      Log(LogLevel::kWarning, "offload_ratio " + std::to_string(place.offload_ratio) +
+                                  " keeps " + std::to_string(wanted_device_states) +
+                                  " chunks' optimizer states on the device, but only " +
+                                  std::to_string(i) + " fit in its memory budget");
+      break;
+    }
+    static_reservations_.emplace_back(&device_budget_, bytes);
+    c.placement.optimizer_states = Tier::kDevice;
+    ++device_state_chunks_;
+    STRATA_ASSIGN_OR_RETURN(c.device_states, device_.Allocate(c.state_bytes()));
+    if (gas > 1) {
+      STRATA_ASSIGN_OR_RETURN(c.device_grads_sum, device_.Allocate(c.numel * sizeof(float)));
+    }
+  }
+  for (Chunk& c : chunks_) {
+    if (c.placement.optimizer_states == Tier::kDevice && !c.device_states.valid()) {
+      c.placement.optimizer_states = Tier::kHost;  // Did not fit: the CPU updates it.
+    }
+  }
+
+  // Offloaded parameters fetch into whatever the device has left: it must hold one chunk.
+  if (place.params != Tier::kDevice) {
+    const uint64_t slot = 2 * layout_.max_chunk_numel() * wsize;
+    if (device_budget_.free_bytes() < slot) {
+      return ResourceExhausted(
+          "device memory budget of " + FormatBytes(device_budget_.usage().budget_bytes) +
+          " cannot hold one chunk's working parameters and gradients (" + FormatBytes(slot) +
+          " needed, " + FormatBytes(device_budget_.free_bytes()) +
+          " free); lower placement.chunk_bytes or raise the device budget");
+    }
+  }
+
+  // --- Host ---
+  auto host_alloc = [&](AlignedBuffer& out, size_t bytes, const std::string& what) -> Status {
+    if (bytes == 0) return Status();
+    STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
+        AlignUp(bytes, kHostAlignment),
+        what + " (set host.pinned_memory_bytes higher, or offload more to nvme)"));
+    static_reservations_.emplace_back(&host_budget_, AlignUp(bytes, kHostAlignment));
+    STRATA_ASSIGN_OR_RETURN(out, AllocateZeroed(bytes));
+    return Status();
+  };
+  for (size_t i = 0; i < n_chunks; ++i) {
+    Chunk& c = chunks_[i];
+    const std::string name = "chunk " + std::to_string(i);
+    if (c.placement.optimizer_states == Tier::kDevice) continue;  // Gradients stay there.
+    STRATA_RETURN_IF_ERROR(
+        host_alloc(c.grads_landing, c.working_bytes(wsize), "the gradients of " + name));
+    if (gas > 1) {
+      STRATA_RETURN_IF_ERROR(
+          host_alloc(c.grads_sum, c.numel * sizeof(float), "the gradient sum of " + name));
+    }
+    if (c.placement.params != Tier::kNvme) {
+      STRATA_RETURN_IF_ERROR(host_alloc(c.param_copy, c.working_bytes(wsize),
+                                        "the updated working parameters of " + name));
+    }
+    if (c.placement.params == Tier::kHost) {
+      STRATA_RETURN_IF_ERROR(
+          host_alloc(c.host_params, c.working_bytes(wsize), "the parameters of " + name));
+    }
+    if (c.placement.optimizer_states == Tier::kHost) {
+      STRATA_RETURN_IF_ERROR(
+          host_alloc(c.host_states, c.state_bytes(), "the optimizer states of " + name));
+    }
+  }
+  if (options_.host.pin_memory && device_.CanPin()) {
+    Log(LogLevel::kDebug, "host.pin_memory: host-tier state is pinned through staging only");
+  }
+
+  // --- NVMe ---
+  uint64_t nvme_bytes = 0;
+  bool nvme_states = false;
+  bool nvme_params = false;
+  for (const Chunk& c : chunks_) {
+    if (c.placement.optimizer_states == Tier::kNvme) {
+      nvme_bytes += 2 * AlignUp(c.state_bytes(), kMiB);
+      nvme_states = true;
+    }
+    if (c.placement.params == Tier::kNvme) {
+      nvme_bytes += 2 * AlignUp(c.working_bytes(wsize), kMiB);
+      nvme_params = true;
+    }
+  }
+  transactional_ = nvme_states || nvme_params;
+  if (nvme_bytes > 0) {
+    const NvmeOptions& nv = options_.nvme;
+    if (nv.paths.empty()) {
+      return InvalidArgument("state is placed on nvme but nvme.paths is empty (set nvme_path)");
+    }
+    STRATA_ASSIGN_OR_RETURN(
+        io_, nvme::IoEngine::Create({.backend = nv.backend,
+                                     .block_size = nv.block_size,
+                                     .queue_depth = static_cast<uint32_t>(nv.queue_depth),
+                                     .wrap_backend = environment_.wrap_io_backend}));
+    const uint64_t per_path = AlignUp(nvme_bytes / nv.paths.size() + 16 * kMiB, kMiB);
+    STRATA_ASSIGN_OR_RETURN(swap_, nvme::SwapSpace::Create({.paths = nv.paths,
+                                                            .bytes_per_path = per_path,
+                                                            .direct_io = nv.direct_io,
+                                                            .allow_buffered_fallback =
+                                                                nv.allow_buffered_fallback,
+                                                            .checksums = nv.checksums},
+                                                           *io_));
+    nvme_budget_.SetBudget(swap_->capacity_bytes());
+    for (size_t i = 0; i < n_chunks; ++i) {
+      Chunk& c = chunks_[i];
+      for (int k = 0; k < 2; ++k) {
+        if (c.placement.optimizer_states == Tier::kNvme) {
+          STRATA_ASSIGN_OR_RETURN(c.state_extents[k], swap_->Allocate(c.state_bytes()));
+          STRATA_RETURN_IF_ERROR(nvme_budget_.Reserve(c.state_bytes(), "optimizer states"));
+          static_reservations_.emplace_back(&nvme_budget_, c.state_bytes());
+        }
+        if (c.placement.params == Tier::kNvme) {
+          STRATA_ASSIGN_OR_RETURN(c.param_extents[k], swap_->Allocate(c.working_bytes(wsize)));
+          STRATA_RETURN_IF_ERROR(nvme_budget_.Reserve(c.working_bytes(wsize), "parameters"));
+          static_reservations_.emplace_back(&nvme_budget_, c.working_bytes(wsize));
+        }
+      }
+    }
+    auto make_pool = [&](std::unique_ptr<StagingPool>& pool, std::optional<LoopSemaphore>& free,
+                         size_t bytes, int count, const char* what) -> Status {
+      const uint64_t total = AlignUp(bytes, kHostAlignment) * count;
+      STRATA_RETURN_IF_ERROR(host_budget_.Reserve(total, what));
+      static_reservations_.emplace_back(&host_budget_, total);
+      STRATA_ASSIGN_OR_RETURN(pool, StagingPool::Create({.buffer_bytes = bytes,
+                                                         .buffer_count = size_t(count),
+                                                         .pin_with = &device_}));
+      free.emplace(size_t(count));
+      return Status();
+    };
+    if (nvme_states) {
+      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, state_staging_free_,
+                                       layout_.max_chunk_numel() * 4 * kStateArrays,
+                                       options_.host.optimizer_buffer_count,
+                                       "the optimizer state staging buffers"));
+      state_staging_registered_ =
+          io_->RegisterBuffers(state_staging_->arena(), state_staging_->buffer_bytes());
+    }
+    if (nvme_params) {
+      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, param_staging_free_,
+                                       layout_.max_chunk_numel() * wsize,
+                                       options_.host.param_buffer_count,
+                                       "the parameter staging buffers"));
+    }
+  }
+
+  // --- Initial values: master = given values (padding zero), moments zero ---
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
+                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
+  for (size_t i = 0; i < n_chunks; ++i) {
+    const ChunkInfo& info = layout_.chunk(i);
+    std::memset(states.data(), 0, chunks_[i].state_bytes());
+    auto* master = reinterpret_cast<float*>(states.data());
+    for (size_t p = info.first_parameter; p < info.first_parameter + info.parameter_count; ++p) {
+      const std::span<const float> values = parameters[p].initial_values;
+      if (!values.empty()) std::copy(values.begin(), values.end(), master + layout_.location(p).offset);
+    }
+    STRATA_RETURN_IF_ERROR(WriteChunkStates(i, states.data()));
+    STRATA_ASSIGN_OR_RETURN(chunks_[i].released, device_.CreateEvent());
+  }
+  STRATA_ASSIGN_OR_RETURN(compute_marker_, device_.CreateEvent());
+
+  STRATA_ASSIGN_OR_RETURN(
+      cpu_adam::CpuOptimizer optimizer,
+      cpu_adam::CpuOptimizer::Create({.threads = options_.optimizer.cpu_threads}));
+  optimizer_.emplace(std::move(optimizer));
+  RegisterMetrics();
+  boost::asio::post(loop_.executor(), [this] { StartPreloads(); });
+  return Status();
+}
+
+// ---- Engine: forwarding ----
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options, Device& device,
+                                               std::span<const ParameterSpec> parameters,
+                                               EngineEnvironment environment) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  STRATA_ASSIGN_OR_RETURN(ChunkLayout layout,
+                          ChunkLayout::Build(parameters, options.precision.working_dtype,
+                                             options.placement.chunk_bytes));
+  auto impl = std::make_unique<Impl>(options, device, std::move(layout), std::move(environment));
+  STRATA_RETURN_IF_ERROR(impl->Initialize(parameters));
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+const ChunkLayout& Engine::layout() const { return impl_->layout_; }
+const ChunkPlacement& Engine::placement(size_t chunk) const {
+  return impl_->chunks_[chunk].placement;
+}
+DType Engine::working_dtype() const { return impl_->working_dtype(); }
+Result<ChunkView> Engine::Acquire(size_t chunk) { return impl_->Acquire(chunk); }
+void Engine::Release(size_t chunk) { impl_->Release(chunk); }
+Status Engine::GradsReady(size_t chunk) { return impl_->GradsReady(chunk); }
+std::future<Result<StepReport>> Engine::Step() { return impl_->Step(); }
+double Engine::loss_scale() const {
+  std::lock_guard lock(impl_->mutex_);
+  return impl_->loss_scaler_.scale();
+}
+int64_t Engine::step_count() const { return impl_->step_count_.load(); }
+void Engine::SetLearningRate(double lr) { impl_->lr_.store(lr); }
+Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
+  return impl_->Save(dir, save_options);
+}
+Status Engine::Load(const std::filesystem::path& dir) { return impl_->Load(dir); }
+Status Engine::ReadMasterParameter(size_t parameter, std::span<float> out) {
+  return impl_->ReadMasterParameter(parameter, out);
+}
+
+TierUsage Engine::tier_usage(Tier tier) const {
+  switch (tier) {
+    case Tier::kDevice:
+      return impl_->device_budget_.usage();
+    case Tier::kHost:
+      return impl_->host_budget_.usage();
+    case Tier::kNvme:
+      return impl_->nvme_budget_.usage();
+  }
+  return {};
+}
+
+EngineCounters Engine::counters() const {
+  const auto& m = impl_->m_;
+  auto count = [](const Counter* c) { return static_cast<uint64_t>(c->Value()); };
+  return {.device_to_host_bytes = count(m.d2h_bytes),
+          .host_to_device_bytes = count(m.h2d_bytes),
+          .nvme_read_bytes = count(m.nvme_read_bytes),
+          .nvme_write_bytes = count(m.nvme_write_bytes),
+          .optimizer_seconds = m.optimizer_seconds->Value(),
+          .optimizer_params = count(m.optimizer_params),
+          .device_optimizer_params = count(m.device_optimizer_params),
+          .evictions = count(m.evictions),
+          .fetches = count(m.fetches)};
+}
+
+MetricsRegistry& Engine::metrics() {
+  impl_->UpdateTierGauges();
+  return impl_->metrics_;
+}
+
+void Engine::Impl::RegisterMetrics() {
+  MetricsRegistry& r = metrics_;
+  const char* moved = "Bytes moved between tiers.";
+  m_.d2h_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
+                               TierPairLabels(Tier::kDevice, Tier::kHost));
+  m_.h2d_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
+                               TierPairLabels(Tier::kHost, Tier::kDevice));
+  m_.nvme_read_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
+                                     TierPairLabels(Tier::kNvme, Tier::kHost));
+  m_.nvme_write_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
+                                      TierPairLabels(Tier::kHost, Tier::kNvme));
+  const char* updated = "Parameters updated by the optimizer.";
+  m_.optimizer_params =
+      &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});
+  m_.device_optimizer_params =
+      &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "device"}});
+  m_.optimizer_seconds = &r.GetCounter("strata_optimizer_busy_seconds_total",
+                                       "Time the CPU optimizer spent updating chunks.");
+  m_.evictions = &r.GetCounter("strata_param_evictions_total",
+                               "Offloaded parameter chunks dropped from the device.");
+  m_.fetches = &r.GetCounter("strata_param_fetches_total",
+                             "Offloaded parameter chunks brought to the device.");
+  m_.steps = &r.GetCounter("strata_steps_total", "Optimizer steps taken.");
+  m_.skipped_steps =
+      &r.GetCounter("strata_skipped_steps_total", "Steps skipped for fp16 gradient overflow.");
+  m_.step_seconds = &r.GetGauge("strata_step_seconds", "Duration of the last optimizer step.");
+  m_.loss_scale = &r.GetGauge("strata_loss_scale", "Loss scale for the next backward.");
+  for (int t = 0; t < kTierCount; ++t) {
+    const Labels tier = {{"tier", std::string(TierName(static_cast<Tier>(t)))}};
+    m_.used_bytes[t] = &r.GetGauge("strata_tier_used_bytes", "Bytes in use per tier.", tier);
+    m_.budget_bytes[t] = &r.GetGauge("strata_tier_budget_bytes", "Budget per tier.", tier);
+  }
+  m_.loss_scale->Set(loss_scaler_.scale());
+  UpdateTierGauges();
+}
+
+void Engine::Impl::UpdateTierGauges() {
+  const TierBudget* budgets[kTierCount] = {&device_budget_, &host_budget_, &nvme_budget_};
+  for (int t = 0; t < kTierCount; ++t) {
+    const TierUsage u = budgets[t]->usage();
+    m_.used_bytes[t]->Set(double(u.used_bytes));
+    m_.budget_bytes[t]->Set(double(u.budget_bytes));
+  }
+}
+
+}  // namespace strata::offload

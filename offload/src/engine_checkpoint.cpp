@@ -1,0 +1,270 @@
+// Checkpoints: every chunk's optimizer states (fp32 master | exp_avg | exp_avg_sq) in a file of
+// its own, plus a manifest with the layout, step count and loss scaler. Working parameters are
+// not saved: they are the master rounded to the working dtype, recomputed on load. The files go
+// through checkpoint_files.h, which makes the whole directory appear atomically.
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint_files.h"
+#include "engine_impl.h"
+#include "strata/core/bytes.h"
+
+namespace strata::offload {
+namespace {
+
+using nlohmann::json;
+
+std::string ChunkFileName(size_t chunk) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "chunk-%06zu.bin", chunk);
+  return name;
+}
+
+/// Rounds `numel` fp32 values into `out` as `dtype` (a plain copy for fp32).
+void ToWorkingDtype(const float* values, size_t numel, DType dtype, void* out) {
+  switch (dtype) {
+    case DType::kFp32:
+      std::memcpy(out, values, numel * sizeof(float));
+      break;
+    case DType::kFp16:
+      Fp32ToFp16({values, numel}, {static_cast<uint16_t*>(out), numel});
+      break;
+    case DType::kBf16:
+      Fp32ToBf16({values, numel}, {static_cast<uint16_t*>(out), numel});
+      break;
+  }
+}
+
+}  // namespace
+
+Status Engine::Impl::CheckBetweenSteps(const char* operation) const {
+  std::lock_guard lock(mutex_);
+  if (step_running_) return FailedPrecondition(std::string(operation) + " while a step is running");
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (chunks_[i].micro_steps > 0 || chunks_[i].grads_in_flight) {
+      return FailedPrecondition(std::string(operation) + " while chunk " + std::to_string(i) +
+                                " holds gradients of an unfinished step; call Step() first");
+    }
+  }
+  return Status();
+}
+
+Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
+  const Chunk& c = chunks_[chunk];
+  switch (c.placement.optimizer_states) {
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(device_.CopyToHost(out, c.device_states.data(), c.state_bytes()));
+      return device_.SynchronizeStream(Stream::kDeviceToHost);
+    case Tier::kHost:
+      std::memcpy(out, c.host_states.data(), c.state_bytes());
+      return Status();
+    case Tier::kNvme:
+      return swap_->ReadSync(c.state_extents[c.state_current], out);
+  }
+  return Internal("unknown tier");
+}
+
+Status Engine::Impl::WriteChunkStates(size_t chunk, const std::byte* states) {
+  Chunk& c = chunks_[chunk];
+  switch (c.placement.optimizer_states) {
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.device_states.data(), states, c.state_bytes()));
+      STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kHostToDevice));
+      break;
+    case Tier::kHost:
+      std::memcpy(c.host_states.data(), states, c.state_bytes());
+      break;
+    case Tier::kNvme:
+      STRATA_RETURN_IF_ERROR(swap_->WriteSync(c.state_extents[c.state_current], states,
+                                              c.state_bytes()));
+      break;
+  }
+  const size_t wbytes = c.working_bytes(working_size());
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, AlignedBuffer::Allocate(wbytes));
+  ToWorkingDtype(reinterpret_cast<const float*>(states), c.numel, working_dtype(),
+                 working.data());
+  switch (c.placement.params) {
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working.data(), wbytes));
+      return device_.SynchronizeStream(Stream::kHostToDevice);
+    case Tier::kHost:
+      std::memcpy(c.host_params.data(), working.data(), wbytes);
+      return Status();
+    case Tier::kNvme:
+      return swap_->WriteSync(c.param_extents[c.param_current], working.data(), wbytes);
+  }
+  return Internal("unknown tier");
+}
+
+Status Engine::Impl::ReadMasterParameter(size_t parameter, std::span<float> out) {
+  if (parameter >= layout_.parameter_count()) {
+    return InvalidArgument("parameter " + std::to_string(parameter) + " does not exist");
+  }
+  const ParameterLocation& loc = layout_.location(parameter);
+  if (out.size() != loc.numel) {
+    return InvalidArgument("parameter '" + layout_.name(parameter) + "' has " +
+                           std::to_string(loc.numel) + " elements; the output holds " +
+                           std::to_string(out.size()));
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (step_running_) return FailedPrecondition("ReadMasterParameter while a step is running");
+  }
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
+                          AlignedBuffer::Allocate(chunks_[loc.chunk].state_bytes()));
+  STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
+  const float* master = reinterpret_cast<const float*>(states.data()) + loc.offset;
+  std::copy(master, master + loc.numel, out.begin());
+  return Status();
+}
+
+Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
+  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("Save"));
+  json manifest = internal::NewManifest();
+  const LossScalerState& scaler = loss_scaler_.state();
+  manifest["engine"] = {
+      {"step_count", step_count_.load()},
+      {"working_dtype", DTypeName(working_dtype())},
+      {"chunk_bytes", options_.placement.chunk_bytes},
+      {"optimizer", OptimizerTypeName(options_.optimizer.type)},
+      {"loss_scaler",
+       {{"scale", scaler.scale},
+        {"iteration", scaler.iteration},
+        {"last_overflow_iteration", scaler.last_overflow_iteration},
+        {"hysteresis_left", scaler.hysteresis_left}}}};
+  json parameters = json::array();
+  for (size_t p = 0; p < layout_.parameter_count(); ++p) {
+    const ParameterLocation& loc = layout_.location(p);
+    parameters.push_back({{"name", layout_.name(p)},
+                          {"shape", layout_.shape(p)},
+                          {"chunk", loc.chunk},
+                          {"offset", loc.offset}});
+  }
+  manifest["parameters"] = std::move(parameters);
+
+  STRATA_ASSIGN_OR_RETURN(internal::CheckpointWriter writer, internal::CheckpointWriter::Begin(dir));
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
+                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
+  json chunks = json::array();
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    // One chunk at a time through one buffer: saving never needs the whole model in memory.
+    STRATA_RETURN_IF_ERROR(ReadChunkStates(i, states.data()));
+    const std::string name = ChunkFileName(i);
+    STRATA_ASSIGN_OR_RETURN(internal::CheckpointFileSink sink, writer.CreateFile(name));
+    STRATA_RETURN_IF_ERROR(sink.Append({states.data(), chunks_[i].state_bytes()}));
+    STRATA_ASSIGN_OR_RETURN(internal::FileDigest digest, sink.Finish());
+    chunks.push_back({{"file", name},
+                      {"numel", chunks_[i].numel},
+                      {"bytes", digest.bytes},
+                      {"xxh3", digest.xxh3}});
+    if (save_options.on_chunk_saved) save_options.on_chunk_saved(i + 1, chunks_.size());
+  }
+  manifest["chunks"] = std::move(chunks);
+  return writer.Commit(manifest);
+}
+
+namespace {
+
+/// InvalidArgument unless the checkpoint's parameters are exactly the registered ones, packed
+/// the same way.
+Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
+  const json& params = manifest.at("parameters");
+  const json& chunks = manifest.at("chunks");
+  if (params.size() != layout.parameter_count()) {
+    return InvalidArgument("the checkpoint has " + std::to_string(params.size()) +
+                           " parameters; the engine has " +
+                           std::to_string(layout.parameter_count()));
+  }
+  for (size_t p = 0; p < params.size(); ++p) {
+    const json& saved = params[p];
+    const std::string name = saved.at("name").get<std::string>();
+    if (name != layout.name(p)) {
+      return InvalidArgument("parameter " + std::to_string(p) + " is '" + layout.name(p) +
+                             "' in the engine but '" + name + "' in the checkpoint");
+    }
+    if (saved.at("shape").get<std::vector<int64_t>>() != layout.shape(p)) {
+      return InvalidArgument("parameter '" + name + "' has shape " + saved.at("shape").dump() +
+                             " in the checkpoint but " + json(layout.shape(p)).dump() +
+                             " in the engine");
+    }
+    if (saved.at("chunk").get<size_t>() != layout.location(p).chunk ||
+        saved.at("offset").get<size_t>() != layout.location(p).offset) {
+      return InvalidArgument("parameter '" + name +
+                             "' is packed differently in the checkpoint; load it with the "
+                             "chunk_bytes it was saved with (" +
+                             manifest.at("engine").at("chunk_bytes").dump() + ")");
+    }
+  }
+  if (chunks.size() != layout.chunk_count()) {
+    return InvalidArgument("the checkpoint has " + std::to_string(chunks.size()) +
+                           " chunks; the engine has " + std::to_string(layout.chunk_count()));
+  }
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].at("numel").get<size_t>() != layout.chunk(i).numel) {
+      return InvalidArgument("chunk " + std::to_string(i) + " has a different size in the "
+                             "checkpoint");
+    }
+  }
+  return Status();
+}
+
+}  // namespace
+
+Status Engine::Impl::Load(const std::filesystem::path& dir) {
+  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("Load"));
+  STRATA_ASSIGN_OR_RETURN(internal::CheckpointReader reader,
+                          internal::CheckpointReader::Open(dir));
+  const json& manifest = reader.manifest();
+  LossScalerState scaler;
+  int64_t step_count = 0;
+  std::vector<internal::FileDigest> digests;
+  try {
+    STRATA_RETURN_IF_ERROR(CheckLayoutMatches(manifest, layout_));
+    const json& engine = manifest.at("engine");
+    step_count = engine.at("step_count").get<int64_t>();
+    const json& s = engine.at("loss_scaler");
+    scaler = {.scale = s.at("scale").get<double>(),
+              .iteration = s.at("iteration").get<int64_t>(),
+              .last_overflow_iteration = s.at("last_overflow_iteration").get<int64_t>(),
+              .hysteresis_left = s.at("hysteresis_left").get<int>()};
+    for (const json& chunk : manifest.at("chunks")) {
+      digests.push_back({chunk.at("bytes").get<uint64_t>(), chunk.at("xxh3").get<uint64_t>()});
+    }
+  } catch (const json::exception& e) {
+    return DataLoss("checkpoint manifest in " + dir.string() + " is missing a field: " + e.what());
+  }
+
+  // First verify every file, then apply: a corrupted checkpoint changes nothing.
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (digests[i].bytes != chunks_[i].state_bytes()) {
+      return DataLoss("checkpoint file " + ChunkFileName(i) + " holds " +
+                      std::to_string(digests[i].bytes) + " bytes; chunk " + std::to_string(i) +
+                      " needs " + std::to_string(chunks_[i].state_bytes()));
+    }
+    STRATA_RETURN_IF_ERROR(reader.ReadFile(
+        ChunkFileName(i), digests[i],
+        [](std::span<const std::byte>, uint64_t) { return Status(); }));
+  }
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
+                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
+  // States read ahead from NVMe are about to be replaced: drop them, and read again after.
+  loop_.Run(DropPreloads());
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(reader.ReadFile(
+        ChunkFileName(i), digests[i], [&](std::span<const std::byte> piece, uint64_t offset) {
+          std::memcpy(states.data() + offset, piece.data(), piece.size());
+          return Status();
+        }));
+    STRATA_RETURN_IF_ERROR(WriteChunkStates(i, states.data()));
+  }
+  boost::asio::post(loop_.executor(), [this] { StartPreloads(); });
+  std::lock_guard lock(mutex_);
+  DropOffloadedCopies();
+  loss_scaler_.Restore(scaler);
+  step_count_.store(step_count);
+  m_.loss_scale->Set(loss_scaler_.scale());
+  return Status();
+}
+
+}  // namespace strata::offload

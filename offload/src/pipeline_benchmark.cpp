@@ -1,0 +1,297 @@
+#include "strata/offload/pipeline_benchmark.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
+#include "strata/core/host_device.h"
+#include "strata/core/staging_pool.h"
+#include "strata/cpu_adam/cpu_optimizer.h"
+#include "strata/nvme/io_engine.h"
+#include "strata/nvme/swap_space.h"
+#include "strata/offload/engine.h"
+
+namespace strata::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// Queues `ms` milliseconds of "device compute" on the compute stream.
+Status QueueCompute(Device& device, double ms) {
+  return device.LaunchHostFunction(Stream::kCompute, [ms] {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+  });
+}
+
+size_t StateBytes(size_t numel) { return numel * sizeof(float) * 3; }
+
+/// Forward and backward of every chunk, alone on the compute stream.
+Result<double> TimeCompute(Device& device, const PipelineBenchmarkOptions& o) {
+  const auto start = Clock::now();
+  for (int c = 0; c < o.chunks; ++c) STRATA_RETURN_IF_ERROR(QueueCompute(device, o.forward_ms));
+  for (int c = 0; c < o.chunks; ++c) STRATA_RETURN_IF_ERROR(QueueCompute(device, o.backward_ms));
+  STRATA_RETURN_IF_ERROR(device.SynchronizeStream(Stream::kCompute));
+  return SecondsSince(start);
+}
+
+/// One chunk's working bytes per chunk in one direction, alone on its stream.
+Result<double> TimeCopies(Device& device, const PipelineBenchmarkOptions& o, bool to_device) {
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer on_device, device.Allocate(o.chunk_bytes));
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer on_host, AlignedBuffer::Allocate(o.chunk_bytes));
+  std::memset(on_host.data(), 0, on_host.size());
+  const Stream stream = to_device ? Stream::kHostToDevice : Stream::kDeviceToHost;
+  const auto start = Clock::now();
+  for (int c = 0; c < o.chunks; ++c) {
+    STRATA_RETURN_IF_ERROR(
+        to_device ? device.CopyToDevice(on_device.data(), on_host.data(), o.chunk_bytes)
+                  : device.CopyToHost(on_host.data(), on_device.data(), o.chunk_bytes));
+  }
+  STRATA_RETURN_IF_ERROR(device.SynchronizeStream(stream));
+  return SecondsSince(start);
+}
+
+/// The optimizer step of every chunk, alone, on arrays laid out as the engine's.
+Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
+  STRATA_ASSIGN_OR_RETURN(cpu_adam::CpuOptimizer optimizer,
+                          cpu_adam::CpuOptimizer::Create({.threads = o.threads}));
+  const size_t wsize = DTypeSize(o.working_dtype);
+  std::vector<AlignedBuffer> states, grads, copies;
+  for (int c = 0; c < o.chunks; ++c) {
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer s, AlignedBuffer::Allocate(StateBytes(numel)));
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer g, AlignedBuffer::Allocate(numel * wsize));
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer p, AlignedBuffer::Allocate(numel * wsize));
+    // First touch by the optimizer's threads, as in the engine's steady state.
+    STRATA_RETURN_IF_ERROR(optimizer.Fill(s.data(), DType::kFp32, 3 * numel, 0.0f));
+    STRATA_RETURN_IF_ERROR(optimizer.Fill(g.data(), o.working_dtype, numel, 0.0f));
+    STRATA_RETURN_IF_ERROR(optimizer.Fill(p.data(), o.working_dtype, numel, 0.0f));
+    states.push_back(std::move(s));
+    grads.push_back(std::move(g));
+    copies.push_back(std::move(p));
+  }
+  auto step_all = [&](int64_t step) -> Status {
+    for (int c = 0; c < o.chunks; ++c) {
+      float* s = reinterpret_cast<float*>(states[c].data());
+      STRATA_RETURN_IF_ERROR(optimizer.Step(
+          cpu_adam::AdamWHyperParams{.step = step},
+          cpu_adam::StepBuffers{.numel = numel,
+                                .params = s,
+                                .grads = grads[c].data(),
+                                .grad_dtype = o.working_dtype,
+                                .exp_avg = s + numel,
+                                .exp_avg_sq = s + 2 * numel,
+                                .param_copy = o.working_dtype == DType::kFp32 ? nullptr
+                                                                             : copies[c].data(),
+                                .param_copy_dtype = o.working_dtype == DType::kFp32
+                                                        ? DType::kBf16
+                                                        : o.working_dtype}));
+    }
+    return Status();
+  };
+  STRATA_RETURN_IF_ERROR(step_all(1));  // Warm-up.
+  const auto start = Clock::now();
+  STRATA_RETURN_IF_ERROR(step_all(2));
+  return SecondsSince(start);
+}
+
+/// Reads, then writes, every chunk's optimizer states through a swap space, with as many in
+/// flight as the engine has staging buffers. Returns {read seconds, write seconds}.
+Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, size_t numel) {
+  const EngineOptions defaults;
+  const NvmeOptions& nv = defaults.nvme;
+  STRATA_ASSIGN_OR_RETURN(auto io, nvme::IoEngine::Create({.backend = nv.backend,
+                                                           .block_size = nv.block_size,
+                                                           .queue_depth = uint32_t(nv.queue_depth)}));
+  const uint64_t bytes = StateBytes(numel);
+  const uint64_t per_path =
+      AlignUp(AlignUp(bytes, kMiB) * o.chunks / o.nvme_paths.size() + 16 * kMiB, kMiB);
+  STRATA_ASSIGN_OR_RETURN(auto swap, nvme::SwapSpace::Create({.paths = o.nvme_paths,
+                                                              .bytes_per_path = per_path,
+                                                              .checksums = nv.checksums},
+                                                             *io));
+  // The engine's staging buffers: same count, size and registration, so the same I/O path.
+  const int in_flight = std::max(1, defaults.host.optimizer_buffer_count);
+  STRATA_ASSIGN_OR_RETURN(auto staging, StagingPool::Create({.buffer_bytes = bytes,
+                                                             .buffer_count = size_t(in_flight)}));
+  const bool registered = io->RegisterBuffers(staging->arena(), staging->buffer_bytes());
+  std::vector<StagingBuffer> buffers;
+  for (int i = 0; i < in_flight; ++i) {
+    buffers.push_back(staging->Acquire());
+    std::memset(buffers.back().data(), 0x3c, buffers.back().size());
+  }
+  std::vector<nvme::ExtentId> extents;
+  for (int c = 0; c < o.chunks; ++c) {
+    STRATA_ASSIGN_OR_RETURN(nvme::ExtentId e, swap->Allocate(bytes));
+    extents.push_back(e);
+  }
+  // Runs read or write over all extents, `in_flight` at a time, each completion starting the
+  // next.
+  auto pass = [&](bool write) -> Result<double> {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    int next = 0, done = 0;
+    Status failure;
+    std::function<void(int)> start_one = [&](int slot) {
+      int chunk;
+      {
+        std::lock_guard lock(mutex);
+        if (next >= o.chunks) return;
+        chunk = next++;
+      }
+      auto finished = [&, slot](Status s) {
+        start_one(slot);  // Before counting this one done: the waiter may return right after.
+        std::lock_guard lock(mutex);
+        ++done;
+        if (!s.ok() && failure.ok()) failure = s;
+        done_cv.notify_all();
+      };
+      const int fixed = registered ? int(buffers[slot].index()) : -1;
+      if (write) {
+        swap->Write(extents[chunk], buffers[slot].data(), bytes, fixed, finished);
+      } else {
+        swap->Read(extents[chunk], buffers[slot].data(), fixed, finished);
+      }
+    };
+    const auto start = Clock::now();
+    for (int slot = 0; slot < in_flight; ++slot) start_one(slot);
+    std::unique_lock lock(mutex);
+    done_cv.wait(lock, [&] { return done == o.chunks; });
+    if (!failure.ok()) return failure;
+    return SecondsSince(start);
+  };
+  STRATA_RETURN_IF_ERROR(pass(/*write=*/true).status());  // Lays the extents out, unmeasured.
+  STRATA_ASSIGN_OR_RETURN(double read_seconds, pass(/*write=*/false));
+  STRATA_ASSIGN_OR_RETURN(double write_seconds, pass(/*write=*/true));
+  for (nvme::ExtentId e : extents) swap->Free(e);
+  return std::make_pair(read_seconds, write_seconds);
+}
+
+/// One training step of the synthetic model through the engine.
+Result<double> TimeEngineStep(Engine& engine, Device& device, const PipelineBenchmarkOptions& o) {
+  const auto start = Clock::now();
+  for (size_t c = 0; c < engine.chunk_count(); ++c) {
+    STRATA_RETURN_IF_ERROR(engine.Acquire(c).status());
+    STRATA_RETURN_IF_ERROR(QueueCompute(device, o.forward_ms));
+    engine.Release(c);
+  }
+  for (size_t c = engine.chunk_count(); c-- > 0;) {
+    STRATA_RETURN_IF_ERROR(engine.Acquire(c).status());
+    STRATA_RETURN_IF_ERROR(QueueCompute(device, o.backward_ms));
+    STRATA_RETURN_IF_ERROR(engine.GradsReady(c));
+    engine.Release(c);
+  }
+  STRATA_RETURN_IF_ERROR(engine.Step().get().status());
+  return SecondsSince(start);
+}
+
+}  // namespace
+
+Status PipelineBenchmarkOptions::Validate() const {
+  if (chunks < 1 || chunks > 100000) {
+    return InvalidArgument("--chunks must be in [1, 100000], got " + std::to_string(chunks));
+  }
+  if (chunk_bytes == 0 || chunk_bytes % 4096 != 0) {
+    return InvalidArgument("--chunk-size must be a positive multiple of 4KiB, got " +
+                           std::to_string(chunk_bytes));
+  }
+  if (forward_ms < 0 || backward_ms < 0 || forward_ms > 60000 || backward_ms > 60000) {
+    return InvalidArgument("--forward-ms and --backward-ms must be in [0, 60000]");
+  }
+  if (copy_gbps < 0) return InvalidArgument("--copy-gbps must be >= 0");
+  if (optimizer_states != Tier::kHost && optimizer_states != Tier::kNvme) {
+    return InvalidArgument("--offload-optimizer must be host or nvme");
+  }
+  if (optimizer_states == Tier::kNvme && nvme_paths.empty()) {
+    return InvalidArgument("--offload-optimizer nvme needs --nvme-path DIR");
+  }
+  if (warmup_steps < 0 || timed_steps < 1) {
+    return InvalidArgument("--warmup must be >= 0 and --steps >= 1");
+  }
+  return Status();
+}
+
+Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOptions& o) {
+  STRATA_RETURN_IF_ERROR(o.Validate());
+  auto say = [&](const std::string& line) {
+    if (o.progress) o.progress(line);
+  };
+  const size_t numel = o.chunk_bytes / DTypeSize(o.working_dtype);
+  PipelineBenchmarkResult result;
+  result.params = uint64_t(numel) * o.chunks;
+
+  const uint64_t device_bytes = 2 * o.chunk_bytes * (o.chunks + 1) + kMiB;
+  STRATA_ASSIGN_OR_RETURN(auto device, CreateHostDevice({.memory_budget_bytes = device_bytes,
+                                                         .copy_bytes_per_second =
+                                                             o.copy_gbps * 1e9}));
+  const uint64_t chunk_copy_bytes = o.chunk_bytes * o.chunks;
+  say("compute alone");
+  STRATA_ASSIGN_OR_RETURN(double compute, TimeCompute(*device, o));
+  result.resources.push_back({"compute", compute, 0});
+  say("device->host copies alone");
+  STRATA_ASSIGN_OR_RETURN(double d2h, TimeCopies(*device, o, /*to_device=*/false));
+  result.resources.push_back({"device_to_host", d2h, chunk_copy_bytes});
+  say("cpu adam alone");
+  STRATA_ASSIGN_OR_RETURN(double adam, TimeCpuAdam(o, numel));
+  result.resources.push_back({"cpu_adam", adam, uint64_t(28) * numel * o.chunks});
+  double nvme_seconds = 0.0;
+  if (o.optimizer_states == Tier::kNvme) {
+    say("nvme reads and writes alone");
+    STRATA_ASSIGN_OR_RETURN(auto nvme, TimeNvme(o, numel));
+    result.resources.push_back({"nvme_read", nvme.first, StateBytes(numel) * o.chunks});
+    result.resources.push_back({"nvme_write", nvme.second, StateBytes(numel) * o.chunks});
+    nvme_seconds = nvme.first + nvme.second;
+  }
+  say("host->device copies alone");
+  STRATA_ASSIGN_OR_RETURN(double h2d, TimeCopies(*device, o, /*to_device=*/true));
+  result.resources.push_back({"host_to_device", h2d, chunk_copy_bytes});
+
+  for (const ResourceTime& r : result.resources) {
+    result.serial_seconds += r.seconds;
+    if (r.name == "nvme_read" || r.name == "nvme_write") continue;
+    if (r.seconds > result.slowest_seconds) {
+      result.slowest = r.name;
+      result.slowest_seconds = r.seconds;
+    }
+  }
+  if (nvme_seconds > result.slowest_seconds) {
+    result.slowest = "nvme";
+    result.slowest_seconds = nvme_seconds;
+  }
+
+  EngineOptions options;
+  options.precision.working_dtype = o.working_dtype;
+  options.placement.optimizer_states = o.optimizer_states;
+  options.placement.params = Tier::kDevice;
+  options.placement.chunk_bytes = o.chunk_bytes;
+  options.optimizer.cpu_threads = o.threads;
+  options.nvme.paths = o.nvme_paths;
+  std::vector<ParameterSpec> specs;
+  for (int c = 0; c < o.chunks; ++c) {
+    specs.push_back({"chunk" + std::to_string(c) + ".weight", {int64_t(numel)}, {}});
+  }
+  STRATA_ASSIGN_OR_RETURN(auto engine, Engine::Create(options, *device, specs));
+  for (int s = 0; s < o.warmup_steps + o.timed_steps; ++s) {
+    const bool timed = s >= o.warmup_steps;
+    say(timed ? "engine step " + std::to_string(s - o.warmup_steps + 1) + "/" +
+                    std::to_string(o.timed_steps)
+              : "engine warm-up step " + std::to_string(s + 1));
+    STRATA_ASSIGN_OR_RETURN(double seconds, TimeEngineStep(*engine, *device, o));
+    if (timed) result.step_seconds.push_back(seconds);
+  }
+  std::vector<double> sorted = result.step_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  result.step_median_seconds = sorted[sorted.size() / 2];
+  result.ratio_to_slowest = result.step_median_seconds / result.slowest_seconds;
+  result.ratio_to_serial = result.step_median_seconds / result.serial_seconds;
+  return result;
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,637 @@
+#include "checkpoint_files.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "strata/core/log.h"
+
+namespace strata::offload::internal {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// A fresh directory under /tmp, removed with everything in it at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = "/tmp/strata-ckpt-XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+/// Deterministic, position-dependent bytes, different per `seed`.
+std::vector<std::byte> Pattern(size_t size, uint32_t seed) {
+  std::vector<std::byte> bytes(size);
+  uint32_t x = seed * 2654435761u + 1;
+  for (auto& b : bytes) {
+    x = x * 1664525u + 1013904223u;
+    b = static_cast<std::byte>(x >> 24);
+  }
+  return bytes;
+}
+
+FileDigest DigestOf(const std::vector<std::byte>& bytes) {
+  return {bytes.size(), XXH3_64bits(bytes.data(), bytes.size())};
+}
+
+/// Names in `dir`, sorted.
+std::vector<std::string> List(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string ReadText(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void WriteText(const fs::path& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+/// Writes `files` (name -> content) as one checkpoint at `dir`, each in appends of `step` bytes.
+/// Returns their digests in a manifest under "files".
+nlohmann::json WriteCheckpoint(
+    const fs::path& dir, const std::vector<std::pair<std::string, std::vector<std::byte>>>& files,
+    size_t step = 4093) {
+  auto writer = CheckpointWriter::Begin(dir);
+  EXPECT_TRUE(writer.ok()) << writer.status().ToString();
+  if (!writer.ok()) return {};
+  nlohmann::json manifest = NewManifest();
+  for (const auto& [name, content] : files) {
+    auto sink = writer->CreateFile(name);
+    EXPECT_TRUE(sink.ok()) << sink.status().ToString();
+    if (!sink.ok()) return {};
+    for (size_t at = 0; at < content.size(); at += step) {
+      const size_t n = std::min(step, content.size() - at);
+      EXPECT_TRUE(sink->Append(std::span(content).subspan(at, n)).ok());
+    }
+    auto digest = sink->Finish();
+    EXPECT_TRUE(digest.ok()) << digest.status().ToString();
+    if (!digest.ok()) return {};
+    manifest["files"][name] = {{"bytes", digest->bytes}, {"xxh3", digest->xxh3}};
+  }
+  const Status status = writer->Commit(manifest);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  return manifest;
+}
+
+/// Reads `name` whole through ReadFile; returns its status and fills `out`.
+Status ReadAll(const CheckpointReader& reader, const std::string& name, const FileDigest& expected,
+               std::vector<std::byte>* out, size_t piece_bytes = 8 << 20) {
+  out->assign(expected.bytes, std::byte{0});
+  return reader.ReadFile(
+      name, expected,
+      [&](std::span<const std::byte> piece, uint64_t offset) {
+        EXPECT_LE(offset + piece.size(), out->size());
+        std::copy(piece.begin(), piece.end(), out->begin() + static_cast<ptrdiff_t>(offset));
+        return Status::Ok();
+      },
+      piece_bytes);
+}
+
+bool Contains(const Status& status, const std::string& text) {
+  return status.message().find(text) != std::string::npos;
+}
+
+TEST(CheckpointFilesTest, RoundTripsStreamedFilesAndManifest) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "step-100";
+  const auto a = Pattern(100000, 1);
+  const auto b = Pattern(1, 2);
+  const auto c = Pattern(0, 3);
+
+  auto writer = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  EXPECT_EQ(writer->dir(), dir);
+  EXPECT_EQ(writer->staging_dir(), tmp.path() / ("step-100.tmp-" + std::to_string(getpid())));
+  EXPECT_TRUE(fs::is_directory(writer->staging_dir()));
+  EXPECT_FALSE(fs::exists(dir));
+
+  nlohmann::json manifest = NewManifest();
+  EXPECT_EQ(manifest, nlohmann::json({{"format", "strata-checkpoint"}, {"version", 1}}));
+  {
+    auto sink = writer->CreateFile("chunk-000000.bin");
+    ASSERT_TRUE(sink.ok()) << sink.status().ToString();
+    EXPECT_EQ(sink->path(), writer->staging_dir() / "chunk-000000.bin");
+    // Odd sizes: 1, 7, 4093, 65537, 0 and the rest.
+    size_t at = 0;
+    for (size_t n : {size_t{1}, size_t{7}, size_t{4093}, size_t{65537}, size_t{0}}) {
+      ASSERT_TRUE(sink->Append(std::span(a).subspan(at, n)).ok());
+      at += n;
+    }
+    ASSERT_TRUE(sink->Append(std::span(a).subspan(at)).ok());
+    EXPECT_EQ(sink->bytes_written(), a.size());
+    auto digest = sink->Finish();
+    ASSERT_TRUE(digest.ok()) << digest.status().ToString();
+    EXPECT_EQ(*digest, DigestOf(a));
+    auto on_disk = DigestFile(writer->staging_dir() / "chunk-000000.bin");
+    ASSERT_TRUE(on_disk.ok()) << on_disk.status().ToString();
+    EXPECT_EQ(*on_disk, DigestOf(a));
+    manifest["chunks"]["a"] = {{"bytes", digest->bytes}, {"xxh3", digest->xxh3}};
+  }
+  for (const auto& [name, content] :
+       {std::pair{std::string("b.bin"), b}, std::pair{std::string("c.bin"), c}}) {
+    auto sink = writer->CreateFile(name);
+    ASSERT_TRUE(sink.ok()) << sink.status().ToString();
+    ASSERT_TRUE(sink->Append(content).ok());
+    auto digest = sink->Finish();
+    ASSERT_TRUE(digest.ok());
+    EXPECT_EQ(*digest, DigestOf(content)) << name;
+  }
+  manifest["step"] = 100;
+  ASSERT_TRUE(writer->Commit(manifest).ok());
+
+  EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"step-100"});
+  EXPECT_EQ(List(dir),
+            (std::vector<std::string>{"b.bin", "c.bin", "chunk-000000.bin", "manifest.json"}));
+  EXPECT_EQ(ReadText(dir / "manifest.json"), manifest.dump(2) + "\n");
+  EXPECT_NE(ReadText(dir / "manifest.json").find("\n  \"format\": \"strata-checkpoint\""),
+            std::string::npos);
+
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->manifest(), manifest);
+  EXPECT_EQ(reader->manifest()["step"], 100);
+
+  // Pieces of 1000 bytes, in order, contiguous; the last one shorter.
+  std::vector<std::byte> out(a.size());
+  std::vector<std::pair<uint64_t, size_t>> pieces;
+  const Status status = reader->ReadFile(
+      "chunk-000000.bin", DigestOf(a),
+      [&](std::span<const std::byte> piece, uint64_t offset) {
+        pieces.emplace_back(offset, piece.size());
+        std::copy(piece.begin(), piece.end(), out.begin() + static_cast<ptrdiff_t>(offset));
+        return Status::Ok();
+      },
+      1000);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_EQ(out, a);
+  ASSERT_EQ(pieces.size(), 100u);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    EXPECT_EQ(pieces[i].first, i * 1000);
+    EXPECT_EQ(pieces[i].second, 1000u);
+  }
+
+  std::vector<std::byte> small;
+  ASSERT_TRUE(ReadAll(*reader, "b.bin", DigestOf(b), &small).ok());
+  EXPECT_EQ(small, b);
+  int calls = 0;
+  ASSERT_TRUE(reader
+                  ->ReadFile("c.bin", DigestOf(c),
+                             [&](std::span<const std::byte>, uint64_t) {
+                               ++calls;
+                               return Status::Ok();
+                             })
+                  .ok());
+  EXPECT_EQ(calls, 0) << "an empty file has no pieces";
+}
+
+TEST(CheckpointFilesTest, ReadFileStopsAtConsumerError) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(5000, 4);
+  WriteCheckpoint(dir, {{"x.bin", data}});
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  int calls = 0;
+  const Status status = reader->ReadFile(
+      "x.bin", DigestOf(data),
+      [&](std::span<const std::byte>, uint64_t) {
+        ++calls;
+        return ResourceExhausted("no room");
+      },
+      1024);
+  EXPECT_EQ(status, ResourceExhausted("no room"));
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(CheckpointFilesTest, ReadFileDetectsFlippedByte) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(3000, 5);
+  WriteCheckpoint(dir, {{"chunk-000003.bin", data}});
+  {
+    std::fstream f(dir / "chunk-000003.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1234);
+    f.put(static_cast<char>(static_cast<unsigned char>(data[1234]) ^ 0x10));
+  }
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  std::vector<std::byte> out;
+  const FileDigest expected = DigestOf(data);
+  const Status status = ReadAll(*reader, "chunk-000003.bin", expected, &out, 1024);
+  EXPECT_EQ(status.code(), StatusCode::kDataLoss) << status.ToString();
+  EXPECT_TRUE(Contains(status, "chunk-000003.bin")) << status.message();
+  EXPECT_TRUE(Contains(status, "3000 bytes")) << status.message();
+  char hex[24];
+  std::snprintf(hex, sizeof(hex), "0x%016llx", static_cast<unsigned long long>(expected.xxh3));
+  EXPECT_TRUE(Contains(status, hex)) << status.message();
+  auto actual = DigestFile(dir / "chunk-000003.bin");
+  ASSERT_TRUE(actual.ok());
+  std::snprintf(hex, sizeof(hex), "0x%016llx", static_cast<unsigned long long>(actual->xxh3));
+  EXPECT_TRUE(Contains(status, hex)) << status.message();
+  // The consumer saw the bad bytes before the mismatch was known: callers discard on error.
+  EXPECT_NE(out, data);
+  EXPECT_EQ(static_cast<unsigned>(out[1234]), static_cast<unsigned>(data[1234]) ^ 0x10);
+}
+
+TEST(CheckpointFilesTest, ReadFileDetectsTruncatedFile) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(3000, 6);
+  WriteCheckpoint(dir, {{"t.bin", data}});
+  fs::resize_file(dir / "t.bin", 2999);
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  int calls = 0;
+  const Status status =
+      reader->ReadFile("t.bin", DigestOf(data), [&](std::span<const std::byte>, uint64_t) {
+        ++calls;
+        return Status::Ok();
+      });
+  EXPECT_EQ(status.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(status, "t.bin")) << status.message();
+  EXPECT_TRUE(Contains(status, "truncated")) << status.message();
+  EXPECT_TRUE(Contains(status, "2999 bytes")) << status.message();
+  EXPECT_TRUE(Contains(status, "3000 bytes")) << status.message();
+  EXPECT_EQ(calls, 0) << "a size mismatch is caught before any piece is consumed";
+}
+
+TEST(CheckpointFilesTest, ReadFileDetectsExtraByte) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(3000, 7);
+  WriteCheckpoint(dir, {{"e.bin", data}});
+  std::ofstream(dir / "e.bin", std::ios::binary | std::ios::app).put('x');
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  std::vector<std::byte> out;
+  const Status status = ReadAll(*reader, "e.bin", DigestOf(data), &out);
+  EXPECT_EQ(status.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(status, "e.bin")) << status.message();
+  EXPECT_TRUE(Contains(status, "longer")) << status.message();
+  EXPECT_TRUE(Contains(status, "3001 bytes")) << status.message();
+}
+
+TEST(CheckpointFilesTest, ReadFileReportsMissingFile) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  WriteCheckpoint(dir, {{"present.bin", Pattern(10, 8)}});
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  std::vector<std::byte> out;
+  const Status status = ReadAll(*reader, "absent.bin", FileDigest{10, 0}, &out);
+  EXPECT_EQ(status.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(status, "incomplete")) << status.message();
+  EXPECT_TRUE(Contains(status, "file absent.bin is missing")) << status.message();
+
+  const Status bad_name = ReadAll(*reader, "../present.bin", FileDigest{10, 0}, &out);
+  EXPECT_EQ(bad_name.code(), StatusCode::kInvalidArgument);
+  const Status zero_piece = reader->ReadFile(
+      "present.bin", FileDigest{10, 0},
+      [](std::span<const std::byte>, uint64_t) { return Status::Ok(); }, 0);
+  EXPECT_EQ(zero_piece.code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CheckpointFilesTest, OpenMissingDirectoryIsNotFound) {
+  TempDir tmp;
+  auto reader = CheckpointReader::Open(tmp.path() / "nothing-here");
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(reader.status(), "nothing-here")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "not a Strata checkpoint")) << reader.status().message();
+}
+
+TEST(CheckpointFilesTest, OpenDirectoryWithoutManifestIsNotFound) {
+  TempDir tmp;
+  fs::create_directory(tmp.path() / "plain");
+  WriteText(tmp.path() / "plain" / "data.bin", "abc");
+  auto reader = CheckpointReader::Open(tmp.path() / "plain");
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(reader.status(), "not a Strata checkpoint")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "manifest.json is missing")) << reader.status().message();
+}
+
+TEST(CheckpointFilesTest, OpenMalformedManifestIsDataLoss) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  fs::create_directory(dir);
+  WriteText(dir / "manifest.json", "{\"format\": \"strata-checkpoint\", \"version\": 1,");
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(reader.status(), "malformed JSON")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "syntax error")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "manifest.json")) << reader.status().message();
+
+  WriteText(dir / "manifest.json", "[1, 2]");
+  reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(reader.status(), "JSON object")) << reader.status().message();
+}
+
+TEST(CheckpointFilesTest, OpenRejectsWrongFormatAndVersion) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  fs::create_directory(dir);
+
+  WriteText(dir / "manifest.json", R"({"format": "deepspeed", "version": 1})");
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(reader.status(), "\"deepspeed\"")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "strata-checkpoint")) << reader.status().message();
+
+  WriteText(dir / "manifest.json", R"({"version": 1})");
+  reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(reader.status(), "\"format\" is missing")) << reader.status().message();
+
+  WriteText(dir / "manifest.json", R"({"format": "strata-checkpoint", "version": 2})");
+  reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(reader.status(), "format version 2")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "reads versions 1 to 1")) << reader.status().message();
+
+  for (const char* version : {R"("1")", "1.5", "0", "-3"}) {
+    WriteText(dir / "manifest.json",
+              std::string(R"({"format": "strata-checkpoint", "version": )") + version + "}");
+    reader = CheckpointReader::Open(dir);
+    ASSERT_FALSE(reader.ok()) << version;
+    EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument) << version;
+  }
+
+  WriteText(dir / "manifest.json", R"({"format": "strata-checkpoint", "version": 1, "x": 5})");
+  reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->manifest()["x"], 5);
+  EXPECT_EQ(reader->dir(), dir);
+}
+
+TEST(CheckpointFilesTest, CommitRejectsManifestWithoutHeader) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  auto writer = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(writer.ok());
+  Status status = writer->Commit(nlohmann::json{{"step", 1}});
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(status, "NewManifest()")) << status.message();
+  status = writer->Commit(nlohmann::json{{"format", "strata-checkpoint"}});
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(status, "\"version\"")) << status.message();
+  nlohmann::json bad_utf8 = NewManifest();
+  bad_utf8["name"] = std::string("\xff\xfe");
+  status = writer->Commit(bad_utf8);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+  EXPECT_FALSE(fs::exists(dir));
+  // The writer is still usable after a rejected manifest.
+  ASSERT_TRUE(writer->Commit(NewManifest()).ok());
+  EXPECT_EQ(List(dir), std::vector<std::string>{"manifest.json"});
+  EXPECT_EQ(writer->Commit(NewManifest()).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(writer->CreateFile("late.bin").status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CheckpointFilesTest, CommitReplacesExistingCheckpoint) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto old_data = Pattern(5000, 9);
+  const auto new_data = Pattern(7000, 10);
+  nlohmann::json first = WriteCheckpoint(dir, {{"old.bin", old_data}, {"shared.bin", old_data}});
+  ASSERT_EQ(List(dir), (std::vector<std::string>{"manifest.json", "old.bin", "shared.bin"}));
+
+  nlohmann::json second = WriteCheckpoint(dir, {{"new.bin", new_data}, {"shared.bin", new_data}});
+  EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"ckpt"}) << "no staging or old dirs left";
+  EXPECT_EQ(List(dir), (std::vector<std::string>{"manifest.json", "new.bin", "shared.bin"}));
+
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader->manifest(), second);
+  EXPECT_NE(reader->manifest(), first);
+  std::vector<std::byte> out;
+  ASSERT_TRUE(ReadAll(*reader, "shared.bin", DigestOf(new_data), &out).ok());
+  EXPECT_EQ(out, new_data);
+}
+
+TEST(CheckpointFilesTest, AbandonedWriterKeepsPreviousCheckpoint) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(2048, 11);
+  const nlohmann::json manifest = WriteCheckpoint(dir, {{"a.bin", data}});
+  fs::path staging;
+  {
+    auto writer = CheckpointWriter::Begin(dir);
+    ASSERT_TRUE(writer.ok());
+    staging = writer->staging_dir();
+    auto sink = writer->CreateFile("a.bin");
+    ASSERT_TRUE(sink.ok());
+    ASSERT_TRUE(sink->Append(Pattern(100, 12)).ok());
+    ASSERT_TRUE(sink->Finish().ok());
+    EXPECT_TRUE(fs::exists(staging / "a.bin"));
+    // Destroyed without Commit, as when a save fails half-way.
+  }
+  EXPECT_FALSE(fs::exists(staging));
+  EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"ckpt"});
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader->manifest(), manifest);
+  std::vector<std::byte> out;
+  ASSERT_TRUE(ReadAll(*reader, "a.bin", DigestOf(data), &out).ok());
+  EXPECT_EQ(out, data);
+}
+
+TEST(CheckpointFilesTest, CommitRefusesOpenOrAbandonedFiles) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  auto writer = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(writer.ok());
+  {
+    auto sink = writer->CreateFile("open.bin");
+    ASSERT_TRUE(sink.ok());
+    ASSERT_TRUE(sink->Append(Pattern(10, 13)).ok());
+    const Status status = writer->Commit(NewManifest());
+    EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(Contains(status, "1 of its files are still open")) << status.message();
+  }  // Destroyed without Finish.
+  const Status status = writer->Commit(NewManifest());
+  EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(status, "not durable")) << status.message();
+  EXPECT_FALSE(fs::exists(dir));
+}
+
+TEST(CheckpointFilesTest, SinkRejectsUseAfterFinish) {
+  TempDir tmp;
+  auto writer = CheckpointWriter::Begin(tmp.path() / "ckpt");
+  ASSERT_TRUE(writer.ok());
+  auto sink = writer->CreateFile("f.bin");
+  ASSERT_TRUE(sink.ok());
+  ASSERT_TRUE(sink->Append(Pattern(3, 14)).ok());
+  CheckpointFileSink moved = std::move(*sink);
+  EXPECT_EQ(sink->Append(Pattern(3, 14)).code(), StatusCode::kFailedPrecondition);
+  auto digest = moved.Finish();
+  ASSERT_TRUE(digest.ok());
+  EXPECT_EQ(digest->bytes, 3u);
+  EXPECT_EQ(moved.Append(Pattern(1, 15)).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(moved.Finish().status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(writer->Commit(NewManifest()).ok());
+}
+
+TEST(CheckpointFilesTest, BeginRemovesLeftoversOfDeadProcesses) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(500, 16);
+  const nlohmann::json manifest = WriteCheckpoint(dir, {{"a.bin", data}});
+
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);  // `child` is now a dead pid.
+
+  const fs::path dead_staging = tmp.path() / ("ckpt.tmp-" + std::to_string(child));
+  fs::create_directory(dead_staging);
+  WriteText(dead_staging / "chunk-000000.bin", "partial");
+  const fs::path own_stale = tmp.path() / ("ckpt.tmp-" + std::to_string(getpid()));
+  fs::create_directory(own_stale);
+  WriteText(own_stale / "junk.bin", "junk");
+  // A live process's staging dir (pid 1 always exists), another checkpoint's and a non-pid
+  // suffix are left alone.
+  const fs::path live = tmp.path() / "ckpt.tmp-1";
+  const fs::path other = tmp.path() / ("other.tmp-" + std::to_string(child));
+  const fs::path not_pid = tmp.path() / "ckpt.tmp-12abc";
+  for (const auto& path : {live, other, not_pid}) fs::create_directory(path);
+
+  std::vector<std::string> warnings;
+  SetLogSink([&](LogLevel level, std::string_view message) {
+    if (level == LogLevel::kWarning) warnings.emplace_back(message);
+  });
+  auto writer = CheckpointWriter::Begin(dir);
+  SetLogSink(nullptr);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  EXPECT_FALSE(fs::exists(dead_staging));
+  EXPECT_TRUE(std::any_of(warnings.begin(), warnings.end(), [&](const std::string& w) {
+    return w == "removed " + dead_staging.string() + ", left by an interrupted checkpoint save";
+  })) << ::testing::PrintToString(warnings);
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_TRUE(fs::exists(not_pid));
+  EXPECT_EQ(writer->staging_dir(), own_stale);
+  EXPECT_TRUE(fs::is_directory(own_stale));
+  EXPECT_TRUE(fs::is_empty(own_stale)) << "the stale staging dir of the same name is recreated";
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader->manifest(), manifest);
+}
+
+TEST(CheckpointFilesTest, BeginRestoresCheckpointLeftInFallbackWindow) {
+  TempDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(700, 17);
+  const nlohmann::json manifest = WriteCheckpoint(dir, {{"a.bin", data}});
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  // A crash between the fallback's two renames: old checkpoint at ckpt.old-<pid>, nothing at
+  // ckpt.
+  const fs::path old = tmp.path() / ("ckpt.old-" + std::to_string(child));
+  fs::rename(dir, old);
+  EXPECT_EQ(CheckpointReader::Open(dir).status().code(), StatusCode::kNotFound);
+
+  auto writer = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  EXPECT_FALSE(fs::exists(old));
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->manifest(), manifest);
+}
+
+TEST(CheckpointFilesTest, CreateFileRejectsBadNames) {
+  TempDir tmp;
+  auto writer = CheckpointWriter::Begin(tmp.path() / "ckpt");
+  ASSERT_TRUE(writer.ok());
+  for (const char* name : {"a/b.bin", "/abs.bin", "../up.bin", "", ".", "..", "manifest.json"}) {
+    auto sink = writer->CreateFile(name);
+    ASSERT_FALSE(sink.ok()) << name;
+    EXPECT_EQ(sink.status().code(), StatusCode::kInvalidArgument) << name;
+  }
+  EXPECT_TRUE(Contains(writer->CreateFile("a/b.bin").status(), "no '/'"));
+  EXPECT_TRUE(fs::is_empty(writer->staging_dir()));
+
+  auto first = writer->CreateFile("dup.bin");
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(first->Finish().ok());
+  auto second = writer->CreateFile("dup.bin");
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_TRUE(Contains(second.status(), "dup.bin")) << second.status().message();
+}
+
+TEST(CheckpointFilesTest, BeginWithMissingParentFails) {
+  TempDir tmp;
+  const fs::path parent = tmp.path() / "no-such-dir";
+  auto writer = CheckpointWriter::Begin(parent / "ckpt");
+  ASSERT_FALSE(writer.ok());
+  EXPECT_EQ(writer.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(writer.status(), "parent directory " + parent.string() + " does not exist"))
+      << writer.status().message();
+  EXPECT_TRUE(Contains(writer.status(), "No such file or directory")) << writer.status().message();
+  EXPECT_TRUE(fs::is_empty(tmp.path()));
+}
+
+TEST(CheckpointFilesTest, BeginOnFileOrBadPathIsInvalidArgument) {
+  TempDir tmp;
+  WriteText(tmp.path() / "file", "x");
+  auto writer = CheckpointWriter::Begin(tmp.path() / "file");
+  ASSERT_FALSE(writer.ok());
+  EXPECT_EQ(writer.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(writer.status(), "is not a directory")) << writer.status().message();
+
+  writer = CheckpointWriter::Begin(tmp.path() / "file" / "ckpt");
+  ASSERT_FALSE(writer.ok());
+  EXPECT_EQ(writer.status().code(), StatusCode::kInvalidArgument) << writer.status().ToString();
+  EXPECT_TRUE(
+      Contains(writer.status(), "parent " + (tmp.path() / "file").string() + " is not a directory"))
+      << writer.status().message();
+
+  writer = CheckpointWriter::Begin(tmp.path() / "..");
+  ASSERT_FALSE(writer.ok());
+  EXPECT_EQ(writer.status().code(), StatusCode::kInvalidArgument);
+
+  // A trailing slash names the same directory.
+  writer = CheckpointWriter::Begin(tmp.path().string() + "/ckpt/");
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  EXPECT_EQ(writer->dir(), tmp.path() / "ckpt");
+}
+
+}  // namespace
+}  // namespace strata::offload::internal

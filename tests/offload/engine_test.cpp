@@ -1,0 +1,508 @@
+// The offload engine against a plain in-memory AdamW loop: the same model trained through every
+// placement must give the same losses and parameters, bit for bit in fp32.
+#include "strata/offload/engine.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "strata/core/host_device.h"
+#include "strata/nvme/fault_injection.h"
+#include "tiny_model.h"
+
+namespace strata::offload {
+namespace {
+
+using testing::EngineTrainer;
+using testing::ReferenceTrainer;
+using testing::TinyModel;
+
+constexpr int kLayers = 6;
+constexpr int kWidth = 64;
+constexpr int kBatch = 8;
+// One layer (64x64 weight + bias) per chunk: 4160 fp32 elements, padded to 5120.
+constexpr uint64_t kChunkBytes = 20 * 1024;
+constexpr uint64_t kSlotBytes = 2 * 5120 * 4;  // Working params + grads of one fp32 chunk.
+
+class TempDir {
+ public:
+  TempDir() {
+    char pattern[] = "/tmp/strata-engine-test-XXXXXX";
+    path_ = mkdtemp(pattern);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+struct Placement {
+  const char* name;
+  Tier states;
+  Tier params;
+  double ratio = 1.0;
+  uint64_t device_budget = 64 << 20;
+};
+
+EngineOptions MakeOptions(const Placement& p, const std::string& nvme_path,
+                          DType dtype = DType::kFp32) {
+  EngineOptions o;
+  o.precision.working_dtype = dtype;
+  o.placement.optimizer_states = p.states;
+  o.placement.params = p.params;
+  o.placement.offload_ratio = p.ratio;
+  o.placement.chunk_bytes = kChunkBytes;
+  o.placement.prefetch_depth = 1;
+  o.nvme.paths = {nvme_path};
+  o.optimizer.lr = 3e-3;
+  o.optimizer.cpu_threads = 2;
+  o.host.optimizer_buffer_count = 3;
+  o.host.param_buffer_count = 2;
+  return o;
+}
+
+std::unique_ptr<Device> MakeDevice(uint64_t budget) {
+  return std::move(CreateHostDevice({.memory_budget_bytes = budget})).value();
+}
+
+bool BitEqual(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t p = 0; p < a.size(); ++p) {
+    if (a[p].size() != b[p].size() ||
+        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+double MaxAbsDiff(const std::vector<std::vector<float>>& a,
+                  const std::vector<std::vector<float>>& b) {
+  double worst = 0.0;
+  for (size_t p = 0; p < a.size(); ++p) {
+    for (size_t i = 0; i < a[p].size(); ++i) {
+      worst = std::max(worst, std::abs(double(a[p][i]) - double(b[p][i])));
+    }
+  }
+  return worst;
+}
+
+class EngineEquivalenceTest : public ::testing::TestWithParam<Placement> {};
+
+TEST_P(EngineEquivalenceTest, ThirtyStepsMatchTheReferenceBitForBit) {
+  const Placement& placement = GetParam();
+  TempDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions(placement, nvme.path());
+  auto device = MakeDevice(placement.device_budget);
+  const auto specs = model.Specs();
+  auto engine = Engine::Create(options, *device, specs);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_EQ((*engine)->chunk_count(), size_t(kLayers));
+
+  EngineTrainer trainer(**engine, model);
+  ReferenceTrainer reference(model, options);
+  for (int step = 0; step < 30; ++step) {
+    double loss = 0.0;
+    Result<StepReport> report = trainer.TrainStep(step, &loss);
+    ASSERT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
+    EXPECT_FALSE(report->skipped);
+    EXPECT_EQ(report->step, step + 1);
+    const double expected = reference.TrainStep(step);
+    ASSERT_EQ(loss, expected) << "step " << step;
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()))
+      << "max |diff| " << MaxAbsDiff(trainer.MasterParameters(), reference.master());
+
+  const TierUsage device_usage = (*engine)->tier_usage(Tier::kDevice);
+  EXPECT_LE(device_usage.peak_bytes, device_usage.budget_bytes);
+  EXPECT_LE((*engine)->tier_usage(Tier::kHost).peak_bytes,
+            (*engine)->tier_usage(Tier::kHost).budget_bytes);
+  const EngineCounters counters = (*engine)->counters();
+  if (placement.states == Tier::kNvme) {
+    EXPECT_GT(counters.nvme_read_bytes, 0u);
+    EXPECT_GT(counters.nvme_write_bytes, 0u);
+  }
+  if (placement.params != Tier::kDevice && placement.device_budget < kLayers * kSlotBytes) {
+    EXPECT_GT(counters.evictions, 0u) << "the budget should have forced evictions";
+  }
+  if (placement.ratio < 1.0) {
+    EXPECT_GT(counters.device_optimizer_params, 0u);
+  }
+  if (placement.states == Tier::kDevice) {
+    EXPECT_EQ(counters.optimizer_params, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, EngineEquivalenceTest,
+    ::testing::Values(Placement{"states_device", Tier::kDevice, Tier::kDevice},
+                      Placement{"states_host", Tier::kHost, Tier::kDevice},
+                      Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
+                      Placement{"states_host_ratio_half", Tier::kHost, Tier::kDevice, 0.5},
+                      Placement{"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5},
+                      // Two chunks' worth of device memory for six chunks: evictions.
+                      Placement{"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes},
+                      Placement{"params_nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes},
+                      Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0,
+                                2 * kSlotBytes}),
+    [](const ::testing::TestParamInfo<Placement>& param) { return param.param.name; });
+
+TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
+  TempDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options =
+      MakeOptions({"bf16", Tier::kNvme, Tier::kDevice}, nvme.path(), DType::kBf16);
+  auto device = MakeDevice(64 << 20);
+  const auto specs = model.Specs();
+  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  for (int step = 0; step < 30; ++step) {
+    double loss = 0.0;
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    EXPECT_EQ(loss, reference.TrainStep(step)) << "step " << step;
+  }
+  // bf16 working copies are rounded from the master by the kernel (nearest even) and by the
+  // reference (Fp32ToBf16): the same numbers, so even bf16 agrees exactly.
+  EXPECT_EQ(MaxAbsDiff(trainer.MasterParameters(), reference.master()), 0.0);
+}
+
+TEST(EngineTest, GradientAccumulationSumsEveryMicroStep) {
+  for (Tier states : {Tier::kHost, Tier::kNvme, Tier::kDevice}) {
+    TempDir nvme;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    EngineOptions options = MakeOptions({"gas", states, Tier::kDevice}, nvme.path());
+    options.optimizer.gradient_accumulation_steps = 3;
+    auto device = MakeDevice(64 << 20);
+    const auto specs = model.Specs();
+    auto engine = std::move(Engine::Create(options, *device, specs)).value();
+    EngineTrainer trainer(*engine, model, 3);
+    ReferenceTrainer reference(model, options);
+    for (int step = 0; step < 8; ++step) {
+      double loss = 0.0;
+      ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+      EXPECT_EQ(loss, reference.TrainStep(step));
+    }
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()))
+        << TierName(states) << ": max |diff| "
+        << MaxAbsDiff(trainer.MasterParameters(), reference.master());
+  }
+}
+
+TEST(EngineTest, ClippingScalesByTheGlobalNorm) {
+  TempDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options = MakeOptions({"clip", Tier::kNvme, Tier::kDevice}, nvme.path());
+  options.optimizer.gradient_clipping = 0.02;  // Below the gradients' norm: clipping is active.
+  auto device = MakeDevice(64 << 20);
+  const auto specs = model.Specs();
+  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  for (int step = 0; step < 10; ++step) {
+    double loss = 0.0;
+    Result<StepReport> report = trainer.TrainStep(step, &loss);
+    ASSERT_TRUE(report.ok());
+    EXPECT_GT(report->grad_norm, 0.02) << "the test needs clipping to be active";
+    EXPECT_NEAR(loss, reference.TrainStep(step), 1e-6);
+  }
+  // The norm is summed per chunk in the engine and per parameter in the reference: the clip
+  // coefficients may differ in the last bits.
+  EXPECT_LT(MaxAbsDiff(trainer.MasterParameters(), reference.master()), 1e-6);
+}
+
+TEST(EngineTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
+  TempDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options =
+      MakeOptions({"fp16", Tier::kHost, Tier::kDevice}, nvme.path(), DType::kFp16);
+  options.precision.hysteresis = 1;
+  auto device = MakeDevice(64 << 20);
+  const auto specs = model.Specs();
+  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  EXPECT_EQ(engine->loss_scale(), 65536.0);
+
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  reference.TrainStep(0);
+  const auto before = trainer.MasterParameters();
+
+  Result<StepReport> skipped = trainer.TrainStep(1, &loss, /*poison=*/true);
+  ASSERT_TRUE(skipped.ok()) << skipped.status().ToString();
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_EQ(skipped->step, 1);
+  EXPECT_EQ(skipped->loss_scale, 32768.0);
+  EXPECT_EQ(engine->loss_scale(), 32768.0);
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), before)) << "a skipped step changed state";
+  reference.TrainStep(1, /*skip=*/true);
+
+  Result<StepReport> next = trainer.TrainStep(2, &loss);
+  ASSERT_TRUE(next.ok());
+  EXPECT_FALSE(next->skipped);
+  EXPECT_EQ(next->step, 2);
+  reference.TrainStep(2);
+  // fp16 rounds the scaled gradients, the reference the unscaled ones: close, not identical.
+  EXPECT_LT(MaxAbsDiff(trainer.MasterParameters(), reference.master()), 1e-4);
+}
+
+TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
+  for (nvme::IoOp op : {nvme::IoOp::kRead, nvme::IoOp::kWrite}) {
+    TempDir nvme;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    const EngineOptions options = MakeOptions({"fault", Tier::kNvme, Tier::kDevice}, nvme.path());
+    auto plan = std::make_shared<nvme::FaultPlan>();
+    EngineEnvironment environment;
+    environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+      return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+    };
+    auto device = MakeDevice(64 << 20);
+    const auto specs = model.Specs();
+    auto engine =
+        std::move(Engine::Create(options, *device, specs, std::move(environment))).value();
+    EngineTrainer trainer(*engine, model);
+    ReferenceTrainer reference(model, options);
+    double loss = 0.0;
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+      reference.TrainStep(step);
+    }
+    const auto before = trainer.MasterParameters();
+
+    // Fail one chunk's state read or write; others succeed first.
+    plan->Add({.kind = nvme::FaultKind::kError, .op = op, .skip = 2, .times = 1, .error = EIO});
+    Result<StepReport> failed = trainer.TrainStep(2, &loss);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().ToString();
+    EXPECT_EQ(plan->fired(), 1);
+    EXPECT_EQ(engine->step_count(), 2);
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), before)) << "a failed step changed state";
+
+    // The gradients are still held: Step() again retries and matches the reference.
+    Result<StepReport> retried = engine->Step().get();
+    ASSERT_TRUE(retried.ok()) << retried.status().ToString();
+    EXPECT_EQ(retried->step, 3);
+    reference.TrainStep(2);
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+    ASSERT_TRUE(trainer.TrainStep(3, &loss).ok());
+    EXPECT_EQ(loss, reference.TrainStep(3));
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+  }
+}
+
+TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
+  TempDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  const std::string nvme_path = dir.path();
+  const std::filesystem::path checkpoint = dir.path() / "ckpt";
+
+  // Straight: 20 steps with states on host.
+  const EngineOptions host_options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme_path);
+  auto device = MakeDevice(64 << 20);
+  auto straight = std::move(Engine::Create(host_options, *device, specs)).value();
+  EngineTrainer straight_trainer(*straight, model);
+  std::vector<double> straight_losses;
+  for (int step = 0; step < 20; ++step) {
+    double loss = 0.0;
+    ASSERT_TRUE(straight_trainer.TrainStep(step, &loss).ok());
+    straight_losses.push_back(loss);
+  }
+
+  // Interrupted: 10 steps on host, save, resume on NVMe (with offloaded params) for 10 more.
+  {
+    auto first_device = MakeDevice(64 << 20);
+    auto first = std::move(Engine::Create(host_options, *first_device, specs)).value();
+    EngineTrainer trainer(*first, model);
+    for (int step = 0; step < 10; ++step) {
+      double loss = 0.0;
+      ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    }
+    size_t saved = 0;
+    ASSERT_TRUE(first->Save(checkpoint, {.on_chunk_saved = [&](size_t done, size_t total) {
+                        saved = done;
+                        EXPECT_EQ(total, size_t(kLayers));
+                      }})
+                    .ok());
+    EXPECT_EQ(saved, size_t(kLayers));
+  }
+  const EngineOptions nvme_options =
+      MakeOptions({"nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes}, nvme_path);
+  auto second_device = MakeDevice(3 * kSlotBytes);
+  auto resumed = std::move(Engine::Create(nvme_options, *second_device, specs)).value();
+  Status loaded = resumed->Load(checkpoint);
+  ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  EXPECT_EQ(resumed->step_count(), 10);
+  EngineTrainer trainer(*resumed, model);
+  for (int step = 10; step < 20; ++step) {
+    double loss = 0.0;
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    EXPECT_EQ(loss, straight_losses[step]) << "step " << step;
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), straight_trainer.MasterParameters()));
+}
+
+TEST(EngineTest, CorruptedCheckpointIsDataLossAndChangesNothing) {
+  TempDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok());
+  ASSERT_TRUE(trainer.TrainStep(1, &loss).ok());
+  const auto current = trainer.MasterParameters();
+
+  const std::filesystem::path victim = dir.path() / "ckpt" / "chunk-000003.bin";
+  {
+    std::fstream file(victim, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(1000);
+    file.put('\x5a');
+  }
+  Status loaded = engine->Load(dir.path() / "ckpt");
+  EXPECT_EQ(loaded.code(), StatusCode::kDataLoss) << loaded.ToString();
+  EXPECT_NE(loaded.message().find("chunk-000003.bin"), std::string::npos) << loaded.ToString();
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), current));
+  EXPECT_EQ(engine->step_count(), 2);
+}
+
+TEST(EngineTest, CheckpointOfAnotherModelIsRejected) {
+  TempDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const TinyModel other(kLayers, kWidth / 2, kBatch);
+  const auto specs = model.Specs();
+  const auto other_specs = other.Specs();
+  const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  {
+    auto engine = std::move(Engine::Create(options, *device, other_specs)).value();
+    ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok());
+  }
+  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  Status loaded = engine->Load(dir.path() / "ckpt");
+  EXPECT_EQ(loaded.code(), StatusCode::kInvalidArgument) << loaded.ToString();
+  EXPECT_NE(loaded.message().find("layer0.weight"), std::string::npos) << loaded.ToString();
+}
+
+TEST(EngineDeathTest, ProcessKilledDuringSaveLeavesThePreviousCheckpointLoadable) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // The dying save runs in a child that re-executes this test up to EXPECT_EXIT, so parent and
+  // child must agree on the checkpoint's path: it is named after the parent's pid.
+  const bool in_child = !GTEST_FLAG_GET(internal_run_death_test).empty();
+  const std::filesystem::path dir =
+      "/tmp/strata-engine-death-" + std::to_string(in_child ? getppid() : getpid());
+  std::filesystem::create_directories(dir);
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  const std::filesystem::path checkpoint = dir / "ckpt";
+  const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir);
+  auto device = MakeDevice(64 << 20);
+  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  ASSERT_TRUE(engine->Save(checkpoint).ok());
+  const auto saved = trainer.MasterParameters();
+
+  ASSERT_TRUE(trainer.TrainStep(1, &loss).ok());
+  EXPECT_EXIT(
+      {
+        // Dies with half of the new checkpoint written.
+        Status s = engine->Save(checkpoint, {.on_chunk_saved = [](size_t done, size_t) {
+                                  if (done == 3) _exit(42);
+                                }});
+        (void)s;
+      },
+      ::testing::ExitedWithCode(42), "");
+
+  // The child left its half-written staging directory behind, next to the checkpoint.
+  bool staging_left = false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    staging_left |= entry.path().filename().string().starts_with("ckpt.tmp-");
+  }
+  EXPECT_TRUE(staging_left) << "the child did not get as far as writing the new checkpoint";
+  ASSERT_TRUE(engine->Load(checkpoint).ok());
+  EXPECT_EQ(engine->step_count(), 1);
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), saved));
+  // The next save replaces the dead child's leftovers.
+  ASSERT_TRUE(engine->Save(checkpoint).ok());
+  engine.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(EngineTest, BudgetsTooSmallAreClearErrorsAtCreate) {
+  TempDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  {
+    auto device = MakeDevice(kSlotBytes / 2);
+    auto engine = Engine::Create(
+        MakeOptions({"tiny", Tier::kHost, Tier::kHost}, dir.path()), *device, specs);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_NE(engine.status().message().find("one chunk"), std::string::npos)
+        << engine.status().ToString();
+  }
+  {
+    auto device = MakeDevice(2 * kSlotBytes);
+    auto engine = Engine::Create(
+        MakeOptions({"tiny", Tier::kHost, Tier::kDevice}, dir.path()), *device, specs);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_NE(engine.status().message().find("offload the parameters"), std::string::npos)
+        << engine.status().ToString();
+  }
+  {
+    EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+    options.host.pinned_memory_bytes = 64 * 1024;
+    options.host.buffer_size = 4096;
+    auto device = MakeDevice(64 << 20);
+    auto engine = Engine::Create(options, *device, specs);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_NE(engine.status().message().find("host memory budget"), std::string::npos)
+        << engine.status().ToString();
+  }
+  {
+    auto device = MakeDevice(64 << 20);
+    auto engine = Engine::Create(MakeOptions({"bad", Tier::kDevice, Tier::kHost}, dir.path()),
+                                 *device, specs);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(EngineTest, MisuseIsAClearError) {
+  TempDir dir;
+  const TinyModel model(2, kWidth, kBatch);
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  auto engine = std::move(Engine::Create(
+                              MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path()),
+                              *device, specs))
+                    .value();
+  EXPECT_EQ(engine->GradsReady(0).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine->GradsReady(99).code(), StatusCode::kInvalidArgument);
+  Result<StepReport> early = engine->Step().get();
+  EXPECT_EQ(early.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.status().message().find("chunk 0"), std::string::npos);
+
+  ASSERT_TRUE(engine->Acquire(0).ok());
+  ASSERT_TRUE(engine->GradsReady(0).ok());
+  EXPECT_EQ(engine->GradsReady(0).code(), StatusCode::kFailedPrecondition);
+  engine->Release(0);
+  EXPECT_EQ(engine->Save(dir.path() / "ckpt").code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace strata::offload

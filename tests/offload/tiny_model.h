@@ -1,0 +1,277 @@
+// A tiny multi-layer perceptron and two ways to train it with AdamW: through an offload Engine
+// (EngineTrainer) and with a plain in-memory loop (ReferenceTrainer). Both compute gradients
+// with the same function in the same order, so any difference between them is the engine's.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "strata/core/dtype.h"
+#include "strata/cpu_adam/cpu_optimizer.h"
+#include "strata/offload/engine.h"
+
+namespace strata::offload::testing {
+
+/// layers x (Linear width->width, tanh except after the last), mean squared error.
+class TinyModel {
+ public:
+  TinyModel(int layers, int width, int batch, uint64_t seed = 7)
+      : layers_(layers), width_(width), batch_(batch), seed_(seed) {
+    std::mt19937 random(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(float(width)));
+    for (int l = 0; l < layers; ++l) {
+      names_.push_back("layer" + std::to_string(l) + ".weight");
+      shapes_.push_back({width, width});
+      init_.emplace_back(size_t(width) * width);
+      for (float& w : init_.back()) w = normal(random);
+      names_.push_back("layer" + std::to_string(l) + ".bias");
+      shapes_.push_back({width});
+      init_.emplace_back(size_t(width), 0.01f * float(l + 1));
+    }
+  }
+
+  size_t parameter_count() const { return names_.size(); }
+  const std::vector<std::vector<float>>& initial_values() const { return init_; }
+
+  std::vector<ParameterSpec> Specs() const {
+    std::vector<ParameterSpec> specs;
+    for (size_t p = 0; p < names_.size(); ++p) specs.push_back({names_[p], shapes_[p], init_[p]});
+    return specs;
+  }
+
+  /// Loss on micro-batch `index` and its gradients (same layout as `params`).
+  double LossAndGrads(const std::vector<std::vector<float>>& params, int index,
+                      std::vector<std::vector<float>>& grads) const {
+    const size_t d = width_;
+    const size_t b = batch_;
+    std::mt19937 random(seed_ * 1000003 + index);
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    std::vector<std::vector<float>> acts(layers_ + 1, std::vector<float>(b * d));
+    for (float& x : acts[0]) x = uniform(random);
+    std::vector<float> target(b * d);
+    for (float& t : target) t = 0.5f * uniform(random);
+
+    for (int l = 0; l < layers_; ++l) {
+      const std::vector<float>& w = params[2 * l];
+      const std::vector<float>& bias = params[2 * l + 1];
+      for (size_t r = 0; r < b; ++r) {
+        for (size_t i = 0; i < d; ++i) {
+          float z = bias[i];
+          for (size_t j = 0; j < d; ++j) z += acts[l][r * d + j] * w[i * d + j];
+          acts[l + 1][r * d + i] = l + 1 < layers_ ? std::tanh(z) : z;
+        }
+      }
+    }
+    double loss = 0.0;
+    std::vector<float> upstream(b * d);
+    const float norm = 1.0f / float(b * d);
+    for (size_t k = 0; k < b * d; ++k) {
+      const float diff = acts[layers_][k] - target[k];
+      loss += double(diff) * diff * norm;
+      upstream[k] = 2.0f * diff * norm;
+    }
+    grads.assign(params.size(), {});
+    for (int l = layers_ - 1; l >= 0; --l) {
+      const std::vector<float>& w = params[2 * l];
+      std::vector<float>& dw = grads[2 * l];
+      std::vector<float>& db = grads[2 * l + 1];
+      dw.assign(d * d, 0.0f);
+      db.assign(d, 0.0f);
+      std::vector<float> dz(b * d);
+      for (size_t k = 0; k < b * d; ++k) {
+        const float a = acts[l + 1][k];
+        dz[k] = l + 1 < layers_ ? upstream[k] * (1.0f - a * a) : upstream[k];
+      }
+      std::vector<float> down(b * d, 0.0f);
+      for (size_t r = 0; r < b; ++r) {
+        for (size_t i = 0; i < d; ++i) {
+          const float g = dz[r * d + i];
+          db[i] += g;
+          for (size_t j = 0; j < d; ++j) {
+            dw[i * d + j] += g * acts[l][r * d + j];
+            down[r * d + j] += g * w[i * d + j];
+          }
+        }
+      }
+      upstream = std::move(down);
+    }
+    return loss;
+  }
+
+ private:
+  int layers_;
+  int width_;
+  int batch_;
+  uint64_t seed_;
+  std::vector<std::string> names_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<std::vector<float>> init_;
+};
+
+/// Rounds fp32 values through `dtype` (identity for fp32).
+inline void RoundThrough(DType dtype, std::vector<float>& values) {
+  for (float& v : values) {
+    if (dtype == DType::kBf16) v = Bf16ToFp32(Fp32ToBf16(v));
+    if (dtype == DType::kFp16) v = Fp16ToFp32(Fp32ToFp16(v));
+  }
+}
+
+inline void StoreAs(DType dtype, const float* in, size_t n, void* out) {
+  for (size_t i = 0; i < n; ++i) {
+    if (dtype == DType::kFp32) static_cast<float*>(out)[i] = in[i];
+    if (dtype == DType::kBf16) static_cast<uint16_t*>(out)[i] = Fp32ToBf16(in[i]);
+    if (dtype == DType::kFp16) static_cast<uint16_t*>(out)[i] = Fp32ToFp16(in[i]);
+  }
+}
+
+inline float LoadAs(DType dtype, const void* in, size_t i) {
+  if (dtype == DType::kBf16) return Bf16ToFp32(static_cast<const uint16_t*>(in)[i]);
+  if (dtype == DType::kFp16) return Fp16ToFp32(static_cast<const uint16_t*>(in)[i]);
+  return static_cast<const float*>(in)[i];
+}
+
+/// Drives an Engine the way a trainer does: forward over the chunks in order, backward in
+/// reverse, GradsReady per chunk, then Step.
+class EngineTrainer {
+ public:
+  EngineTrainer(Engine& engine, const TinyModel& model, int gradient_accumulation_steps = 1)
+      : engine_(engine), model_(model), gas_(gradient_accumulation_steps) {}
+
+  /// One optimizer step on micro-batches [step * gas, (step + 1) * gas). `poison` sets the
+  /// first gradient element to infinity (an fp16 overflow). Returns the mean micro-step loss.
+  Result<StepReport> TrainStep(int step, double* loss, bool poison = false) {
+    const ChunkLayout& layout = engine_.layout();
+    const DType dtype = engine_.working_dtype();
+    *loss = 0.0;
+    for (int micro = 0; micro < gas_; ++micro) {
+      std::vector<std::vector<float>> params(layout.parameter_count());
+      for (size_t c = 0; c < layout.chunk_count(); ++c) {
+        STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
+        ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
+          params[p].resize(loc.numel);
+          for (size_t i = 0; i < loc.numel; ++i) {
+            params[p][i] = LoadAs(dtype, view.params, loc.offset + i);
+          }
+        });
+        engine_.Release(c);
+      }
+      std::vector<std::vector<float>> grads;
+      *loss += model_.LossAndGrads(params, step * gas_ + micro, grads) / gas_;
+      const float scale = float(engine_.loss_scale());
+      if (poison) grads[0][0] = std::numeric_limits<float>::infinity();
+      for (size_t c = layout.chunk_count(); c-- > 0;) {
+        STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
+        ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
+          std::vector<float> scaled = grads[p];
+          for (float& g : scaled) g *= scale;
+          StoreAs(dtype, scaled.data(), loc.numel,
+                  static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype));
+        });
+        STRATA_RETURN_IF_ERROR(engine_.GradsReady(c));
+        engine_.Release(c);
+      }
+    }
+    return engine_.Step().get();
+  }
+
+  std::vector<std::vector<float>> MasterParameters() {
+    std::vector<std::vector<float>> out(engine_.layout().parameter_count());
+    for (size_t p = 0; p < out.size(); ++p) {
+      out[p].resize(engine_.layout().location(p).numel);
+      Status s = engine_.ReadMasterParameter(p, out[p]);
+      if (!s.ok()) out[p].clear();
+    }
+    return out;
+  }
+
+ private:
+  template <typename F>
+  void ForEachParameter(size_t chunk, F&& f) {
+    const ChunkInfo& info = engine_.layout().chunk(chunk);
+    for (size_t p = info.first_parameter; p < info.first_parameter + info.parameter_count; ++p) {
+      f(p, engine_.layout().location(p));
+    }
+  }
+
+  Engine& engine_;
+  const TinyModel& model_;
+  int gas_;
+};
+
+/// The same training with a plain in-memory AdamW (the cpu_adam kernel per parameter).
+class ReferenceTrainer {
+ public:
+  ReferenceTrainer(const TinyModel& model, const EngineOptions& options)
+      : model_(model), options_(options), master_(model.initial_values()) {
+    for (const auto& p : master_) {
+      m_.emplace_back(p.size(), 0.0f);
+      v_.emplace_back(p.size(), 0.0f);
+    }
+    optimizer_.emplace(std::move(cpu_adam::CpuOptimizer::Create({.threads = 2})).value());
+  }
+
+  /// Mirrors EngineTrainer::TrainStep; `skip` drops the step as an fp16 overflow would.
+  double TrainStep(int step, bool skip = false) {
+    const DType dtype = options_.precision.working_dtype;
+    const int gas = options_.optimizer.gradient_accumulation_steps;
+    double loss = 0.0;
+    std::vector<std::vector<float>> sum;
+    for (int micro = 0; micro < gas; ++micro) {
+      std::vector<std::vector<float>> working = master_;
+      for (auto& p : working) RoundThrough(dtype, p);
+      std::vector<std::vector<float>> grads;
+      loss += model_.LossAndGrads(working, step * gas + micro, grads) / gas;
+      for (auto& g : grads) RoundThrough(dtype, g);
+      if (micro == 0) {
+        sum = grads;
+      } else {
+        for (size_t p = 0; p < sum.size(); ++p) {
+          for (size_t i = 0; i < sum[p].size(); ++i) sum[p][i] += grads[p][i];
+        }
+      }
+    }
+    if (skip) return loss;
+    double clip = 1.0;
+    if (options_.optimizer.gradient_clipping > 0.0) {
+      double sq = 0.0;
+      for (const auto& g : sum) {
+        for (float x : g) sq += double(x) * x;
+      }
+      clip = std::min(1.0, options_.optimizer.gradient_clipping / (std::sqrt(sq) + 1e-6));
+    }
+    ++steps_;
+    const OptimizerOptions& o = options_.optimizer;
+    for (size_t p = 0; p < master_.size(); ++p) {
+      Status s = optimizer_->Step(
+          cpu_adam::AdamWHyperParams{.lr = o.lr,
+                                     .beta1 = o.beta1,
+                                     .beta2 = o.beta2,
+                                     .eps = o.eps,
+                                     .weight_decay = o.weight_decay,
+                                     .bias_correction = o.bias_correction,
+                                     .step = steps_,
+                                     .grad_scale = clip},
+          cpu_adam::StepBuffers{.numel = master_[p].size(),
+                                .params = master_[p].data(),
+                                .grads = sum[p].data(),
+                                .exp_avg = m_[p].data(),
+                                .exp_avg_sq = v_[p].data()});
+      if (!s.ok()) std::abort();
+    }
+    return loss;
+  }
+
+  const std::vector<std::vector<float>>& master() const { return master_; }
+
+ private:
+  const TinyModel& model_;
+  EngineOptions options_;
+  std::vector<std::vector<float>> master_, m_, v_;
+  std::optional<cpu_adam::CpuOptimizer> optimizer_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace strata::offload::testing
