@@ -51,13 +51,6 @@ Result<AdamBenchmarkOptions> ToOptions(const std::string& optimizer, uint64_t nu
   return options;
 }
 
-/// "256Mi" for 256 x 2^20: FormatBytes without its "B".
-std::string FormatCount(uint64_t count) {
-  std::string text = FormatBytes(count);
-  if (!text.empty() && text.back() == 'B') text.pop_back();
-  return text;
-}
-
 std::string CopyName(const AdamBenchmarkOptions& options) {
   return options.param_copy_dtype ? std::string(DTypeName(*options.param_copy_dtype)) : "none";
 }

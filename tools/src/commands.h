@@ -2,8 +2,11 @@
 // process exit status: 0 on success, 1 when the work failed, 2 for bad usage.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
+
+#include "strata/core/bytes.h"
 
 namespace strata::tools {
 
@@ -16,6 +19,14 @@ int RunConfig(const std::vector<std::string>& args);
 int RunBench(const std::vector<std::string>& args);
 int RunBenchNvme(const std::vector<std::string>& args);
 int RunBenchAdam(const std::vector<std::string>& args);
+int RunBenchPipeline(const std::vector<std::string>& args);
+
+/// A count with a binary suffix, "64Mi" for 64 x 2^20: FormatBytes without its "B".
+inline std::string FormatCount(uint64_t count) {
+  std::string text = FormatBytes(count);
+  if (!text.empty() && text.back() == 'B') text.pop_back();
+  return text;
+}
 
 /// Prints "strata: error: <message>" to stderr, with a pointer to --help for usage errors.
 int Fail(int exit_code, const std::string& message, const std::string& command = "");

@@ -18,6 +18,7 @@ Commands:
   config check    validate a Strata or DeepSpeed config file and print the resolved options
   bench adam      CPU optimizer step vs its memory-bandwidth roofline
   bench nvme      sequential O_DIRECT throughput of a directory through the I/O engine
+  bench pipeline  a training step through the offload engine vs its slowest resource
 
 Run `strata <command> --help` for a command's flags.
 )";
@@ -35,8 +36,9 @@ int RunBench(const std::vector<std::string>& args) {
   constexpr const char* kBenchUsage =
       "Usage: strata bench <benchmark> [flags]\n\n"
       "Benchmarks:\n"
-      "  adam    CPU optimizer step vs its memory-bandwidth roofline (same arrays, same run)\n"
-      "  nvme    sequential O_DIRECT read/write throughput through the I/O engine\n";
+      "  adam      CPU optimizer step vs its memory-bandwidth roofline (same arrays, same run)\n"
+      "  nvme      sequential O_DIRECT read/write throughput through the I/O engine\n"
+      "  pipeline  a training step through the offload engine vs each resource alone\n";
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     std::cout << kBenchUsage;
     return args.empty() ? kExitUsage : kExitOk;
@@ -44,6 +46,7 @@ int RunBench(const std::vector<std::string>& args) {
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "adam") return RunBenchAdam(rest);
   if (args[0] == "nvme") return RunBenchNvme(rest);
+  if (args[0] == "pipeline") return RunBenchPipeline(rest);
   return Fail(kExitUsage, "unknown benchmark \"" + args[0] + "\"", "strata bench");
 }
 

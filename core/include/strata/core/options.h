@@ -180,15 +180,17 @@ struct PlacementOptions {
   /// Home tier of the working (fp16/bf16/fp32) parameters between uses. DeepSpeed:
   /// zero_optimization.offload_param.device.
   Tier params = Tier::kDevice;
-  /// When params live on nvme, at most this many bytes of them are cached in host memory;
-  /// 0 = no cap other than host.pinned_memory_bytes. DeepSpeed: offload_param.max_in_cpu,
-  /// which counts elements; a DeepSpeed config is converted with the working dtype's size.
+  /// When params live on nvme, up to this many bytes of them (whole chunks, the first ones)
+  /// live in host memory instead; 0 = none. DeepSpeed: offload_param.max_in_cpu, which counts
+  /// elements; a DeepSpeed config is converted with the working dtype's size.
   uint64_t max_params_in_host = 0;
   /// Overlap the NVMe read of the next chunk's optimizer state with the step of the current
-  /// one. DeepSpeed: offload_optimizer.pipeline_read.
+  /// one. DeepSpeed: offload_optimizer.pipeline_read. The Strata engine always overlaps reads,
+  /// writes and steps of different chunks (bounded by optimizer_buffer_count); the field is
+  /// accepted for DeepSpeed configs and changes nothing.
   bool pipeline_read = false;
   /// Overlap the NVMe write of the previous chunk's optimizer state with the step of the
-  /// current one. DeepSpeed: offload_optimizer.pipeline_write.
+  /// current one. DeepSpeed: offload_optimizer.pipeline_write. Always on in Strata, as above.
   bool pipeline_write = false;
   /// Target size of one chunk's working parameters in bytes; a positive multiple of 4096.
   uint64_t chunk_bytes = 64 * kMiB;

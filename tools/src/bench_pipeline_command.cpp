@@ -1,0 +1,131 @@
+// `strata bench pipeline`: a synthetic model's training step through the offload engine against
+// each resource timed alone (PERFORMANCE.md: step <= 1.10 x the slowest with states on host,
+// <= 1.15 on NVMe), as a table or as JSON.
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "flags.h"
+#include "strata/core/bytes.h"
+#include "strata/offload/pipeline_benchmark.h"
+
+namespace strata::tools {
+namespace {
+
+using offload::PipelineBenchmarkOptions;
+using offload::PipelineBenchmarkResult;
+
+nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o,
+                              const PipelineBenchmarkResult& r) {
+  nlohmann::ordered_json j;
+  j["chunks"] = o.chunks;
+  j["chunk_bytes"] = o.chunk_bytes;
+  j["params"] = r.params;
+  j["precision"] = DTypeName(o.working_dtype);
+  j["offload_optimizer"] = TierName(o.optimizer_states);
+  j["forward_ms"] = o.forward_ms;
+  j["backward_ms"] = o.backward_ms;
+  j["copy_gbps"] = o.copy_gbps;
+  nlohmann::ordered_json resources = nlohmann::ordered_json::object();
+  for (const auto& resource : r.resources) {
+    resources[resource.name] = {{"seconds", resource.seconds}, {"bytes", resource.bytes}};
+  }
+  j["resources"] = resources;
+  j["slowest"] = r.slowest;
+  j["slowest_seconds"] = r.slowest_seconds;
+  j["serial_seconds"] = r.serial_seconds;
+  j["step_seconds"] = r.step_seconds;
+  j["step_median_seconds"] = r.step_median_seconds;
+  j["ratio_to_slowest"] = r.ratio_to_slowest;
+  j["ratio_to_serial"] = r.ratio_to_serial;
+  return j;
+}
+
+void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult& r) {
+  std::printf(
+      "%d chunks x %s of %s working params (%s params); forward %.1f ms + backward %.1f ms per "
+      "chunk; copies %.1f GB/s; optimizer states on %s\n\n",
+      o.chunks, FormatBytes(o.chunk_bytes).c_str(), std::string(DTypeName(o.working_dtype)).c_str(),
+      FormatCount(r.params).c_str(), o.forward_ms, o.backward_ms, o.copy_gbps,
+      std::string(TierName(o.optimizer_states)).c_str());
+  std::printf("  %-26s %12s %12s %12s\n", "alone", "seconds", "bytes", "GB/s");
+  for (const auto& resource : r.resources) {
+    if (resource.bytes > 0) {
+      std::printf("  %-26s %12.4f %12s %12.2f\n", resource.name.c_str(), resource.seconds,
+                  FormatBytes(resource.bytes).c_str(), resource.bytes / resource.seconds / 1e9);
+    } else {
+      std::printf("  %-26s %12.4f\n", resource.name.c_str(), resource.seconds);
+    }
+  }
+  std::printf("\n  %-26s %12.4f  (%s)\n", "slowest resource", r.slowest_seconds,
+              r.slowest.c_str());
+  std::printf("  %-26s %12.4f\n", "serial sum (no overlap)", r.serial_seconds);
+  std::printf("  %-26s %12.4f  (median of %zu)\n", "engine step", r.step_median_seconds,
+              r.step_seconds.size());
+  std::printf("  %-26s %12.3f  (target <= %.2f)\n", "step / slowest", r.ratio_to_slowest,
+              o.optimizer_states == Tier::kNvme ? 1.15 : 1.10);
+  std::printf("  %-26s %12.3f\n", "step / serial sum", r.ratio_to_serial);
+}
+
+}  // namespace
+
+int RunBenchPipeline(const std::vector<std::string>& args) {
+  const std::string command = "strata bench pipeline";
+  PipelineBenchmarkOptions o;
+  std::string precision = "bf16", offload_optimizer = "host", nvme_path;
+  int64_t chunks = o.chunks, threads = 0, warmup = o.warmup_steps, steps = o.timed_steps;
+  bool json = false;
+  FlagParser flags(command,
+                   "Time a synthetic model's training step through the offload engine on "
+                   "HostDevice against each resource alone (compute, copies, CPU Adam, NVMe).");
+  flags.AddInt("chunks", &chunks, "chunks of the synthetic model (default 16)");
+  flags.AddBytes("chunk-size", &o.chunk_bytes, "working parameters per chunk (default 8MiB)");
+  flags.AddString("precision", &precision, "DTYPE", "working dtype: bf16 (default), fp16, fp32");
+  flags.AddDouble("forward-ms", &o.forward_ms, "device compute per chunk forward (default 5)");
+  flags.AddDouble("backward-ms", &o.backward_ms,
+                  "device compute per chunk backward (default 10)");
+  flags.AddDouble("copy-gbps", &o.copy_gbps,
+                  "host<->device bandwidth per direction, GB/s; 0 = memcpy (default 4)");
+  flags.AddString("offload-optimizer", &offload_optimizer, "TIER",
+                  "where optimizer states live: host (default) or nvme");
+  flags.AddString("nvme-path", &nvme_path, "DIR", "directory for NVMe swap (with nvme)");
+  flags.AddInt("threads", &threads, "CPU optimizer threads; 0 (default) = all");
+  flags.AddInt("warmup", &warmup, "untimed engine steps first (default 2)");
+  flags.AddInt("steps", &steps, "timed engine steps; the median is reported (default 5)");
+  flags.AddBool("json", &json, "print one JSON document instead of a table");
+  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
+  if (flags.help_requested()) {
+    std::cout << flags.Help();
+    return kExitOk;
+  }
+  auto dtype = ParseDType(precision);
+  if (!dtype.ok()) return Fail(kExitUsage, dtype.status().message(), command);
+  auto tier = ParseTier(offload_optimizer);
+  if (!tier.ok()) return Fail(kExitUsage, tier.status().message(), command);
+  o.working_dtype = *dtype;
+  o.optimizer_states = *tier;
+  if (!nvme_path.empty()) o.nvme_paths = {nvme_path};
+  o.chunks = static_cast<int>(std::clamp<int64_t>(chunks, -1, 1 << 30));
+  o.threads = static_cast<int>(std::clamp<int64_t>(threads, 0, 4096));
+  o.warmup_steps = static_cast<int>(std::clamp<int64_t>(warmup, -1, 1000));
+  o.timed_steps = static_cast<int>(std::clamp<int64_t>(steps, 0, 1000));
+  if (Status s = o.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
+  o.progress = [](const std::string& line) {
+    std::fprintf(stderr, "\r  %-40s", line.c_str());
+  };
+
+  auto result = offload::RunPipelineBenchmark(o);
+  std::fprintf(stderr, "\r%50s\r", "");
+  if (!result.ok()) return Fail(kExitFailure, result.status().message());
+  if (json) {
+    std::cout << ToJson(o, *result).dump(2) << "\n";
+  } else {
+    PrintTable(o, *result);
+  }
+  return kExitOk;
+}
+
+}  // namespace strata::tools
