@@ -262,8 +262,19 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
           host_alloc(c.host_states, c.state_bytes(), "the optimizer states of " + name));
     }
   }
-  if (options_.host.pin_memory && device_.CanPin()) {
-    Log(LogLevel::kDebug, "host.pin_memory: host-tier state is pinned through staging only");
+  // Gradients land in, and new parameters leave from, pinned memory so device copies run at
+  // full speed; host-home state is pinned too when host.pin_memory asks for it.
+  if (device_.CanPin()) {
+    for (Chunk& c : chunks_) {
+      std::vector<AlignedBuffer*> buffers = {&c.grads_landing, &c.param_copy};
+      if (options_.host.pin_memory) buffers.push_back(&c.host_params);
+      for (AlignedBuffer* buffer : buffers) {
+        if (buffer->empty()) continue;
+        STRATA_ASSIGN_OR_RETURN(PinnedHostRegion region,
+                                device_.PinHostMemory(buffer->data(), buffer->size()));
+        pinned_.push_back(std::move(region));
+      }
+    }
   }
 
   // --- NVMe ---

@@ -206,6 +206,8 @@ class Engine::Impl {
   std::vector<BudgetReservation> static_reservations_;
 
   std::vector<Chunk> chunks_;
+  // Host buffers registered for DMA; declared after chunks_ so they are unpinned first.
+  std::vector<PinnedHostRegion> pinned_;
   bool transactional_ = false;
   size_t device_state_chunks_ = 0;
 

@@ -150,5 +150,51 @@ TEST(CliTest, BenchNvmeBadInput) {
   EXPECT_NE(r.out.find("unknown benchmark \"warp\""), std::string::npos);
 }
 
+TEST(CliTest, BenchPipelineMeasuresEveryResourceAndTheStep) {
+  for (const char* tier : {"host", "nvme"}) {
+    auto r = RunCli(std::string("bench pipeline --chunks 3 --chunk-size 256KiB --forward-ms 2 ") +
+                        "--backward-ms 3 --copy-gbps 0 --warmup 1 --steps 3 --json " +
+                        "--offload-optimizer " + tier + " --nvme-path " + ::testing::TempDir(),
+                    /*merge_stderr=*/false);
+    ASSERT_EQ(r.exit_code, 0) << tier << ": " << r.out;
+    auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["offload_optimizer"], tier);
+    EXPECT_EQ(j["chunks"], 3);
+    EXPECT_EQ(j["params"].get<uint64_t>(), 3u * (128u << 10));  // 256KiB of bf16 per chunk.
+    const auto& resources = j["resources"];
+    for (const char* name : {"compute", "device_to_host", "cpu_adam", "host_to_device"}) {
+      ASSERT_TRUE(resources.contains(name)) << name;
+      EXPECT_GT(resources[name]["seconds"].get<double>(), 0.0) << name;
+    }
+    EXPECT_EQ(resources.contains("nvme_read"), std::string(tier) == "nvme");
+    // Compute alone is 3 chunks x (2 + 3) ms of sleeping.
+    EXPECT_GE(resources["compute"]["seconds"].get<double>(), 0.015);
+    ASSERT_EQ(j["step_seconds"].size(), 3u);
+    double serial = 0.0;
+    for (const auto& [name, resource] : resources.items()) serial += resource["seconds"].get<double>();
+    EXPECT_NEAR(j["serial_seconds"].get<double>(), serial, 1e-9);
+    EXPECT_NEAR(j["ratio_to_slowest"].get<double>(),
+                j["step_median_seconds"].get<double>() / j["slowest_seconds"].get<double>(), 1e-9);
+  }
+}
+
+TEST(CliTest, BenchPipelineBadInput) {
+  auto r = RunCli("bench pipeline --offload-optimizer nvme");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--nvme-path"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --offload-optimizer tape");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("tape"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --chunk-size 1000");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("multiple of 4KiB"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --offload-optimizer nvme --nvme-path /nonexistent/dir --chunks 1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--offload-optimizer"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace strata::tools
