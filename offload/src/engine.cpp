@@ -85,6 +85,9 @@ Engine::Impl::Impl(const EngineOptions& options, Device& device, ChunkLayout lay
 
 Engine::Impl::~Impl() {
   WaitIdle();
+  // Copies queued on the device's streams (even by a Create that failed half-way) read and
+  // write buffers freed below.
+  device_.Synchronize().IgnoreError();
   // Preloaded states hold staging buffers, which must go back before the pool is destroyed.
   if (!chunks_.empty()) loop_.Run(DropPreloads());
 }
