@@ -160,18 +160,17 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   for (size_t i = 0; i < n_chunks; ++i) {
     Chunk& c = chunks_[i];
     if (c.params_offloaded()) continue;
-    const uint64_t bytes = 2 * c.working_bytes(wsize);
+    const uint64_t bytes = c.device_slot_bytes(wsize);
     Status reserved = device_budget_.Reserve(
         bytes, "the working parameters and gradients of chunk " + std::to_string(i));
     if (!reserved.ok()) {
       uint64_t needed = 0;
-      for (const Chunk& other : chunks_) needed += 2 * other.working_bytes(wsize);
-      return ResourceExhausted("device memory budget of " +
-                               FormatBytes(device_budget_.usage().budget_bytes) +
-                               " cannot hold the working parameters and gradients (" +
-                               FormatBytes(needed) +
-                               "); offload the parameters (placement.params host or nvme) or "
-                               "raise the device budget");
+      for (const Chunk& other : chunks_) needed += other.device_slot_bytes(wsize);
+      return ResourceExhausted(
+          "device memory budget of " + FormatBytes(device_budget_.usage().budget_bytes) +
+          " cannot hold the working parameters and gradients (" + FormatBytes(needed) +
+          "); offload the parameters (placement.params host or nvme) or "
+          "raise the device budget");
     }
     static_reservations_.emplace_back(&device_budget_, bytes);
     STRATA_ASSIGN_OR_RETURN(c.params, device_.Allocate(c.working_bytes(wsize)));
@@ -185,7 +184,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   if (place.optimizer_states == Tier::kDevice) {
     wanted_device_states = n_chunks;
   } else if (place.offload_ratio < 1.0) {
-    wanted_device_states = static_cast<size_t>(std::llround((1.0 - place.offload_ratio) * n_chunks));
+    wanted_device_states =
+        static_cast<size_t>(std::llround((1.0 - place.offload_ratio) * n_chunks));
   }
   // The first chunks stay: backward produces their gradients last, so the CPU gets the chunks
   // whose gradients arrive first and the most time to update them.
@@ -200,8 +200,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
             FormatBytes(bytes) + " more; " + FormatBytes(device_budget_.usage().used_bytes) +
             " in use); offload them (offload_optimizer.device cpu or nvme)");
       }
-      Log(LogLevel::kWarning, "offload_ratio " + std::to_string(place.offload_ratio) +
-                                  " keeps " + std::to_string(wanted_device_states) +
+      Log(LogLevel::kWarning, "offload_ratio " + std::to_string(place.offload_ratio) + " keeps " +
+                                  std::to_string(wanted_device_states) +
                                   " chunks' optimizer states on the device, but only " +
                                   std::to_string(i) + " fit in its memory budget");
       break;
@@ -222,7 +222,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
 
   // Offloaded parameters fetch into whatever the device has left: it must hold one chunk.
   if (place.params != Tier::kDevice) {
-    const uint64_t slot = 2 * layout_.max_chunk_numel() * wsize;
+    const uint64_t slot = 2 * AlignUp(layout_.max_chunk_numel() * wsize, kHostAlignment);
     if (device_budget_.free_bytes() < slot) {
       return ResourceExhausted(
           "device memory budget of " + FormatBytes(device_budget_.usage().budget_bytes) +
@@ -306,13 +306,13 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
                                      .queue_depth = static_cast<uint32_t>(nv.queue_depth),
                                      .wrap_backend = environment_.wrap_io_backend}));
     const uint64_t per_path = AlignUp(nvme_bytes / nv.paths.size() + 16 * kMiB, kMiB);
-    STRATA_ASSIGN_OR_RETURN(swap_, nvme::SwapSpace::Create({.paths = nv.paths,
-                                                            .bytes_per_path = per_path,
-                                                            .direct_io = nv.direct_io,
-                                                            .allow_buffered_fallback =
-                                                                nv.allow_buffered_fallback,
-                                                            .checksums = nv.checksums},
-                                                           *io_));
+    STRATA_ASSIGN_OR_RETURN(
+        swap_, nvme::SwapSpace::Create({.paths = nv.paths,
+                                        .bytes_per_path = per_path,
+                                        .direct_io = nv.direct_io,
+                                        .allow_buffered_fallback = nv.allow_buffered_fallback,
+                                        .checksums = nv.checksums},
+                                       *io_));
     nvme_budget_.SetBudget(swap_->capacity_bytes());
     for (size_t i = 0; i < n_chunks; ++i) {
       Chunk& c = chunks_[i];
@@ -334,25 +334,23 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       const uint64_t total = AlignUp(bytes, kHostAlignment) * count;
       STRATA_RETURN_IF_ERROR(host_budget_.Reserve(total, what));
       static_reservations_.emplace_back(&host_budget_, total);
-      STRATA_ASSIGN_OR_RETURN(pool, StagingPool::Create({.buffer_bytes = bytes,
-                                                         .buffer_count = size_t(count),
-                                                         .pin_with = &device_}));
+      STRATA_ASSIGN_OR_RETURN(
+          pool, StagingPool::Create(
+                    {.buffer_bytes = bytes, .buffer_count = size_t(count), .pin_with = &device_}));
       free.emplace(size_t(count));
       return Status();
     };
     if (nvme_states) {
-      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, state_staging_free_,
-                                       layout_.max_chunk_numel() * 4 * kStateArrays,
-                                       options_.host.optimizer_buffer_count,
-                                       "the optimizer state staging buffers"));
+      STRATA_RETURN_IF_ERROR(make_pool(
+          state_staging_, state_staging_free_, layout_.max_chunk_numel() * 4 * kStateArrays,
+          options_.host.optimizer_buffer_count, "the optimizer state staging buffers"));
       state_staging_registered_ =
           io_->RegisterBuffers(state_staging_->arena(), state_staging_->buffer_bytes());
     }
     if (nvme_params) {
-      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, param_staging_free_,
-                                       layout_.max_chunk_numel() * wsize,
-                                       options_.host.param_buffer_count,
-                                       "the parameter staging buffers"));
+      STRATA_RETURN_IF_ERROR(
+          make_pool(param_staging_, param_staging_free_, layout_.max_chunk_numel() * wsize,
+                    options_.host.param_buffer_count, "the parameter staging buffers"));
     }
   }
 
@@ -365,7 +363,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     auto* master = reinterpret_cast<float*>(states.data());
     for (size_t p = info.first_parameter; p < info.first_parameter + info.parameter_count; ++p) {
       const std::span<const float> values = parameters[p].initial_values;
-      if (!values.empty()) std::copy(values.begin(), values.end(), master + layout_.location(p).offset);
+      if (!values.empty())
+        std::copy(values.begin(), values.end(), master + layout_.location(p).offset);
     }
     STRATA_RETURN_IF_ERROR(WriteChunkStates(i, states.data()));
     STRATA_ASSIGN_OR_RETURN(chunks_[i].released, device_.CreateEvent());
@@ -423,12 +422,9 @@ Status Engine::ReadMasterParameter(size_t parameter, std::span<float> out) {
 
 TierUsage Engine::tier_usage(Tier tier) const {
   switch (tier) {
-    case Tier::kDevice:
-      return impl_->device_budget_.usage();
-    case Tier::kHost:
-      return impl_->host_budget_.usage();
-    case Tier::kNvme:
-      return impl_->nvme_budget_.usage();
+    case Tier::kDevice: return impl_->device_budget_.usage();
+    case Tier::kHost: return impl_->host_budget_.usage();
+    case Tier::kNvme: return impl_->nvme_budget_.usage();
   }
   return {};
 }
@@ -455,17 +451,16 @@ MetricsRegistry& Engine::metrics() {
 void Engine::Impl::RegisterMetrics() {
   MetricsRegistry& r = metrics_;
   const char* moved = "Bytes moved between tiers.";
-  m_.d2h_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
-                               TierPairLabels(Tier::kDevice, Tier::kHost));
-  m_.h2d_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
-                               TierPairLabels(Tier::kHost, Tier::kDevice));
-  m_.nvme_read_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
-                                     TierPairLabels(Tier::kNvme, Tier::kHost));
-  m_.nvme_write_bytes = &r.GetCounter("strata_tier_bytes_total", moved,
-                                      TierPairLabels(Tier::kHost, Tier::kNvme));
+  m_.d2h_bytes =
+      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kDevice, Tier::kHost));
+  m_.h2d_bytes =
+      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kHost, Tier::kDevice));
+  m_.nvme_read_bytes =
+      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kNvme, Tier::kHost));
+  m_.nvme_write_bytes =
+      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kHost, Tier::kNvme));
   const char* updated = "Parameters updated by the optimizer.";
-  m_.optimizer_params =
-      &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});
+  m_.optimizer_params = &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});
   m_.device_optimizer_params =
       &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "device"}});
   m_.optimizer_seconds = &r.GetCounter("strata_optimizer_busy_seconds_total",

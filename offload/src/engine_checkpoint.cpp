@@ -3,7 +3,6 @@
 // not saved: they are the master rounded to the working dtype, recomputed on load. The files go
 // through checkpoint_files.h, which makes the whole directory appear atomically.
 #include <cstring>
-
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_files.h"
@@ -24,15 +23,9 @@ std::string ChunkFileName(size_t chunk) {
 /// Rounds `numel` fp32 values into `out` as `dtype` (a plain copy for fp32).
 void ToWorkingDtype(const float* values, size_t numel, DType dtype, void* out) {
   switch (dtype) {
-    case DType::kFp32:
-      std::memcpy(out, values, numel * sizeof(float));
-      break;
-    case DType::kFp16:
-      Fp32ToFp16({values, numel}, {static_cast<uint16_t*>(out), numel});
-      break;
-    case DType::kBf16:
-      Fp32ToBf16({values, numel}, {static_cast<uint16_t*>(out), numel});
-      break;
+    case DType::kFp32: std::memcpy(out, values, numel * sizeof(float)); break;
+    case DType::kFp16: Fp32ToFp16({values, numel}, {static_cast<uint16_t*>(out), numel}); break;
+    case DType::kBf16: Fp32ToBf16({values, numel}, {static_cast<uint16_t*>(out), numel}); break;
   }
 }
 
@@ -56,11 +49,8 @@ Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
     case Tier::kDevice:
       STRATA_RETURN_IF_ERROR(device_.CopyToHost(out, c.device_states.data(), c.state_bytes()));
       return device_.SynchronizeStream(Stream::kDeviceToHost);
-    case Tier::kHost:
-      std::memcpy(out, c.host_states.data(), c.state_bytes());
-      return Status();
-    case Tier::kNvme:
-      return swap_->ReadSync(c.state_extents[c.state_current], out);
+    case Tier::kHost: std::memcpy(out, c.host_states.data(), c.state_bytes()); return Status();
+    case Tier::kNvme: return swap_->ReadSync(c.state_extents[c.state_current], out);
   }
   return Internal("unknown tier");
 }
@@ -72,25 +62,20 @@ Status Engine::Impl::WriteChunkStates(size_t chunk, const std::byte* states) {
       STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.device_states.data(), states, c.state_bytes()));
       STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kHostToDevice));
       break;
-    case Tier::kHost:
-      std::memcpy(c.host_states.data(), states, c.state_bytes());
-      break;
+    case Tier::kHost: std::memcpy(c.host_states.data(), states, c.state_bytes()); break;
     case Tier::kNvme:
-      STRATA_RETURN_IF_ERROR(swap_->WriteSync(c.state_extents[c.state_current], states,
-                                              c.state_bytes()));
+      STRATA_RETURN_IF_ERROR(
+          swap_->WriteSync(c.state_extents[c.state_current], states, c.state_bytes()));
       break;
   }
   const size_t wbytes = c.working_bytes(working_size());
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, AlignedBuffer::Allocate(wbytes));
-  ToWorkingDtype(reinterpret_cast<const float*>(states), c.numel, working_dtype(),
-                 working.data());
+  ToWorkingDtype(reinterpret_cast<const float*>(states), c.numel, working_dtype(), working.data());
   switch (c.placement.params) {
     case Tier::kDevice:
       STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working.data(), wbytes));
       return device_.SynchronizeStream(Stream::kHostToDevice);
-    case Tier::kHost:
-      std::memcpy(c.host_params.data(), working.data(), wbytes);
-      return Status();
+    case Tier::kHost: std::memcpy(c.host_params.data(), working.data(), wbytes); return Status();
     case Tier::kNvme:
       return swap_->WriteSync(c.param_extents[c.param_current], working.data(), wbytes);
   }
@@ -123,16 +108,15 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
   STRATA_RETURN_IF_ERROR(CheckBetweenSteps("Save"));
   json manifest = internal::NewManifest();
   const LossScalerState& scaler = loss_scaler_.state();
-  manifest["engine"] = {
-      {"step_count", step_count_.load()},
-      {"working_dtype", DTypeName(working_dtype())},
-      {"chunk_bytes", options_.placement.chunk_bytes},
-      {"optimizer", OptimizerTypeName(options_.optimizer.type)},
-      {"loss_scaler",
-       {{"scale", scaler.scale},
-        {"iteration", scaler.iteration},
-        {"last_overflow_iteration", scaler.last_overflow_iteration},
-        {"hysteresis_left", scaler.hysteresis_left}}}};
+  manifest["engine"] = {{"step_count", step_count_.load()},
+                        {"working_dtype", DTypeName(working_dtype())},
+                        {"chunk_bytes", options_.placement.chunk_bytes},
+                        {"optimizer", OptimizerTypeName(options_.optimizer.type)},
+                        {"loss_scaler",
+                         {{"scale", scaler.scale},
+                          {"iteration", scaler.iteration},
+                          {"last_overflow_iteration", scaler.last_overflow_iteration},
+                          {"hysteresis_left", scaler.hysteresis_left}}}};
   json parameters = json::array();
   for (size_t p = 0; p < layout_.parameter_count(); ++p) {
     const ParameterLocation& loc = layout_.location(p);
@@ -143,7 +127,8 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
   }
   manifest["parameters"] = std::move(parameters);
 
-  STRATA_ASSIGN_OR_RETURN(internal::CheckpointWriter writer, internal::CheckpointWriter::Begin(dir));
+  STRATA_ASSIGN_OR_RETURN(internal::CheckpointWriter writer,
+                          internal::CheckpointWriter::Begin(dir));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
                           AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
   json chunks = json::array();
@@ -202,7 +187,8 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
   }
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (chunks[i].at("numel").get<size_t>() != layout.chunk(i).numel) {
-      return InvalidArgument("chunk " + std::to_string(i) + " has a different size in the "
+      return InvalidArgument("chunk " + std::to_string(i) +
+                             " has a different size in the "
                              "checkpoint");
     }
   }
@@ -213,8 +199,7 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
 
 Status Engine::Impl::Load(const std::filesystem::path& dir) {
   STRATA_RETURN_IF_ERROR(CheckBetweenSteps("Load"));
-  STRATA_ASSIGN_OR_RETURN(internal::CheckpointReader reader,
-                          internal::CheckpointReader::Open(dir));
+  STRATA_ASSIGN_OR_RETURN(internal::CheckpointReader reader, internal::CheckpointReader::Open(dir));
   const json& manifest = reader.manifest();
   LossScalerState scaler;
   int64_t step_count = 0;
@@ -242,9 +227,9 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
                       std::to_string(digests[i].bytes) + " bytes; chunk " + std::to_string(i) +
                       " needs " + std::to_string(chunks_[i].state_bytes()));
     }
-    STRATA_RETURN_IF_ERROR(reader.ReadFile(
-        ChunkFileName(i), digests[i],
-        [](std::span<const std::byte>, uint64_t) { return Status(); }));
+    STRATA_RETURN_IF_ERROR(
+        reader.ReadFile(ChunkFileName(i), digests[i],
+                        [](std::span<const std::byte>, uint64_t) { return Status(); }));
   }
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
                           AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
 #include "strata/core/event_loop.h"
 #include "strata/core/staging_pool.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
@@ -107,6 +108,10 @@ struct Chunk {
 
   bool params_offloaded() const { return placement.params != Tier::kDevice; }
   size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
+  /// Device memory its working parameters and gradients take: devices allocate whole pages.
+  size_t device_slot_bytes(size_t element_bytes) const {
+    return 2 * AlignUp(working_bytes(element_bytes), kHostAlignment);
+  }
   size_t state_bytes() const { return numel * sizeof(float) * kStateArrays; }
 };
 
@@ -237,7 +242,7 @@ class Engine::Impl {
   size_t order_position_ = 0;
   bool step_running_ = false;  // Step() called and not yet completed.
 
-  StepState step_;  // Loop thread only.
+  StepState step_;               // Loop thread only.
   size_t preloads_running_ = 0;  // Loop thread only.
 
   // Metrics: the registry owns them; these point into it (updated from any thread).

@@ -118,7 +118,7 @@ void Engine::Impl::Evict(size_t chunk) {
 
 Status Engine::Impl::StartFetch(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock) {
   Chunk& c = chunks_[chunk];
-  const uint64_t bytes = 2 * c.working_bytes(working_size());
+  const uint64_t bytes = c.device_slot_bytes(working_size());
   while (!device_budget_.TryReserve(bytes)) {
     if (std::optional<size_t> victim = PickVictim(chunk, demand)) {
       Evict(*victim);
@@ -161,8 +161,8 @@ Status Engine::Impl::StartFetch(size_t chunk, bool demand, std::unique_lock<std:
 void Engine::Impl::Prefetch(std::unique_lock<std::mutex>& lock) {
   if (recording_ || options_.placement.prefetch_depth <= 0) return;
   int issued = 0;
-  for (size_t i = order_position_;
-       i < order_.size() && issued < options_.placement.prefetch_depth; ++i) {
+  for (size_t i = order_position_; i < order_.size() && issued < options_.placement.prefetch_depth;
+       ++i) {
     Chunk& c = chunks_[order_[i]];
     if (c.resident || c.fetching) {
       ++issued;  // Already on its way: it counts toward the depth.
@@ -183,8 +183,8 @@ Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
     if (!staging.ok()) {
       status = staging.status();
     } else {
-      status = co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current],
-                                            staging->data());
+      status =
+          co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current], staging->data());
       if (status.ok()) {
         m_.nvme_read_bytes->Increment(double(bytes));
         status = device_.CopyToDevice(c.params.data(), staging->data(), bytes);

@@ -20,8 +20,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 /// sum[i] (+)= grads[i] for i < numel, grads of `dtype` converted to fp32; `first` overwrites.
-void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* grads,
-                     DType dtype, size_t numel, bool first) {
+void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* grads, DType dtype,
+                     size_t numel, bool first) {
   optimizer.ParallelFor(numel, [&](size_t begin, size_t end) {
     constexpr size_t kPiece = 4096;
     float converted[kPiece];
@@ -29,9 +29,7 @@ void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* 
       const size_t n = std::min(kPiece, end - i);
       const float* values = converted;
       switch (dtype) {
-        case DType::kFp32:
-          values = static_cast<const float*>(grads) + i;
-          break;
+        case DType::kFp32: values = static_cast<const float*>(grads) + i; break;
         case DType::kFp16:
           Fp16ToFp32({static_cast<const uint16_t*>(grads) + i, n}, {converted, n});
           break;
@@ -86,10 +84,10 @@ Status Engine::Impl::GradsReady(size_t chunk) {
       }
       Result<cpu_adam::GradientStats> stats = cpu_adam::GradientStats{};
       if (last) {
-        stats = gas > 1 ? optimizer_->ComputeGradientStats(ch.device_grads_sum.data(),
-                                                           DType::kFp32, ch.numel)
-                        : optimizer_->ComputeGradientStats(ch.grads.data(), working_dtype(),
-                                                           ch.numel);
+        stats = gas > 1
+                    ? optimizer_->ComputeGradientStats(ch.device_grads_sum.data(), DType::kFp32,
+                                                       ch.numel)
+                    : optimizer_->ComputeGradientStats(ch.grads.data(), working_dtype(), ch.numel);
       }
       {
         std::lock_guard inner(mutex_);
@@ -167,8 +165,8 @@ void Engine::Impl::OnChunkArrived(size_t chunk) {
   c.arrived = true;
   ++step_.chunks_arrived;
   if (!c.land_status.ok() && step_.error.ok()) {
-    step_.error = c.land_status.WithContext("measuring the gradients of chunk " +
-                                            std::to_string(chunk));
+    step_.error =
+        c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk));
   }
   if (!gated()) {
     StartUpdate(chunk);
@@ -225,9 +223,8 @@ void Engine::Impl::StartUpdate(size_t chunk) {
       });
 }
 
-Status Engine::Impl::RunOptimizer(float* states, size_t numel, const void* grads,
-                                  DType grad_dtype, void* param_copy, double grad_scale,
-                                  int64_t step) {
+Status Engine::Impl::RunOptimizer(float* states, size_t numel, const void* grads, DType grad_dtype,
+                                  void* param_copy, double grad_scale, int64_t step) {
   const OptimizerOptions& o = options_.optimizer;
   const double lr = lr_.load();
   const DType wdtype = working_dtype();
@@ -468,7 +465,8 @@ Awaitable<void> Engine::Impl::Commit() {
       if (transactional_ && c.placement.params == Tier::kDevice &&
           c.placement.optimizer_states != Tier::kDevice) {
         const size_t wbytes = c.working_bytes(working_size());
-        if (status.ok()) status = device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
+        if (status.ok())
+          status = device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
         if (status.ok()) m_.h2d_bytes->Increment(double(wbytes));
       }
     }

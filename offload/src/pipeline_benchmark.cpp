@@ -82,17 +82,16 @@ Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
       float* s = reinterpret_cast<float*>(states[c].data());
       STRATA_RETURN_IF_ERROR(optimizer.Step(
           cpu_adam::AdamWHyperParams{.step = step},
-          cpu_adam::StepBuffers{.numel = numel,
-                                .params = s,
-                                .grads = grads[c].data(),
-                                .grad_dtype = o.working_dtype,
-                                .exp_avg = s + numel,
-                                .exp_avg_sq = s + 2 * numel,
-                                .param_copy = o.working_dtype == DType::kFp32 ? nullptr
-                                                                             : copies[c].data(),
-                                .param_copy_dtype = o.working_dtype == DType::kFp32
-                                                        ? DType::kBf16
-                                                        : o.working_dtype}));
+          cpu_adam::StepBuffers{
+              .numel = numel,
+              .params = s,
+              .grads = grads[c].data(),
+              .grad_dtype = o.working_dtype,
+              .exp_avg = s + numel,
+              .exp_avg_sq = s + 2 * numel,
+              .param_copy = o.working_dtype == DType::kFp32 ? nullptr : copies[c].data(),
+              .param_copy_dtype =
+                  o.working_dtype == DType::kFp32 ? DType::kBf16 : o.working_dtype}));
     }
     return Status();
   };
@@ -107,16 +106,17 @@ Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
 Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, size_t numel) {
   const EngineOptions defaults;
   const NvmeOptions& nv = defaults.nvme;
-  STRATA_ASSIGN_OR_RETURN(auto io, nvme::IoEngine::Create({.backend = nv.backend,
-                                                           .block_size = nv.block_size,
-                                                           .queue_depth = uint32_t(nv.queue_depth)}));
+  STRATA_ASSIGN_OR_RETURN(auto io,
+                          nvme::IoEngine::Create({.backend = nv.backend,
+                                                  .block_size = nv.block_size,
+                                                  .queue_depth = uint32_t(nv.queue_depth)}));
   const uint64_t bytes = StateBytes(numel);
   const uint64_t per_path =
       AlignUp(AlignUp(bytes, kMiB) * o.chunks / o.nvme_paths.size() + 16 * kMiB, kMiB);
-  STRATA_ASSIGN_OR_RETURN(auto swap, nvme::SwapSpace::Create({.paths = o.nvme_paths,
-                                                              .bytes_per_path = per_path,
-                                                              .checksums = nv.checksums},
-                                                             *io));
+  STRATA_ASSIGN_OR_RETURN(
+      auto swap,
+      nvme::SwapSpace::Create(
+          {.paths = o.nvme_paths, .bytes_per_path = per_path, .checksums = nv.checksums}, *io));
   // The engine's staging buffers: same count, size and registration, so the same I/O path.
   const int in_flight = std::max(1, defaults.host.optimizer_buffer_count);
   STRATA_ASSIGN_OR_RETURN(auto staging, StagingPool::Create({.buffer_bytes = bytes,
@@ -228,9 +228,9 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   result.params = uint64_t(numel) * o.chunks;
 
   const uint64_t device_bytes = 2 * o.chunk_bytes * (o.chunks + 1) + kMiB;
-  STRATA_ASSIGN_OR_RETURN(auto device, CreateHostDevice({.memory_budget_bytes = device_bytes,
-                                                         .copy_bytes_per_second =
-                                                             o.copy_gbps * 1e9}));
+  STRATA_ASSIGN_OR_RETURN(auto device,
+                          CreateHostDevice({.memory_budget_bytes = device_bytes,
+                                            .copy_bytes_per_second = o.copy_gbps * 1e9}));
   const uint64_t chunk_copy_bytes = o.chunk_bytes * o.chunks;
   say("compute alone");
   STRATA_ASSIGN_OR_RETURN(double compute, TimeCompute(*device, o));

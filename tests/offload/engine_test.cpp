@@ -326,10 +326,12 @@ TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
       ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
     }
     size_t saved = 0;
-    ASSERT_TRUE(first->Save(checkpoint, {.on_chunk_saved = [&](size_t done, size_t total) {
-                        saved = done;
-                        EXPECT_EQ(total, size_t(kLayers));
-                      }})
+    ASSERT_TRUE(first
+                    ->Save(checkpoint, {.on_chunk_saved =
+                                            [&](size_t done, size_t total) {
+                                              saved = done;
+                                              EXPECT_EQ(total, size_t(kLayers));
+                                            }})
                     .ok());
     EXPECT_EQ(saved, size_t(kLayers));
   }
@@ -446,8 +448,8 @@ TEST(EngineTest, BudgetsTooSmallAreClearErrorsAtCreate) {
   const auto specs = model.Specs();
   {
     auto device = MakeDevice(kSlotBytes / 2);
-    auto engine = Engine::Create(
-        MakeOptions({"tiny", Tier::kHost, Tier::kHost}, dir.path()), *device, specs);
+    auto engine =
+        Engine::Create(MakeOptions({"tiny", Tier::kHost, Tier::kHost}, dir.path()), *device, specs);
     ASSERT_FALSE(engine.ok());
     EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted);
     EXPECT_NE(engine.status().message().find("one chunk"), std::string::npos)
@@ -455,8 +457,8 @@ TEST(EngineTest, BudgetsTooSmallAreClearErrorsAtCreate) {
   }
   {
     auto device = MakeDevice(2 * kSlotBytes);
-    auto engine = Engine::Create(
-        MakeOptions({"tiny", Tier::kHost, Tier::kDevice}, dir.path()), *device, specs);
+    auto engine = Engine::Create(MakeOptions({"tiny", Tier::kHost, Tier::kDevice}, dir.path()),
+                                 *device, specs);
     ASSERT_FALSE(engine.ok());
     EXPECT_EQ(engine.status().code(), StatusCode::kResourceExhausted);
     EXPECT_NE(engine.status().message().find("offload the parameters"), std::string::npos)
@@ -487,10 +489,10 @@ TEST(EngineTest, MisuseIsAClearError) {
   const TinyModel model(2, kWidth, kBatch);
   const auto specs = model.Specs();
   auto device = MakeDevice(64 << 20);
-  auto engine = std::move(Engine::Create(
-                              MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path()),
-                              *device, specs))
-                    .value();
+  auto engine =
+      std::move(Engine::Create(MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path()),
+                               *device, specs))
+          .value();
   EXPECT_EQ(engine->GradsReady(0).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(engine->GradsReady(99).code(), StatusCode::kInvalidArgument);
   Result<StepReport> early = engine->Step().get();

@@ -245,20 +245,19 @@ class ReferenceTrainer {
     ++steps_;
     const OptimizerOptions& o = options_.optimizer;
     for (size_t p = 0; p < master_.size(); ++p) {
-      Status s = optimizer_->Step(
-          cpu_adam::AdamWHyperParams{.lr = o.lr,
-                                     .beta1 = o.beta1,
-                                     .beta2 = o.beta2,
-                                     .eps = o.eps,
-                                     .weight_decay = o.weight_decay,
-                                     .bias_correction = o.bias_correction,
-                                     .step = steps_,
-                                     .grad_scale = clip},
-          cpu_adam::StepBuffers{.numel = master_[p].size(),
-                                .params = master_[p].data(),
-                                .grads = sum[p].data(),
-                                .exp_avg = m_[p].data(),
-                                .exp_avg_sq = v_[p].data()});
+      Status s = optimizer_->Step(cpu_adam::AdamWHyperParams{.lr = o.lr,
+                                                             .beta1 = o.beta1,
+                                                             .beta2 = o.beta2,
+                                                             .eps = o.eps,
+                                                             .weight_decay = o.weight_decay,
+                                                             .bias_correction = o.bias_correction,
+                                                             .step = steps_,
+                                                             .grad_scale = clip},
+                                  cpu_adam::StepBuffers{.numel = master_[p].size(),
+                                                        .params = master_[p].data(),
+                                                        .grads = sum[p].data(),
+                                                        .exp_avg = m_[p].data(),
+                                                        .exp_avg_sq = v_[p].data()});
       if (!s.ok()) std::abort();
     }
     return loss;

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -171,7 +172,8 @@ TEST(CliTest, BenchPipelineMeasuresEveryResourceAndTheStep) {
     EXPECT_GE(resources["compute"]["seconds"].get<double>(), 0.015);
     ASSERT_EQ(j["step_seconds"].size(), 3u);
     double serial = 0.0;
-    for (const auto& [name, resource] : resources.items()) serial += resource["seconds"].get<double>();
+    for (const auto& [name, resource] : resources.items())
+      serial += resource["seconds"].get<double>();
     EXPECT_NEAR(j["serial_seconds"].get<double>(), serial, 1e-9);
     EXPECT_NEAR(j["ratio_to_slowest"].get<double>(),
                 j["step_median_seconds"].get<double>() / j["slowest_seconds"].get<double>(), 1e-9);
@@ -194,6 +196,81 @@ TEST(CliTest, BenchPipelineBadInput) {
   r = RunCli("bench pipeline --help");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("--offload-optimizer"), std::string::npos);
+}
+
+// A short run of the tiny model, quick enough for a test.
+std::string TinyTrain(const std::string& extra) {
+  return "train --model tiny --batch 2 --seq 32 --eval-every 0 --nvme-path " +
+         ::testing::TempDir() + " " + extra;
+}
+
+std::vector<double> Losses(const nlohmann::json& document) {
+  std::vector<double> losses;
+  for (const auto& step : document["steps"]) losses.push_back(step["loss"].get<double>());
+  return losses;
+}
+
+TEST(CliTest, TrainJsonHasEveryStepAndTheLossFalls) {
+  auto r = RunCli(TinyTrain("--steps 30 --lr 1e-2 --json"), /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["steps"].size(), 30u);
+  for (size_t i = 0; i < 30; ++i) EXPECT_EQ(j["steps"][i]["step"].get<int>(), int(i) + 1);
+  EXPECT_EQ(j["placement"]["optimizer_states"], "nvme");
+  EXPECT_EQ(j["placement"]["params"], "host");
+  const std::vector<double> losses = Losses(j);
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+  EXPECT_LT(j["validation_loss"].get<double>(), j["unigram_entropy"].get<double>());
+  EXPECT_GT(j["summary"]["nvme_write_bytes"].get<uint64_t>(), 0u);
+}
+
+TEST(CliTest, TrainResumesFromACheckpointWithTheSameLosses) {
+  const std::string checkpoint = ::testing::TempDir() + "strata-cli-ckpt";
+  auto straight = RunCli(TinyTrain("--steps 8 --json"), /*merge_stderr=*/false);
+  ASSERT_EQ(straight.exit_code, 0) << straight.out;
+  auto first = RunCli(TinyTrain("--steps 4 --json --checkpoint " + checkpoint),
+                      /*merge_stderr=*/false);
+  ASSERT_EQ(first.exit_code, 0) << first.out;
+  // Resumed with the optimizer states on the host instead of NVMe.
+  auto resumed =
+      RunCli(TinyTrain("--steps 8 --json --offload-optimizer host --resume " + checkpoint),
+             /*merge_stderr=*/false);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out;
+  const std::vector<double> all = Losses(nlohmann::json::parse(straight.out));
+  const auto resumed_json = nlohmann::json::parse(resumed.out);
+  ASSERT_EQ(resumed_json["steps"].size(), 4u);
+  EXPECT_EQ(resumed_json["steps"][0]["step"].get<int>(), 5);
+  const std::vector<double> tail = Losses(resumed_json);
+  EXPECT_EQ(tail, std::vector<double>(all.begin() + 4, all.end()));
+  std::filesystem::remove_all(checkpoint);
+}
+
+TEST(CliTest, TrainBadInputIsOneLineAndNeverACrash) {
+  struct Case {
+    std::string args;
+    int exit_code;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"train --model huge", 2, "unknown model \"huge\""},
+      {"train --steps 0", 2, "--steps"},
+      {"train --precision fp8", 2, "fp8"},
+      {"train --offload-optimizer tape", 2, "tape"},
+      {"train --metrics-port 9100", 2, "not built yet"},
+      {"train --width 12", 2, "width"},
+      {"train --bogus", 2, "unknown flag --bogus"},
+      {"train --device cuda --model tiny", 1, "CUDA"},
+      {"train --model tiny --nvme-path /nonexistent/dir", 1, "/nonexistent/dir"},
+      {"train --model tiny --device-memory 4KiB", 1, "device memory budget"},
+      {"train --model tiny --resume /nonexistent/ckpt", 1, "/nonexistent/ckpt"},
+      {"train --data /nonexistent/corpus.txt", 1, "/nonexistent/corpus.txt"},
+  };
+  for (const Case& c : cases) {
+    auto r = RunCli(c.args);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.args << ": " << r.out;
+    EXPECT_NE(r.out.find(c.says), std::string::npos) << c.args << ": " << r.out;
+    EXPECT_EQ(r.out.find("strata: error"), r.out.rfind("strata: error")) << c.args << ": " << r.out;
+  }
 }
 
 }  // namespace

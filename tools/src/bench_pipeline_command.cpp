@@ -18,8 +18,7 @@ namespace {
 using offload::PipelineBenchmarkOptions;
 using offload::PipelineBenchmarkResult;
 
-nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o,
-                              const PipelineBenchmarkResult& r) {
+nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult& r) {
   nlohmann::ordered_json j;
   j["chunks"] = o.chunks;
   j["chunk_bytes"] = o.chunk_bytes;
@@ -60,8 +59,7 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
       std::printf("  %-26s %12.4f\n", resource.name.c_str(), resource.seconds);
     }
   }
-  std::printf("\n  %-26s %12.4f  (%s)\n", "slowest resource", r.slowest_seconds,
-              r.slowest.c_str());
+  std::printf("\n  %-26s %12.4f  (%s)\n", "slowest resource", r.slowest_seconds, r.slowest.c_str());
   std::printf("  %-26s %12.4f\n", "serial sum (no overlap)", r.serial_seconds);
   std::printf("  %-26s %12.4f  (median of %zu)\n", "engine step", r.step_median_seconds,
               r.step_seconds.size());
@@ -85,8 +83,7 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   flags.AddBytes("chunk-size", &o.chunk_bytes, "working parameters per chunk (default 8MiB)");
   flags.AddString("precision", &precision, "DTYPE", "working dtype: bf16 (default), fp16, fp32");
   flags.AddDouble("forward-ms", &o.forward_ms, "device compute per chunk forward (default 5)");
-  flags.AddDouble("backward-ms", &o.backward_ms,
-                  "device compute per chunk backward (default 10)");
+  flags.AddDouble("backward-ms", &o.backward_ms, "device compute per chunk backward (default 10)");
   flags.AddDouble("copy-gbps", &o.copy_gbps,
                   "host<->device bandwidth per direction, GB/s; 0 = memcpy (default 4)");
   flags.AddString("offload-optimizer", &offload_optimizer, "TIER",
@@ -113,9 +110,7 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   o.warmup_steps = static_cast<int>(std::clamp<int64_t>(warmup, -1, 1000));
   o.timed_steps = static_cast<int>(std::clamp<int64_t>(steps, 0, 1000));
   if (Status s = o.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
-  o.progress = [](const std::string& line) {
-    std::fprintf(stderr, "\r  %-40s", line.c_str());
-  };
+  o.progress = [](const std::string& line) { std::fprintf(stderr, "\r  %-40s", line.c_str()); };
 
   auto result = offload::RunPipelineBenchmark(o);
   std::fprintf(stderr, "\r%50s\r", "");

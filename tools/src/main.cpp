@@ -14,6 +14,7 @@ constexpr const char* kUsage = R"(strata — offload engine for training models 
 Usage: strata <command> [flags]
 
 Commands:
+  train           train the built-in byte-level language model through the offload engine
   info            CPU, memory, io_uring, file system and GPU facts that matter for offload
   config check    validate a Strata or DeepSpeed config file and print the resolved options
   bench adam      CPU optimizer step vs its memory-bandwidth roofline
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
     std::cout << "strata " << STRATA_VERSION << "\n";
     return kExitOk;
   }
+  if (command == "train") return RunTrain(args);
   if (command == "info") return RunInfo(args);
   if (command == "config") return RunConfig(args);
   if (command == "bench") return RunBench(args);

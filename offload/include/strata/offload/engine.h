@@ -78,11 +78,11 @@ struct ChunkView {
 
 /// What one Step() did.
 struct StepReport {
-  int64_t step = 0;          ///< Optimizer steps taken so far (skipped steps do not count).
-  bool skipped = false;      ///< fp16 overflow: nothing was updated and the scale was lowered.
-  double grad_norm = 0.0;    ///< Global L2 norm of the (unscaled) gradients; NaN when skipped.
-  double loss_scale = 1.0;   ///< The scale the next backward should use.
-  double seconds = 0.0;      ///< From Step() to completion.
+  int64_t step = 0;         ///< Optimizer steps taken so far (skipped steps do not count).
+  bool skipped = false;     ///< fp16 overflow: nothing was updated and the scale was lowered.
+  double grad_norm = 0.0;   ///< Global L2 norm of the (unscaled) gradients; NaN when skipped.
+  double loss_scale = 1.0;  ///< The scale the next backward should use.
+  double seconds = 0.0;     ///< From Step() to completion.
 };
 
 /// Bytes moved between tiers and time spent per resource since the engine started.
@@ -91,17 +91,17 @@ struct EngineCounters {
   uint64_t host_to_device_bytes = 0;
   uint64_t nvme_read_bytes = 0;
   uint64_t nvme_write_bytes = 0;
-  double optimizer_seconds = 0.0;  ///< Busy time of the CPU optimizer (sum over chunks).
-  uint64_t optimizer_params = 0;   ///< Parameters updated by the CPU optimizer.
+  double optimizer_seconds = 0.0;        ///< Busy time of the CPU optimizer (sum over chunks).
+  uint64_t optimizer_params = 0;         ///< Parameters updated by the CPU optimizer.
   uint64_t device_optimizer_params = 0;  ///< Parameters updated on the device.
-  uint64_t evictions = 0;          ///< Offloaded parameter chunks dropped from the device.
-  uint64_t fetches = 0;            ///< Offloaded parameter chunks brought to the device.
+  uint64_t evictions = 0;                ///< Offloaded parameter chunks dropped from the device.
+  uint64_t fetches = 0;                  ///< Offloaded parameter chunks brought to the device.
 };
 
 /// Where each chunk's state lives (decided at Create from the placement options and budgets).
 struct ChunkPlacement {
-  Tier params = Tier::kDevice;            ///< Home of its working parameters between uses.
-  Tier optimizer_states = Tier::kHost;    ///< Home of its fp32 master parameters and moments.
+  Tier params = Tier::kDevice;          ///< Home of its working parameters between uses.
+  Tier optimizer_states = Tier::kHost;  ///< Home of its fp32 master parameters and moments.
 };
 
 /// Options of Save that do not belong in EngineOptions.
@@ -116,8 +116,7 @@ struct EngineEnvironment {
   /// Collectives across data-parallel ranks; null = a single rank.
   std::unique_ptr<Communicator> communicator;
   /// Wraps the NVMe I/O backend the engine creates (tests inject faults with it).
-  std::function<std::unique_ptr<nvme::IoBackend>(std::unique_ptr<nvme::IoBackend>)>
-      wrap_io_backend;
+  std::function<std::unique_ptr<nvme::IoBackend>(std::unique_ptr<nvme::IoBackend>)> wrap_io_backend;
 };
 
 class Engine {

@@ -19,9 +19,9 @@ namespace strata::offload {
 /// Everything that survives a checkpoint.
 struct LossScalerState {
   double scale = 1.0;
-  int64_t iteration = 0;           ///< Steps seen (skipped ones included).
+  int64_t iteration = 0;  ///< Steps seen (skipped ones included).
   int64_t last_overflow_iteration = -1;
-  int hysteresis_left = 1;         ///< Overflows still tolerated before the scale is halved.
+  int hysteresis_left = 1;  ///< Overflows still tolerated before the scale is halved.
 
   friend bool operator==(const LossScalerState&, const LossScalerState&) = default;
 };

@@ -61,12 +61,12 @@ struct PipelineBenchmarkResult {
   std::vector<ResourceTime> resources;  ///< Each alone, in pipeline order.
   std::string slowest;                  ///< Name of the slowest resource (nvme = read + write).
   double slowest_seconds = 0.0;
-  double serial_seconds = 0.0;          ///< Sum of all resources: a step with no overlap.
-  std::vector<double> step_seconds;     ///< Each timed engine step.
+  double serial_seconds = 0.0;       ///< Sum of all resources: a step with no overlap.
+  std::vector<double> step_seconds;  ///< Each timed engine step.
   double step_median_seconds = 0.0;
-  double ratio_to_slowest = 0.0;        ///< step_median / slowest (target <= 1.10 / 1.15).
-  double ratio_to_serial = 0.0;         ///< step_median / serial.
-  uint64_t params = 0;                  ///< Parameters of the synthetic model.
+  double ratio_to_slowest = 0.0;  ///< step_median / slowest (target <= 1.10 / 1.15).
+  double ratio_to_serial = 0.0;   ///< step_median / serial.
+  uint64_t params = 0;            ///< Parameters of the synthetic model.
 };
 
 /// Runs the benchmark. Errors: InvalidArgument for bad options; whatever the engine or the NVMe

@@ -1,0 +1,97 @@
+// ByteLmTrainer: trains the built-in byte-level language model through an offload Engine, the
+// way any trainer embeds Strata: layer by layer, acquiring the chunks that hold each layer's
+// parameters, declaring each chunk's gradients ready as soon as backward is done with it.
+//
+// The model computes in fp32 on the host (HostDevice memory is host memory); working
+// parameters of another dtype are converted per layer, gradients back. Batches are drawn from
+// the training split with a generator keyed by (seed, step, micro-step), so a run resumed from
+// a checkpoint sees exactly the batches an uninterrupted run would.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/core/device.h"
+#include "strata/core/options.h"
+#include "strata/core/status.h"
+#include "strata/examples/byte_lm.h"
+#include "strata/offload/engine.h"
+
+namespace strata::examples {
+
+/// A text split into training and validation bytes.
+struct Corpus {
+  std::vector<uint8_t> train;
+  std::vector<uint8_t> validation;
+
+  /// Reads `path` and splits it: the last 10% (from the start of the line holding byte
+  /// floor(0.9 n)) is validation. NotFound/IoError naming the path; InvalidArgument when the text
+  /// is too short to split.
+  static Result<Corpus> Load(const std::filesystem::path& path);
+  /// Entropy of the training split's byte frequencies, in nats per byte: the loss of the best
+  /// model that ignores context.
+  double UnigramEntropy() const;
+};
+
+/// What `strata train` sets apart from EngineOptions.
+struct TrainSettings {
+  ByteLmConfig model;
+  int batch = 16;  ///< Sequences per micro-batch.
+  int seq = 128;   ///< Predicted positions per sequence.
+  uint64_t seed = 1;
+  int eval_batches = 8;  ///< Validation batches per evaluation (fixed windows).
+
+  Status Validate() const;
+};
+
+/// One optimizer step as the trainer saw it.
+struct TrainStepRecord {
+  int64_t step = 0;              ///< Optimizer step number after it (skipped steps repeat it).
+  double loss = 0.0;             ///< Mean training loss over its micro-batches, nats per byte.
+  bool skipped = false;          ///< fp16 overflow.
+  double seconds = 0.0;          ///< Wall time of the whole step.
+  double compute_seconds = 0.0;  ///< Forward and backward of the model on the trainer thread.
+  double tokens_per_second = 0.0;
+  offload::EngineCounters counters;  ///< Engine traffic during this step (a difference).
+};
+
+/// Not thread-safe. The device must outlive the trainer.
+class ByteLmTrainer {
+ public:
+  /// Creates the engine for the model's parameters (initialized from settings.seed).
+  static Result<std::unique_ptr<ByteLmTrainer>> Create(const TrainSettings& settings,
+                                                       const EngineOptions& options, Device& device,
+                                                       const Corpus& corpus);
+
+  /// Runs one optimizer step (all its micro-batches) and returns what happened.
+  Result<TrainStepRecord> TrainStep();
+  /// Mean loss over `eval_batches` fixed validation windows, with the current parameters.
+  Result<double> Evaluate();
+
+  offload::Engine& engine() { return *engine_; }
+  uint64_t parameter_count() const { return parameter_count_; }
+
+ private:
+  ByteLmTrainer(const TrainSettings& settings, const Corpus& corpus);
+  /// Forward (and, with `grads`, backward) of one micro-batch through the engine's chunks.
+  Result<double> RunMicroBatch(const std::vector<uint8_t>& tokens, bool backward);
+  /// Fills `tokens` with batch windows of `split` chosen by a generator seeded with `key`.
+  void SampleBatch(const std::vector<uint8_t>& split, uint64_t key, std::vector<uint8_t>& tokens);
+
+  TrainSettings settings_;
+  const Corpus& corpus_;
+  std::unique_ptr<offload::Engine> engine_;
+  ByteLm model_;
+  std::vector<ParameterInfo> parameters_;
+  std::vector<std::vector<size_t>> layer_parameters_;  // Parameter indices of each layer.
+  std::vector<std::vector<size_t>> layer_chunks_;      // Chunks each layer touches.
+  std::vector<int> chunk_first_layer_, chunk_last_layer_;
+  std::vector<std::vector<float>> scratch_params_, scratch_grads_;  // fp32, per parameter.
+  uint64_t parameter_count_ = 0;
+  int micro_steps_ = 1;  // gradient_accumulation_steps
+};
+
+}  // namespace strata::examples

@@ -1,0 +1,399 @@
+// `strata train`: the built-in byte-level language model trained through the offload engine on
+// the shipped corpus. Its defaults are the demo: optimizer states on NVMe in a temporary
+// folder, parameters offloaded to host memory, and a device budget a fraction of the model.
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "flags.h"
+#include "strata/core/bytes.h"
+#include "strata/core/config.h"
+#include "strata/core/host_device.h"
+#include "strata/core/log.h"
+#include "strata/examples/byte_lm_trainer.h"
+
+namespace strata::tools {
+namespace {
+
+using examples::ByteLmTrainer;
+using examples::Corpus;
+using examples::TrainSettings;
+using examples::TrainStepRecord;
+using nlohmann::ordered_json;
+
+constexpr const char* kCommand = "strata train";
+/// One residual block of the small model (width 128) per chunk.
+constexpr uint64_t kDefaultChunkBytes = 288 * kKiB;
+
+/// Everything the command line asked for; empty/negative/NaN means "not given".
+struct TrainFlags {
+  std::string config, model = "small", offload_optimizer, offload_params, nvme_path, device,
+                      precision, checkpoint, resume, data = STRATA_CORPUS_PATH;
+  int64_t layers = -1, width = -1, context = -1, steps = 150, batch = 8, seq = 128, seed = 1,
+          checkpoint_every = 0, metrics_port = -1, eval_every = 50;
+  uint64_t device_memory = 0, host_memory = 0, chunk_size = 0;
+  double lr = std::numeric_limits<double>::quiet_NaN();
+  bool json = false;
+};
+
+/// A scratch directory for NVMe swap, removed when the command ends.
+class ScratchDir {
+ public:
+  ~ScratchDir() {
+    if (!path_.empty()) std::filesystem::remove_all(path_);
+  }
+  Result<std::string> Make() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/strata-train-XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) return ErrnoError("creating " + pattern, errno);
+    path_ = pattern;
+    return path_;
+  }
+
+ private:
+  std::string path_;
+};
+
+Result<examples::ByteLmConfig> ModelConfig(const TrainFlags& f) {
+  examples::ByteLmConfig config;
+  if (f.model == "tiny") {
+    config = {.context = 4, .width = 64, .layers = 2};
+  } else if (f.model == "small") {
+    config = {.context = 4, .width = 128, .layers = 10};
+  } else if (f.model == "medium") {
+    config = {.context = 6, .width = 384, .layers = 8};
+  } else {
+    return InvalidArgument("unknown model \"" + f.model + "\"; choose tiny, small or medium");
+  }
+  if (f.layers >= 0) config.layers = int(std::min<int64_t>(f.layers, 1 << 20));
+  if (f.width >= 0) config.width = int(std::min<int64_t>(f.width, 1 << 20));
+  if (f.context >= 0) config.context = int(std::min<int64_t>(f.context, 1 << 20));
+  STRATA_RETURN_IF_ERROR(config.Validate());
+  return config;
+}
+
+/// The engine's options: the config file's (if any), then the flags given over them, then the
+/// demo's defaults for what neither said.
+Result<EngineOptions> EngineOptionsFor(const TrainFlags& f, ScratchDir& scratch,
+                                       const examples::ByteLmConfig& model) {
+  EngineOptions o;
+  o.optimizer.lr = 2e-3;
+  o.optimizer.weight_decay = 0.0;
+  o.placement.optimizer_states = Tier::kNvme;
+  o.placement.params = Tier::kHost;
+  o.placement.chunk_bytes = kDefaultChunkBytes;
+  if (!f.config.empty()) {
+    STRATA_ASSIGN_OR_RETURN(LoadedConfig loaded, LoadConfigFile(f.config));
+    if (!loaded.ignored_keys.empty()) Log(LogLevel::kWarning, IgnoredKeysWarning(loaded));
+    o = loaded.options;
+  }
+  if (!std::isnan(f.lr)) o.optimizer.lr = f.lr;
+  if (!f.offload_optimizer.empty()) {
+    STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
+  }
+  if (!f.offload_params.empty()) {
+    STRATA_ASSIGN_OR_RETURN(o.placement.params, ParseTier(f.offload_params));
+  }
+  if (!f.precision.empty()) {
+    STRATA_ASSIGN_OR_RETURN(o.precision.working_dtype, ParseDType(f.precision));
+  }
+  if (!f.device.empty()) {
+    STRATA_ASSIGN_OR_RETURN(o.device.kind, ParseDeviceKind(f.device));
+  }
+  if (f.host_memory > 0) o.host.pinned_memory_bytes = f.host_memory;
+  if (f.chunk_size > 0) o.placement.chunk_bytes = f.chunk_size;
+  if (!f.nvme_path.empty()) o.nvme.paths = {f.nvme_path};
+  const bool uses_nvme =
+      o.placement.optimizer_states == Tier::kNvme || o.placement.params == Tier::kNvme;
+  if (uses_nvme && o.nvme.paths.empty()) {
+    STRATA_ASSIGN_OR_RETURN(std::string dir, scratch.Make());
+    o.nvme.paths = {dir};
+  }
+  STRATA_RETURN_IF_ERROR(o.Validate());
+
+  // Device budget: given; or, with offloaded parameters, three of the largest chunk's
+  // parameters and gradients (a layer's chunks plus one fetched ahead): a fraction of the model;
+  // or, with parameters on the device, all of them with room to spare.
+  std::vector<offload::ParameterSpec> specs;
+  for (const auto& p : examples::ByteLmParameters(model)) specs.push_back({p.name, p.shape, {}});
+  STRATA_ASSIGN_OR_RETURN(
+      offload::ChunkLayout layout,
+      offload::ChunkLayout::Build(specs, o.precision.working_dtype, o.placement.chunk_bytes));
+  const uint64_t slot =
+      2 * AlignUp(layout.max_chunk_numel() * DTypeSize(o.precision.working_dtype), 4 * kKiB);
+  if (f.device_memory > 0) {
+    o.device.host_device_memory_bytes = f.device_memory;
+    o.device.cuda_memory_bytes = f.device_memory;
+  } else if (o.placement.params != Tier::kDevice) {
+    o.device.host_device_memory_bytes = 3 * slot;
+  } else {
+    o.device.host_device_memory_bytes =
+        2 * layout.total_numel() * (DTypeSize(o.precision.working_dtype) + 12) + 16 * kMiB;
+  }
+  return o;
+}
+
+std::string FormatRate(double bytes, double seconds) {
+  return seconds > 0 ? FormatBandwidth(bytes / seconds) : "-";
+}
+
+struct RunSummary {
+  std::vector<TrainStepRecord> records;
+  double validation_loss = 0.0;
+  double unigram_entropy = 0.0;
+  double total_seconds = 0.0;
+};
+
+ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
+                    const EngineOptions& o, ByteLmTrainer& trainer, const RunSummary& s) {
+  ordered_json j;
+  j["model"] = {{"name", f.model},
+                {"context", model.context},
+                {"width", model.width},
+                {"layers", model.layers},
+                {"parameters", trainer.parameter_count()}};
+  j["placement"] = {
+      {"optimizer_states", TierName(o.placement.optimizer_states)},
+      {"params", TierName(o.placement.params)},
+      {"precision", DTypeName(o.precision.working_dtype)},
+      {"device_memory_bytes", trainer.engine().tier_usage(Tier::kDevice).budget_bytes},
+      {"chunks", trainer.engine().chunk_count()}};
+  ordered_json steps = ordered_json::array();
+  offload::EngineCounters total;
+  double compute = 0.0;
+  for (const TrainStepRecord& r : s.records) {
+    steps.push_back({{"step", r.step},
+                     {"loss", r.loss},
+                     {"skipped", r.skipped},
+                     {"seconds", r.seconds},
+                     {"tokens_per_second", r.tokens_per_second},
+                     {"device_to_host_bytes", r.counters.device_to_host_bytes},
+                     {"host_to_device_bytes", r.counters.host_to_device_bytes},
+                     {"nvme_read_bytes", r.counters.nvme_read_bytes},
+                     {"nvme_write_bytes", r.counters.nvme_write_bytes}});
+    total.device_to_host_bytes += r.counters.device_to_host_bytes;
+    total.host_to_device_bytes += r.counters.host_to_device_bytes;
+    total.nvme_read_bytes += r.counters.nvme_read_bytes;
+    total.nvme_write_bytes += r.counters.nvme_write_bytes;
+    total.optimizer_seconds += r.counters.optimizer_seconds;
+    compute += r.compute_seconds;
+  }
+  j["steps"] = std::move(steps);
+  double step_time = 0.0;
+  for (const TrainStepRecord& r : s.records) step_time += r.seconds;
+  const double slowest = std::max(compute, total.optimizer_seconds);
+  j["summary"] = {{"steps", s.records.size()},
+                  {"train_seconds", step_time},
+                  {"compute_seconds", compute},
+                  {"optimizer_seconds", total.optimizer_seconds},
+                  {"step_time_over_slowest_resource", slowest > 0 ? step_time / slowest : 0.0},
+                  {"device_to_host_bytes", total.device_to_host_bytes},
+                  {"host_to_device_bytes", total.host_to_device_bytes},
+                  {"nvme_read_bytes", total.nvme_read_bytes},
+                  {"nvme_write_bytes", total.nvme_write_bytes}};
+  j["validation_loss"] = s.validation_loss;
+  j["unigram_entropy"] = s.unigram_entropy;
+  return j;
+}
+
+void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& trainer,
+                  const RunSummary& s) {
+  offload::Engine& engine = trainer.engine();
+  offload::EngineCounters total;
+  double compute = 0.0, step_time = 0.0;
+  for (const TrainStepRecord& r : s.records) {
+    total.device_to_host_bytes += r.counters.device_to_host_bytes;
+    total.host_to_device_bytes += r.counters.host_to_device_bytes;
+    total.nvme_read_bytes += r.counters.nvme_read_bytes;
+    total.nvme_write_bytes += r.counters.nvme_write_bytes;
+    total.optimizer_seconds += r.counters.optimizer_seconds;
+    compute += r.compute_seconds;
+    step_time += r.seconds;
+  }
+  const uint64_t model_bytes = 2 * trainer.parameter_count() * DTypeSize(o.precision.working_dtype);
+  const uint64_t device_budget = engine.tier_usage(Tier::kDevice).budget_bytes;
+  std::printf("\nWhere the state lived (%s model: %s params, %zu chunks)\n", f.model.c_str(),
+              FormatCount(trainer.parameter_count()).c_str(), engine.chunk_count());
+  std::printf("  %-34s %s\n", "fp32 master + Adam moments",
+              std::string(TierName(o.placement.optimizer_states)).c_str());
+  std::printf("  %-34s %s (%s)\n", "working parameters",
+              std::string(TierName(o.placement.params)).c_str(),
+              std::string(DTypeName(o.precision.working_dtype)).c_str());
+  std::printf("  %-34s %s budget for %s of params + grads (%.1fx)\n", "device memory",
+              FormatBytes(device_budget).c_str(), FormatBytes(model_bytes).c_str(),
+              double(model_bytes) / double(device_budget));
+  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    const offload::TierUsage u = engine.tier_usage(t);
+    if (u.budget_bytes == 0) continue;
+    std::printf("  %-34s peak %s of %s\n", (std::string(TierName(t)) + " use").c_str(),
+                FormatBytes(u.peak_bytes).c_str(), FormatBytes(u.budget_bytes).c_str());
+  }
+  std::printf("\nBytes moved (rate over %.1f s of training)\n", step_time);
+  auto moved = [&](const char* name, uint64_t bytes) {
+    std::printf("  %-34s %12s %14s\n", name, FormatBytes(bytes).c_str(),
+                FormatRate(double(bytes), step_time).c_str());
+  };
+  moved("device -> host (gradients)", total.device_to_host_bytes);
+  moved("host -> device (parameters)", total.host_to_device_bytes);
+  moved("nvme -> host", total.nvme_read_bytes);
+  moved("host -> nvme", total.nvme_write_bytes);
+  const double slowest = std::max(compute, total.optimizer_seconds);
+  std::printf("\nTime per resource\n");
+  std::printf("  %-34s %10.2f s\n", "steps (wall)", step_time);
+  std::printf("  %-34s %10.2f s\n", "model forward/backward", compute);
+  std::printf("  %-34s %10.2f s\n", "CPU optimizer (busy)", total.optimizer_seconds);
+  std::printf("  %-34s %10.2f\n", "step time / slowest resource",
+              slowest > 0 ? step_time / slowest : 0.0);
+  std::printf("\nValidation loss %.4f nats/byte (unigram entropy of the corpus %.4f)\n",
+              s.validation_loss, s.unigram_entropy);
+}
+
+int Train(const TrainFlags& f) {
+  if (f.metrics_port >= 0) {
+    return Fail(kExitUsage, "--metrics-port is not built yet (it comes with the metrics issue)",
+                kCommand);
+  }
+  auto model = ModelConfig(f);
+  if (!model.ok()) return Fail(kExitUsage, model.status().message(), kCommand);
+  if (f.steps < 1 || f.steps > 10'000'000) {
+    return Fail(kExitUsage, "--steps must be in [1, 10000000]", kCommand);
+  }
+  if (f.checkpoint_every < 0) return Fail(kExitUsage, "--checkpoint-every must be >= 0", kCommand);
+  TrainSettings settings{.model = *model,
+                         .batch = int(std::clamp<int64_t>(f.batch, -1, 1 << 30)),
+                         .seq = int(std::clamp<int64_t>(f.seq, -1, 1 << 30)),
+                         .seed = uint64_t(f.seed)};
+  if (Status s = settings.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
+
+  auto corpus = Corpus::Load(f.data);
+  if (!corpus.ok()) return Fail(kExitFailure, corpus.status().message());
+  ScratchDir scratch;
+  auto options = EngineOptionsFor(f, scratch, *model);
+  if (!options.ok()) return Fail(kExitUsage, options.status().message(), kCommand);
+  if (options->device.kind == DeviceKind::kCuda) {
+    return Fail(kExitFailure,
+                "the built-in model computes on the host; its CUDA kernels come with the GPU "
+                "issue (use --device host)");
+  }
+  auto device =
+      CreateHostDevice({.memory_budget_bytes = options->device.host_device_memory_bytes,
+                        .copy_bytes_per_second = options->device.copy_bandwidth_gbps * 1e9});
+  if (!device.ok()) return Fail(kExitFailure, device.status().message());
+  auto trainer = ByteLmTrainer::Create(settings, *options, **device, *corpus);
+  if (!trainer.ok()) return Fail(kExitFailure, trainer.status().message());
+  offload::Engine& engine = (*trainer)->engine();
+  if (!f.resume.empty()) {
+    if (Status s = engine.Load(f.resume); !s.ok()) {
+      return Fail(kExitFailure, "resuming from " + f.resume + ": " + s.message());
+    }
+  }
+
+  RunSummary summary;
+  summary.unigram_entropy = corpus->UnigramEntropy();
+  if (!f.json) {
+    std::printf(
+        "strata train: %s model, %s params; optimizer states on %s, parameters on %s; "
+        "%lld steps of %d x %d bytes\n",
+        f.model.c_str(), FormatCount((*trainer)->parameter_count()).c_str(),
+        std::string(TierName(options->placement.optimizer_states)).c_str(),
+        std::string(TierName(options->placement.params)).c_str(), static_cast<long long>(f.steps),
+        settings.batch, settings.seq);
+  }
+  while (engine.step_count() < f.steps) {
+    auto record = (*trainer)->TrainStep();
+    if (!record.ok()) return Fail(kExitFailure, record.status().message());
+    summary.records.push_back(*record);
+    const TrainStepRecord& r = *record;
+    if (!f.json) {
+      std::printf("step %5lld  loss %.4f%s  %8.0f tok/s  %6.3f s  d2h %s  h2d %s  nvme r %s w %s\n",
+                  static_cast<long long>(r.step), r.loss, r.skipped ? " (skipped)" : "",
+                  r.tokens_per_second, r.seconds,
+                  FormatBytes(r.counters.device_to_host_bytes).c_str(),
+                  FormatBytes(r.counters.host_to_device_bytes).c_str(),
+                  FormatBytes(r.counters.nvme_read_bytes).c_str(),
+                  FormatBytes(r.counters.nvme_write_bytes).c_str());
+      std::fflush(stdout);
+    }
+    const bool last = engine.step_count() >= f.steps;
+    if (!f.checkpoint.empty() &&
+        (last || (f.checkpoint_every > 0 && r.step % f.checkpoint_every == 0 && !r.skipped))) {
+      if (Status s = engine.Save(f.checkpoint); !s.ok()) {
+        return Fail(kExitFailure, "saving the checkpoint: " + s.message());
+      }
+    }
+    if (!f.json && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
+      auto loss = (*trainer)->Evaluate();
+      if (!loss.ok()) return Fail(kExitFailure, loss.status().message());
+      std::printf("           validation loss %.4f\n", *loss);
+    }
+  }
+  auto validation = (*trainer)->Evaluate();
+  if (!validation.ok()) return Fail(kExitFailure, validation.status().message());
+  summary.validation_loss = *validation;
+  if (f.json) {
+    std::cout << ToJson(f, *model, *options, **trainer, summary).dump(2) << "\n";
+  } else {
+    PrintSummary(f, *options, **trainer, summary);
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+int RunTrain(const std::vector<std::string>& args) {
+  TrainFlags f;
+  FlagParser flags(kCommand,
+                   "Train the built-in byte-level language model on the shipped corpus through "
+                   "the offload engine (defaults: optimizer states on NVMe in a temporary "
+                   "folder, parameters offloaded to host, a device budget of three chunks).");
+  flags.AddString("config", &f.config, "FILE", "Strata or DeepSpeed JSON config; flags override");
+  flags.AddString("model", &f.model, "NAME", "tiny, small (default) or medium");
+  flags.AddInt("layers", &f.layers, "residual blocks (overrides the model's)");
+  flags.AddInt("width", &f.width, "model width, a multiple of 8 (overrides the model's)");
+  flags.AddInt("context", &f.context, "bytes of context per position (overrides the model's)");
+  flags.AddInt("steps", &f.steps, "total optimizer steps, counting resumed ones (default 150)");
+  flags.AddInt("batch", &f.batch, "sequences per micro-batch (default 8)");
+  flags.AddInt("seq", &f.seq, "bytes predicted per sequence (default 128)");
+  flags.AddDouble("lr", &f.lr, "learning rate (default 2e-3)");
+  flags.AddString("offload-optimizer", &f.offload_optimizer, "TIER",
+                  "optimizer states: device, host or nvme (default nvme)");
+  flags.AddString("offload-params", &f.offload_params, "TIER",
+                  "working parameters: device, host (default) or nvme");
+  flags.AddString("nvme-path", &f.nvme_path, "DIR",
+                  "NVMe swap folder (default: a new one under $TMPDIR or /tmp)");
+  flags.AddString("device", &f.device, "KIND", "host (default) or cuda");
+  flags.AddBytes("device-memory", &f.device_memory,
+                 "device memory budget (default: 3 chunks with offloaded parameters)");
+  flags.AddBytes("host-memory", &f.host_memory, "pinned host memory budget (default: automatic)");
+  flags.AddBytes("chunk-size", &f.chunk_size,
+                 "working parameters per chunk (default 288KiB: one block of the small model)");
+  flags.AddString("precision", &f.precision, "DTYPE", "bf16 (default), fp16 or fp32");
+  flags.AddInt("metrics-port", &f.metrics_port, "serve /metrics on this port (not built yet)");
+  flags.AddString("checkpoint", &f.checkpoint, "DIR", "save a checkpoint here (at the end)");
+  flags.AddInt("checkpoint-every", &f.checkpoint_every, "also save every K steps");
+  flags.AddString("resume", &f.resume, "DIR", "continue from a checkpoint");
+  flags.AddInt("seed", &f.seed, "initialization and data seed (default 1)");
+  flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
+  flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
+  flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");
+  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
+  if (flags.help_requested()) {
+    std::cout << flags.Help();
+    return kExitOk;
+  }
+  return Train(f);
+}
+
+}  // namespace strata::tools
