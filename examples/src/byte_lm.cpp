@@ -8,13 +8,16 @@
 
 #include "strata/examples/byte_lm.h"
 
+// One thread drives a ByteLm (the trainer runs its I/O on threads of its own), so Eigen must not
+// start an OpenMP team even if the build adds -fopenmp.
+#define EIGEN_DONT_PARALLELIZE
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <new>
 #include <string>
-#include <utility>
+#include <string_view>
 
 namespace strata::examples {
 namespace {
@@ -62,11 +65,6 @@ struct CacheLineAllocator {
 };
 
 using Activations = std::vector<float, CacheLineAllocator<float>>;
-
-// Per block: ln.gain, ln.bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias.
-constexpr size_t kBlockParams = 6;
-// Final layer: final_ln.gain, final_ln.bias, head.weight, head.bias.
-constexpr size_t kHeadParams = 4;
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string text = "[";
@@ -241,20 +239,11 @@ std::vector<ParameterInfo> ByteLmParameters(const ByteLmConfig& config) {
 
 int ByteLmLayerCount(const ByteLmConfig& config) { return config.layers + 2; }
 
-Status InitByteLmParameter(const ByteLmConfig& config, uint64_t seed, size_t index,
-                           std::span<float> out) {
-  STRATA_RETURN_IF_ERROR(config.Validate());
-  const std::vector<ParameterInfo> params = ByteLmParameters(config);
-  if (index >= params.size()) {
-    return InvalidArgument("byte_lm has " + std::to_string(params.size()) + " parameters; index " +
-                           std::to_string(index) + " is out of range");
-  }
-  const ParameterInfo& info = params[index];
-  if (int64_t(out.size()) != Elements(info.shape)) {
-    return InvalidArgument("byte_lm parameter " + info.name + " " + ShapeText(info.shape) +
-                           " has " + std::to_string(Elements(info.shape)) +
-                           " elements; the output span has " + std::to_string(out.size()));
-  }
+namespace {
+
+// Fills `out` (already checked to have the right size) with parameter `index`'s initial value.
+void InitParameter(const ByteLmConfig& config, const ParameterInfo& info, uint64_t seed,
+                   size_t index, std::span<float> out) {
   auto ends_with = [&](std::string_view suffix) {
     return info.name.size() >= suffix.size() &&
            info.name.compare(info.name.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -271,17 +260,36 @@ Status InitByteLmParameter(const ByteLmConfig& config, uint64_t seed, size_t ind
     NormalStream normal(seed ^ (0xD1B54A32D192ED03ull * (uint64_t(index) + 1)));
     for (float& value : out) value = float(std * normal.Next());
   }
+}
+
+}  // namespace
+
+Status InitByteLmParameter(const ByteLmConfig& config, uint64_t seed, size_t index,
+                           std::span<float> out) {
+  STRATA_RETURN_IF_ERROR(config.Validate());
+  const std::vector<ParameterInfo> params = ByteLmParameters(config);
+  if (index >= params.size()) {
+    return InvalidArgument("byte_lm has " + std::to_string(params.size()) + " parameters; index " +
+                           std::to_string(index) + " is out of range");
+  }
+  const ParameterInfo& info = params[index];
+  if (int64_t(out.size()) != Elements(info.shape)) {
+    return InvalidArgument("byte_lm parameter " + info.name + " " + ShapeText(info.shape) +
+                           " has " + std::to_string(Elements(info.shape)) +
+                           " elements; the output span has " + std::to_string(out.size()));
+  }
+  InitParameter(config, info, seed, index, out);
   return Status::Ok();
 }
 
 std::vector<std::vector<float>> InitByteLmParameters(const ByteLmConfig& config, uint64_t seed) {
+  // Lists the parameters once (InitByteLmParameter would list them for every tensor).
   const std::vector<ParameterInfo> params = ByteLmParameters(config);
   std::vector<std::vector<float>> values;
   values.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     values.emplace_back(size_t(Elements(params[i].shape)));
-    // Cannot fail: the config is valid (params is not empty) and the size matches.
-    InitByteLmParameter(config, seed, i, values.back()).IgnoreError();
+    InitParameter(config, params[i], seed, i, values.back());
   }
   return values;
 }

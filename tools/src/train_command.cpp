@@ -153,8 +153,34 @@ struct RunSummary {
   std::vector<TrainStepRecord> records;
   double validation_loss = 0.0;
   double unigram_entropy = 0.0;
-  double total_seconds = 0.0;
 };
+
+/// Sums over the steps of a run, for the summary table and the JSON document.
+struct RunTotals {
+  offload::EngineCounters moved;  ///< Bytes per tier pair and CPU optimizer busy time.
+  double compute_seconds = 0.0;   ///< Model forward/backward.
+  double step_seconds = 0.0;      ///< Wall time of the steps.
+
+  /// Step time over the slowest resource timed in the run (0 when nothing was timed).
+  double StepOverSlowest() const {
+    const double slowest = std::max(compute_seconds, moved.optimizer_seconds);
+    return slowest > 0 ? step_seconds / slowest : 0.0;
+  }
+};
+
+RunTotals Totals(const std::vector<TrainStepRecord>& records) {
+  RunTotals t;
+  for (const TrainStepRecord& r : records) {
+    t.moved.device_to_host_bytes += r.counters.device_to_host_bytes;
+    t.moved.host_to_device_bytes += r.counters.host_to_device_bytes;
+    t.moved.nvme_read_bytes += r.counters.nvme_read_bytes;
+    t.moved.nvme_write_bytes += r.counters.nvme_write_bytes;
+    t.moved.optimizer_seconds += r.counters.optimizer_seconds;
+    t.compute_seconds += r.compute_seconds;
+    t.step_seconds += r.seconds;
+  }
+  return t;
+}
 
 ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
                     const EngineOptions& o, ByteLmTrainer& trainer, const RunSummary& s) {
@@ -171,8 +197,6 @@ ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
       {"device_memory_bytes", trainer.engine().tier_usage(Tier::kDevice).budget_bytes},
       {"chunks", trainer.engine().chunk_count()}};
   ordered_json steps = ordered_json::array();
-  offload::EngineCounters total;
-  double compute = 0.0;
   for (const TrainStepRecord& r : s.records) {
     steps.push_back({{"step", r.step},
                      {"loss", r.loss},
@@ -183,26 +207,18 @@ ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
                      {"host_to_device_bytes", r.counters.host_to_device_bytes},
                      {"nvme_read_bytes", r.counters.nvme_read_bytes},
                      {"nvme_write_bytes", r.counters.nvme_write_bytes}});
-    total.device_to_host_bytes += r.counters.device_to_host_bytes;
-    total.host_to_device_bytes += r.counters.host_to_device_bytes;
-    total.nvme_read_bytes += r.counters.nvme_read_bytes;
-    total.nvme_write_bytes += r.counters.nvme_write_bytes;
-    total.optimizer_seconds += r.counters.optimizer_seconds;
-    compute += r.compute_seconds;
   }
   j["steps"] = std::move(steps);
-  double step_time = 0.0;
-  for (const TrainStepRecord& r : s.records) step_time += r.seconds;
-  const double slowest = std::max(compute, total.optimizer_seconds);
+  const RunTotals t = Totals(s.records);
   j["summary"] = {{"steps", s.records.size()},
-                  {"train_seconds", step_time},
-                  {"compute_seconds", compute},
-                  {"optimizer_seconds", total.optimizer_seconds},
-                  {"step_time_over_slowest_resource", slowest > 0 ? step_time / slowest : 0.0},
-                  {"device_to_host_bytes", total.device_to_host_bytes},
-                  {"host_to_device_bytes", total.host_to_device_bytes},
-                  {"nvme_read_bytes", total.nvme_read_bytes},
-                  {"nvme_write_bytes", total.nvme_write_bytes}};
+                  {"train_seconds", t.step_seconds},
+                  {"compute_seconds", t.compute_seconds},
+                  {"optimizer_seconds", t.moved.optimizer_seconds},
+                  {"step_time_over_slowest_resource", t.StepOverSlowest()},
+                  {"device_to_host_bytes", t.moved.device_to_host_bytes},
+                  {"host_to_device_bytes", t.moved.host_to_device_bytes},
+                  {"nvme_read_bytes", t.moved.nvme_read_bytes},
+                  {"nvme_write_bytes", t.moved.nvme_write_bytes}};
   j["validation_loss"] = s.validation_loss;
   j["unigram_entropy"] = s.unigram_entropy;
   return j;
@@ -211,17 +227,9 @@ ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
 void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& trainer,
                   const RunSummary& s) {
   offload::Engine& engine = trainer.engine();
-  offload::EngineCounters total;
-  double compute = 0.0, step_time = 0.0;
-  for (const TrainStepRecord& r : s.records) {
-    total.device_to_host_bytes += r.counters.device_to_host_bytes;
-    total.host_to_device_bytes += r.counters.host_to_device_bytes;
-    total.nvme_read_bytes += r.counters.nvme_read_bytes;
-    total.nvme_write_bytes += r.counters.nvme_write_bytes;
-    total.optimizer_seconds += r.counters.optimizer_seconds;
-    compute += r.compute_seconds;
-    step_time += r.seconds;
-  }
+  const RunTotals t = Totals(s.records);
+  const offload::EngineCounters& total = t.moved;
+  const double step_time = t.step_seconds;
   const uint64_t model_bytes = 2 * trainer.parameter_count() * DTypeSize(o.precision.working_dtype);
   const uint64_t device_budget = engine.tier_usage(Tier::kDevice).budget_bytes;
   std::printf("\nWhere the state lived (%s model: %s params, %zu chunks)\n", f.model.c_str(),
@@ -234,10 +242,10 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   std::printf("  %-34s %s budget for %s of params + grads (%.1fx)\n", "device memory",
               FormatBytes(device_budget).c_str(), FormatBytes(model_bytes).c_str(),
               double(model_bytes) / double(device_budget));
-  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-    const offload::TierUsage u = engine.tier_usage(t);
+  for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    const offload::TierUsage u = engine.tier_usage(tier);
     if (u.budget_bytes == 0) continue;
-    std::printf("  %-34s peak %s of %s\n", (std::string(TierName(t)) + " use").c_str(),
+    std::printf("  %-34s peak %s of %s\n", (std::string(TierName(tier)) + " use").c_str(),
                 FormatBytes(u.peak_bytes).c_str(), FormatBytes(u.budget_bytes).c_str());
   }
   std::printf("\nBytes moved (rate over %.1f s of training)\n", step_time);
@@ -249,13 +257,11 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   moved("host -> device (parameters)", total.host_to_device_bytes);
   moved("nvme -> host", total.nvme_read_bytes);
   moved("host -> nvme", total.nvme_write_bytes);
-  const double slowest = std::max(compute, total.optimizer_seconds);
   std::printf("\nTime per resource\n");
   std::printf("  %-34s %10.2f s\n", "steps (wall)", step_time);
-  std::printf("  %-34s %10.2f s\n", "model forward/backward", compute);
+  std::printf("  %-34s %10.2f s\n", "model forward/backward", t.compute_seconds);
   std::printf("  %-34s %10.2f s\n", "CPU optimizer (busy)", total.optimizer_seconds);
-  std::printf("  %-34s %10.2f\n", "step time / slowest resource",
-              slowest > 0 ? step_time / slowest : 0.0);
+  std::printf("  %-34s %10.2f\n", "step time / slowest resource", t.StepOverSlowest());
   std::printf("\nValidation loss %.4f nats/byte (unigram entropy of the corpus %.4f)\n",
               s.validation_loss, s.unigram_entropy);
 }

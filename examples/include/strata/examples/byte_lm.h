@@ -47,6 +47,8 @@ struct ParameterInfo {
 /// The bytes a ByteLm predicts from: 256 byte values.
 inline constexpr int kByteLmVocabulary = 256;
 
+// The free functions below are pure: thread-safe, and they allocate what they return.
+
 /// All parameters in registration order, which is also the order within each layer that
 /// Forward/Backward expect: layer 0 holds "embed.0".."embed.{context-1}" ([256, width] each);
 /// layer i in 1..layers holds block i-1 ("blocks.{i-1}.ln.gain", ".ln.bias" [width],
@@ -62,7 +64,8 @@ int ByteLmLayerCount(const ByteLmConfig& config);
 /// GPT-2-like, weights and embeddings N(0, 0.02) with "fc2.weight" further scaled by
 /// 1/sqrt(2 * layers) (so the residual stream does not grow with depth), biases 0, LayerNorm
 /// gains 1. Each parameter draws from its own stream derived from (seed, index), so a trainer can
-/// initialize one tensor at a time and the values are the same on every platform.
+/// initialize one tensor at a time; the generator (SplitMix64 and Box-Muller) is Strata's own, so
+/// the values do not depend on the standard library's distributions.
 /// InvalidArgument when the config is invalid, `index` is out of range or `out` has the wrong
 /// size.
 Status InitByteLmParameter(const ByteLmConfig& config, uint64_t seed, size_t index,
@@ -80,9 +83,11 @@ std::vector<std::vector<float>> InitByteLmParameters(const ByteLmConfig& config,
 /// evaluation. Forward(0) may be called again at any time after Begin to restart the pass.
 ///
 /// Parameters and gradients are borrowed for the duration of one call only: the model keeps no
-/// pointer into them. Activations for backward are owned by the model, about
-/// batch * seq * (6 * width * layers + 2 * width + 256) floats, and reused across micro-batches.
-/// Not thread-safe: one thread drives an instance (distinct instances are independent).
+/// pointer into them, and their alignment does not change the results (which, for one build,
+/// are bit-identical from run to run and between instances). Activations for backward are owned by
+/// the model, at peak about batch * seq * (5 * width * layers + 9 * width + 256) floats, and reused
+/// across micro-batches. Single-threaded (Eigen's own threading is off). Not thread-safe: one
+/// thread drives an instance (distinct instances are independent).
 class ByteLm {
  public:
   /// `config` should satisfy Validate(); if not, Begin reports the error.
