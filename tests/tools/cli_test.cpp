@@ -224,6 +224,27 @@ TEST(CliTest, TrainJsonHasEveryStepAndTheLossFalls) {
   EXPECT_GT(j["summary"]["nvme_write_bytes"].get<uint64_t>(), 0u);
 }
 
+TEST(CliTest, TrainTakesADeepSpeedConfig) {
+  const std::string config = WriteTemp("ds_train.json", R"({
+    "train_batch_size": 16,
+    "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                          "offload_param": {"device": "cpu"}}})");
+  auto r = RunCli(TinyTrain("--steps 3 --json --config " + config), /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["placement"]["optimizer_states"], "host");
+  EXPECT_EQ(j["placement"]["params"], "host");
+  EXPECT_EQ(j["placement"]["precision"], "bf16");
+  EXPECT_EQ(j["steps"].size(), 3u);
+  // Flags given override the file.
+  r = RunCli(TinyTrain("--steps 2 --json --offload-optimizer nvme --config " + config),
+             /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["placement"]["optimizer_states"], "nvme");
+}
+
 TEST(CliTest, TrainResumesFromACheckpointWithTheSameLosses) {
   const std::string checkpoint = ::testing::TempDir() + "strata-cli-ckpt";
   auto straight = RunCli(TinyTrain("--steps 8 --json"), /*merge_stderr=*/false);

@@ -262,8 +262,12 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   std::printf("  %-34s %10.2f s\n", "model forward/backward", t.compute_seconds);
   std::printf("  %-34s %10.2f s\n", "CPU optimizer (busy)", total.optimizer_seconds);
   std::printf("  %-34s %10.2f\n", "step time / slowest resource", t.StepOverSlowest());
-  std::printf("\nValidation loss %.4f nats/byte (unigram entropy of the corpus %.4f)\n",
-              s.validation_loss, s.unigram_entropy);
+  // The unigram entropy is the best a model that ignores context can do: below it, the model
+  // has learned to use its context.
+  const bool below = s.validation_loss < s.unigram_entropy;
+  std::printf("\nValidation loss %.4f nats/byte: %s the corpus' unigram entropy %.4f%s\n",
+              s.validation_loss, below ? "below" : "not below", s.unigram_entropy,
+              below ? " (the model uses its context)" : "");
 }
 
 int Train(const TrainFlags& f) {
