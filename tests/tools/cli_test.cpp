@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
@@ -196,6 +197,30 @@ TEST(CliTest, BenchPipelineBadInput) {
   r = RunCli("bench pipeline --help");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("--offload-optimizer"), std::string::npos);
+}
+
+TEST(CliTest, PlanPrintsTheClassicZeroTable) {
+  auto r = RunCli("plan --params 10e9 --gpus 8 --json", /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  std::map<std::string, double> gpu_bytes;
+  for (const auto& p : j["placements"]) {
+    gpu_bytes[p["name"]] = p["device_bytes"]["total"].get<double>();
+  }
+  EXPECT_DOUBLE_EQ(gpu_bytes["data parallel"], 160e9);
+  EXPECT_DOUBLE_EQ(gpu_bytes["ZeRO-1"], 55e9);
+  EXPECT_DOUBLE_EQ(gpu_bytes["ZeRO-2"], 37.5e9);
+  EXPECT_DOUBLE_EQ(gpu_bytes["ZeRO-3"], 20e9);
+  EXPECT_EQ(j["placements"].size(), 8u);
+
+  r = RunCli("plan --params 10e9 --gpus 8");
+  ASSERT_EQ(r.exit_code, 0);
+  for (const char* figure : {"160.0", "55.0", "37.5", "20.0", "3 Psi"}) {
+    EXPECT_NE(r.out.find(figure), std::string::npos) << figure << "\n" << r.out;
+  }
+  EXPECT_EQ(RunCli("plan").exit_code, 2);
+  EXPECT_EQ(RunCli("plan --params 1e9 --gpus 0").exit_code, 2);
+  EXPECT_EQ(RunCli("plan --params 1e9 --precision fp8").exit_code, 2);
 }
 
 // A short run of the tiny model, quick enough for a test.

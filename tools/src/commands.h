@@ -21,6 +21,7 @@ int RunBenchNvme(const std::vector<std::string>& args);
 int RunBenchAdam(const std::vector<std::string>& args);
 int RunBenchPipeline(const std::vector<std::string>& args);
 int RunTrain(const std::vector<std::string>& args);
+int RunPlan(const std::vector<std::string>& args);
 
 /// A count with a binary suffix, "64Mi" for 64 x 2^20: FormatBytes without its "B".
 inline std::string FormatCount(uint64_t count) {

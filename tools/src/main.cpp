@@ -15,6 +15,7 @@ Usage: strata <command> [flags]
 
 Commands:
   train           train the built-in byte-level language model through the offload engine
+  plan            per-GPU memory and communication for data parallel, ZeRO-1/2/3 and offload
   info            CPU, memory, io_uring, file system and GPU facts that matter for offload
   config check    validate a Strata or DeepSpeed config file and print the resolved options
   bench adam      CPU optimizer step vs its memory-bandwidth roofline
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (command == "train") return RunTrain(args);
+  if (command == "plan") return RunPlan(args);
   if (command == "info") return RunInfo(args);
   if (command == "config") return RunConfig(args);
   if (command == "bench") return RunBench(args);

@@ -1,0 +1,67 @@
+#include "strata/offload/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+namespace strata::offload {
+namespace {
+
+const PlanRow& Row(const std::vector<PlanRow>& rows, const std::string& name) {
+  for (const PlanRow& r : rows) {
+    if (r.name == name) return r;
+  }
+  ADD_FAILURE() << "no row " << name;
+  return rows.front();
+}
+
+// The ZeRO paper's figure 1: 7.5B parameters on 64 GPUs, and the 10B on 8.
+TEST(MemoryPlanTest, ReproducesTheZeroPaperAccounting) {
+  const auto rows = PlanMemory({.params = 10e9, .gpus = 8});
+  EXPECT_DOUBLE_EQ(Row(rows, "data parallel").device.total(), 160e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-1").device.total(), 55e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.total(), 37.5e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-3").device.total(), 20e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.params, 20e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.grads, 2.5e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.optimizer_states, 15e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "data parallel").comm_elements, 20e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").comm_elements, 20e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-3").comm_elements, 30e9);
+
+  const auto paper = PlanMemory({.params = 7.5e9, .gpus = 64});
+  EXPECT_DOUBLE_EQ(Row(paper, "data parallel").device.total(), 120e9);
+  EXPECT_DOUBLE_EQ(Row(paper, "ZeRO-1").device.total(), 31.40625e9);
+  EXPECT_DOUBLE_EQ(Row(paper, "ZeRO-2").device.total(), 16.640625e9);
+  EXPECT_DOUBLE_EQ(Row(paper, "ZeRO-3").device.total(), 1.875e9);
+}
+
+TEST(MemoryPlanTest, OffloadMovesStatesOffTheGpuAndKeepsTheTotal) {
+  const auto rows = PlanMemory({.params = 10e9, .gpus = 8});
+  const PlanRow& host = Row(rows, "ZeRO-2, optimizer -> host");
+  EXPECT_EQ(host.optimizer_states, Tier::kHost);
+  EXPECT_DOUBLE_EQ(host.device.total(), 22.5e9);
+  EXPECT_DOUBLE_EQ(host.host.optimizer_states, 15e9);
+  EXPECT_DOUBLE_EQ(host.host.grads, 2.5e9);  // The GPU's reduced gradients, stepped on the host.
+  const PlanRow& nvme = Row(rows, "ZeRO-3, optimizer + params -> nvme");
+  EXPECT_DOUBLE_EQ(nvme.device.total(), 2.5e9);
+  EXPECT_DOUBLE_EQ(nvme.nvme.total(), 17.5e9);
+  EXPECT_DOUBLE_EQ(nvme.host.total(), 2.5e9);
+}
+
+TEST(MemoryPlanTest, PrecisionAndOptimizerChangeTheBytesPerParameter) {
+  EXPECT_EQ(OptimizerBytesPerParam(OptimizerType::kAdamW, DType::kBf16), 12.0);
+  EXPECT_EQ(OptimizerBytesPerParam(OptimizerType::kAdam, DType::kFp32), 8.0);
+  EXPECT_EQ(OptimizerBytesPerParam(OptimizerType::kLion, DType::kFp16), 8.0);
+  EXPECT_EQ(OptimizerBytesPerParam(OptimizerType::kAdagrad, DType::kFp32), 4.0);
+  // fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter, as fp16 mixed precision.
+  EXPECT_DOUBLE_EQ(PlanMemory({.params = 1e9, .working_dtype = DType::kFp32})[0].device.total(),
+                   16e9);
+}
+
+TEST(MemoryPlanTest, BadInputIsRejected) {
+  EXPECT_EQ(PlanInput{.params = 0}.Validate().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((PlanInput{.params = 1e9, .gpus = 0}).Validate().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((PlanInput{.params = 1e9, .gpus = 4}).Validate().ok());
+}
+
+}  // namespace
+}  // namespace strata::offload
