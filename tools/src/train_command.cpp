@@ -17,6 +17,7 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "metrics_server.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
 #include "strata/core/host_device.h"
@@ -39,7 +40,8 @@ constexpr uint64_t kDefaultChunkBytes = 288 * kKiB;
 /// Everything the command line asked for; empty/negative/NaN means "not given".
 struct TrainFlags {
   std::string config, model = "small", offload_optimizer, offload_params, nvme_path, device,
-                      precision, checkpoint, resume, data = STRATA_CORPUS_PATH;
+                      precision, checkpoint, resume, data = STRATA_CORPUS_PATH,
+                      metrics_address = "127.0.0.1";
   int64_t layers = -1, width = -1, context = -1, steps = 150, batch = 8, seq = 128, seed = 1,
           checkpoint_every = 0, metrics_port = -1, eval_every = 50;
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0;
@@ -270,10 +272,63 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
               below ? " (the model uses its context)" : "");
 }
 
+/// The training loop's own series, next to the engine's in its registry (so one scrape has both).
+struct TrainGauges {
+  Gauge* step;
+  Gauge* loss;
+  Gauge* tokens_per_second;
+  Gauge* step_seconds;
+  Gauge* validation_loss;
+
+  explicit TrainGauges(MetricsRegistry& r)
+      : step(&r.GetGauge("strata_train_step", "Optimizer steps taken by strata train.")),
+        loss(&r.GetGauge("strata_train_loss", "Training loss of the last step, nats per byte.")),
+        tokens_per_second(&r.GetGauge("strata_train_tokens_per_second",
+                                      "Bytes of text trained on per second, last step.")),
+        step_seconds(
+            &r.GetGauge("strata_train_step_wall_seconds", "Wall time of the last training step.")),
+        validation_loss(&r.GetGauge("strata_train_validation_loss",
+                                    "Last validation loss, nats per byte (0 before any).")) {}
+};
+
+/// Serves /metrics (the engine's registry) and /status (JSON) while training runs.
+Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload::Engine& engine,
+                                                    const TrainGauges& gauges,
+                                                    const EngineOptions& o) {
+  MetricsServerOptions options;
+  options.address = f.metrics_address;
+  options.port = uint16_t(f.metrics_port);
+  options.render_metrics = [&engine] { return engine.metrics().RenderPrometheus(); };
+  const std::string model = f.model;
+  const int64_t steps = f.steps;
+  const std::string states(TierName(o.placement.optimizer_states));
+  const std::string params(TierName(o.placement.params));
+  options.render_status = [&engine, gauges, model, steps, states, params] {
+    ordered_json j;
+    j["model"] = model;
+    j["step"] = int64_t(gauges.step->Value());
+    j["steps"] = steps;
+    j["loss"] = gauges.loss->Value();
+    j["validation_loss"] = gauges.validation_loss->Value();
+    j["tokens_per_second"] = gauges.tokens_per_second->Value();
+    j["step_seconds"] = gauges.step_seconds->Value();
+    j["placement"] = {{"optimizer_states", states}, {"params", params}};
+    ordered_json tiers = ordered_json::object();
+    for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+      const offload::TierUsage u = engine.tier_usage(tier);
+      tiers[std::string(TierName(tier))] = {{"budget_bytes", u.budget_bytes},
+                                            {"used_bytes", u.used_bytes},
+                                            {"peak_bytes", u.peak_bytes}};
+    }
+    j["tiers"] = std::move(tiers);
+    return j.dump() + "\n";
+  };
+  return MetricsServer::Start(std::move(options));
+}
+
 int Train(const TrainFlags& f) {
-  if (f.metrics_port >= 0) {
-    return Fail(kExitUsage, "--metrics-port is not built yet (it comes with the metrics issue)",
-                kCommand);
+  if (f.metrics_port > 65535) {
+    return Fail(kExitUsage, "--metrics-port must be in [0, 65535]", kCommand);
   }
   auto model = ModelConfig(f);
   if (!model.ok()) return Fail(kExitUsage, model.status().message(), kCommand);
@@ -310,6 +365,16 @@ int Train(const TrainFlags& f) {
     }
   }
 
+  const TrainGauges gauges(engine.metrics());
+  std::unique_ptr<MetricsServer> server;
+  if (f.metrics_port >= 0) {
+    auto started = ServeMetrics(f, engine, gauges, *options);
+    if (!started.ok()) return Fail(kExitFailure, started.status().message());
+    server = std::move(started).value();
+    std::fprintf(stderr, "strata train: metrics on http://%s:%u/metrics and /status\n",
+                 f.metrics_address.c_str(), unsigned(server->port()));
+  }
+
   RunSummary summary;
   summary.unigram_entropy = corpus->UnigramEntropy();
   if (!f.json) {
@@ -326,6 +391,10 @@ int Train(const TrainFlags& f) {
     if (!record.ok()) return Fail(kExitFailure, record.status().message());
     summary.records.push_back(*record);
     const TrainStepRecord& r = *record;
+    gauges.step->Set(double(r.step));
+    gauges.loss->Set(r.loss);
+    gauges.tokens_per_second->Set(r.tokens_per_second);
+    gauges.step_seconds->Set(r.seconds);
     if (!f.json) {
       std::printf("step %5lld  loss %.4f%s  %8.0f tok/s  %6.3f s  d2h %s  h2d %s  nvme r %s w %s\n",
                   static_cast<long long>(r.step), r.loss, r.skipped ? " (skipped)" : "",
@@ -346,12 +415,14 @@ int Train(const TrainFlags& f) {
     if (!f.json && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
       auto loss = (*trainer)->Evaluate();
       if (!loss.ok()) return Fail(kExitFailure, loss.status().message());
+      gauges.validation_loss->Set(*loss);
       std::printf("           validation loss %.4f\n", *loss);
     }
   }
   auto validation = (*trainer)->Evaluate();
   if (!validation.ok()) return Fail(kExitFailure, validation.status().message());
   summary.validation_loss = *validation;
+  gauges.validation_loss->Set(*validation);
   if (f.json) {
     std::cout << ToJson(f, *model, *options, **trainer, summary).dump(2) << "\n";
   } else {
@@ -390,7 +461,10 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddBytes("chunk-size", &f.chunk_size,
                  "working parameters per chunk (default 288KiB: one block of the small model)");
   flags.AddString("precision", &f.precision, "DTYPE", "bf16 (default), fp16 or fp32");
-  flags.AddInt("metrics-port", &f.metrics_port, "serve /metrics on this port (not built yet)");
+  flags.AddInt("metrics-port", &f.metrics_port,
+               "serve Prometheus /metrics and JSON /status on this port while training (0: any)");
+  flags.AddString("metrics-address", &f.metrics_address, "ADDR",
+                  "interface for --metrics-port (default 127.0.0.1)");
   flags.AddString("checkpoint", &f.checkpoint, "DIR", "save a checkpoint here (at the end)");
   flags.AddInt("checkpoint-every", &f.checkpoint_every, "also save every K steps");
   flags.AddString("resume", &f.resume, "DIR", "continue from a checkpoint");
