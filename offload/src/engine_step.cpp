@@ -46,6 +46,19 @@ void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* 
   });
 }
 
+/// AdamW's and Adam's hyper-parameters, which have the same fields, from the options.
+template <typename HyperParams>
+HyperParams AdamFamily(const OptimizerOptions& o, double lr, int64_t step, double grad_scale) {
+  return {.lr = lr,
+          .beta1 = o.beta1,
+          .beta2 = o.beta2,
+          .eps = o.eps,
+          .weight_decay = o.weight_decay,
+          .bias_correction = o.bias_correction,
+          .step = step,
+          .grad_scale = grad_scale};
+}
+
 }  // namespace
 
 bool Engine::Impl::gated() const {
@@ -240,26 +253,12 @@ Status Engine::Impl::RunOptimizer(float* states, size_t numel, const void* grads
   Status status;
   switch (o.type) {
     case OptimizerType::kAdamW:
-      status = optimizer_->Step(cpu_adam::AdamWHyperParams{.lr = lr,
-                                                           .beta1 = o.beta1,
-                                                           .beta2 = o.beta2,
-                                                           .eps = o.eps,
-                                                           .weight_decay = o.weight_decay,
-                                                           .bias_correction = o.bias_correction,
-                                                           .step = step,
-                                                           .grad_scale = grad_scale},
+      status = optimizer_->Step(AdamFamily<cpu_adam::AdamWHyperParams>(o, lr, step, grad_scale),
                                 buffers);
       break;
     case OptimizerType::kAdam:
-      status = optimizer_->Step(cpu_adam::AdamHyperParams{.lr = lr,
-                                                          .beta1 = o.beta1,
-                                                          .beta2 = o.beta2,
-                                                          .eps = o.eps,
-                                                          .weight_decay = o.weight_decay,
-                                                          .bias_correction = o.bias_correction,
-                                                          .step = step,
-                                                          .grad_scale = grad_scale},
-                                buffers);
+      status =
+          optimizer_->Step(AdamFamily<cpu_adam::AdamHyperParams>(o, lr, step, grad_scale), buffers);
       break;
     case OptimizerType::kAdagrad:
       status = optimizer_->Step(cpu_adam::AdagradHyperParams{.lr = lr,

@@ -9,22 +9,11 @@
 #include <filesystem>
 
 #include "strata/core/host_device.h"
-
+#include "support/scratch_dir.h"
 namespace strata::examples {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    char pattern[] = "/tmp/strata-trainer-test-XXXXXX";
-    path_ = mkdtemp(pattern);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using strata::testing::ScratchDir;
 
 const Corpus& ShippedCorpus() {
   static const Corpus corpus = std::move(Corpus::Load(STRATA_CORPUS_PATH)).value();
@@ -61,7 +50,7 @@ TEST(CorpusTest, MissingOrTinyFilesAreClearErrors) {
   auto missing = Corpus::Load("/nonexistent/corpus.txt");
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
   EXPECT_NE(missing.status().message().find("/nonexistent/corpus.txt"), std::string::npos);
-  TempDir dir;
+  ScratchDir dir;
   const auto tiny = dir.path() / "tiny.txt";
   FILE* f = fopen(tiny.c_str(), "w");
   fputs("too short\n", f);
@@ -70,7 +59,7 @@ TEST(CorpusTest, MissingOrTinyFilesAreClearErrors) {
 }
 
 TEST(ByteLmTrainerTest, LossFallsWithOffloadedStateAndParameters) {
-  TempDir dir;
+  ScratchDir dir;
   auto device = std::move(CreateHostDevice({.memory_budget_bytes = 1 << 20})).value();
   auto trainer =
       std::move(ByteLmTrainer::Create(Tiny(), Options(Tier::kNvme, Tier::kHost, dir.path()),
@@ -94,7 +83,7 @@ TEST(ByteLmTrainerTest, LossFallsWithOffloadedStateAndParameters) {
 }
 
 TEST(ByteLmTrainerTest, ResumeFromACheckpointContinuesBitExactly) {
-  TempDir dir;
+  ScratchDir dir;
   const EngineOptions options = Options(Tier::kHost, Tier::kDevice, dir.path());
   auto device = std::move(CreateHostDevice({.memory_budget_bytes = 64 << 20})).value();
   std::vector<double> straight;

@@ -32,7 +32,7 @@ class IoEngineTest : public ::testing::TestWithParam<NvmeBackend> {
   }
 
   File MakeFile(uint64_t bytes) {
-    auto file = File::Create(dir_.path() + "/data.bin", {});
+    auto file = File::Create(dir_.path() / "data.bin", {});
     EXPECT_TRUE(file.ok()) << file.status().ToString();
     EXPECT_TRUE(file->Reserve(bytes).ok());
     return std::move(file).value();

@@ -1,4 +1,4 @@
-// Helpers shared by the nvme tests: scratch directories, aligned buffers, patterns.
+// Helpers shared by the nvme tests: aligned buffers, patterns, and the shared ScratchDir.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,22 +11,11 @@
 
 #include "strata/core/aligned_buffer.h"
 #include "strata/nvme/io_engine.h"
+#include "support/scratch_dir.h"
 
 namespace strata::nvme::testing {
 
-/// A fresh directory under the test temp dir, removed with everything in it on destruction.
-class ScratchDir {
- public:
-  ScratchDir() {
-    path_ = ::testing::TempDir() + "strata-nvme-XXXXXX";
-    if (mkdtemp(path_.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-  }
-  ~ScratchDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using strata::testing::ScratchDir;
 
 /// Test-name suffix for suites run on each backend.
 inline std::string BackendName(const ::testing::TestParamInfo<NvmeBackend>& info) {

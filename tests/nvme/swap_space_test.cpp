@@ -161,7 +161,7 @@ TEST(SwapSpaceTest, ChecksumsCanBeTurnedOff) {
 TEST(SwapSpaceTest, FilesAreScratchAndLeftoversAreReplaced) {
   ScratchDir dir;
   // A swap file from a process that no longer exists (pid 0x7fffffff is never used).
-  const std::string leftover = dir.path() + "/strata-swap-2147483647-0.bin";
+  const std::string leftover = dir.path() / "strata-swap-2147483647-0.bin";
   std::ofstream(leftover) << "stale";
   auto engine = MakeEngine();
   std::vector<std::string> paths;

@@ -17,29 +17,13 @@
 #include <vector>
 
 #include "strata/core/log.h"
-
+#include "support/scratch_dir.h"
 namespace strata::offload::internal {
 namespace {
 
+using strata::testing::ScratchDir;
+
 namespace fs = std::filesystem;
-
-/// A fresh directory under /tmp, removed with everything in it at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = "/tmp/strata-ckpt-XXXXXX";
-    if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 /// Deterministic, position-dependent bytes, different per `seed`.
 std::vector<std::byte> Pattern(size_t size, uint32_t seed) {
@@ -121,7 +105,7 @@ bool Contains(const Status& status, const std::string& text) {
 }
 
 TEST(CheckpointFilesTest, RoundTripsStreamedFilesAndManifest) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "step-100";
   const auto a = Pattern(100000, 1);
   const auto b = Pattern(1, 2);
@@ -214,7 +198,7 @@ TEST(CheckpointFilesTest, RoundTripsStreamedFilesAndManifest) {
 }
 
 TEST(CheckpointFilesTest, ReadFileStopsAtConsumerError) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(5000, 4);
   WriteCheckpoint(dir, {{"x.bin", data}});
@@ -233,7 +217,7 @@ TEST(CheckpointFilesTest, ReadFileStopsAtConsumerError) {
 }
 
 TEST(CheckpointFilesTest, ReadFileDetectsFlippedByte) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(3000, 5);
   WriteCheckpoint(dir, {{"chunk-000003.bin", data}});
@@ -263,7 +247,7 @@ TEST(CheckpointFilesTest, ReadFileDetectsFlippedByte) {
 }
 
 TEST(CheckpointFilesTest, ReadFileDetectsTruncatedFile) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(3000, 6);
   WriteCheckpoint(dir, {{"t.bin", data}});
@@ -285,7 +269,7 @@ TEST(CheckpointFilesTest, ReadFileDetectsTruncatedFile) {
 }
 
 TEST(CheckpointFilesTest, ReadFileDetectsExtraByte) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(3000, 7);
   WriteCheckpoint(dir, {{"e.bin", data}});
@@ -301,7 +285,7 @@ TEST(CheckpointFilesTest, ReadFileDetectsExtraByte) {
 }
 
 TEST(CheckpointFilesTest, ReadFileReportsMissingFile) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   WriteCheckpoint(dir, {{"present.bin", Pattern(10, 8)}});
   auto reader = CheckpointReader::Open(dir);
@@ -321,7 +305,7 @@ TEST(CheckpointFilesTest, ReadFileReportsMissingFile) {
 }
 
 TEST(CheckpointFilesTest, OpenMissingDirectoryIsNotFound) {
-  TempDir tmp;
+  ScratchDir tmp;
   auto reader = CheckpointReader::Open(tmp.path() / "nothing-here");
   ASSERT_FALSE(reader.ok());
   EXPECT_EQ(reader.status().code(), StatusCode::kNotFound);
@@ -330,7 +314,7 @@ TEST(CheckpointFilesTest, OpenMissingDirectoryIsNotFound) {
 }
 
 TEST(CheckpointFilesTest, OpenDirectoryWithoutManifestIsNotFound) {
-  TempDir tmp;
+  ScratchDir tmp;
   fs::create_directory(tmp.path() / "plain");
   WriteText(tmp.path() / "plain" / "data.bin", "abc");
   auto reader = CheckpointReader::Open(tmp.path() / "plain");
@@ -341,7 +325,7 @@ TEST(CheckpointFilesTest, OpenDirectoryWithoutManifestIsNotFound) {
 }
 
 TEST(CheckpointFilesTest, OpenMalformedManifestIsDataLoss) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   fs::create_directory(dir);
   WriteText(dir / "manifest.json", "{\"format\": \"strata-checkpoint\", \"version\": 1,");
@@ -360,7 +344,7 @@ TEST(CheckpointFilesTest, OpenMalformedManifestIsDataLoss) {
 }
 
 TEST(CheckpointFilesTest, OpenRejectsWrongFormatAndVersion) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   fs::create_directory(dir);
 
@@ -400,7 +384,7 @@ TEST(CheckpointFilesTest, OpenRejectsWrongFormatAndVersion) {
 }
 
 TEST(CheckpointFilesTest, CommitRejectsManifestWithoutHeader) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   auto writer = CheckpointWriter::Begin(dir);
   ASSERT_TRUE(writer.ok());
@@ -423,7 +407,7 @@ TEST(CheckpointFilesTest, CommitRejectsManifestWithoutHeader) {
 }
 
 TEST(CheckpointFilesTest, CommitReplacesExistingCheckpoint) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto old_data = Pattern(5000, 9);
   const auto new_data = Pattern(7000, 10);
@@ -444,7 +428,7 @@ TEST(CheckpointFilesTest, CommitReplacesExistingCheckpoint) {
 }
 
 TEST(CheckpointFilesTest, AbandonedWriterKeepsPreviousCheckpoint) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(2048, 11);
   const nlohmann::json manifest = WriteCheckpoint(dir, {{"a.bin", data}});
@@ -471,7 +455,7 @@ TEST(CheckpointFilesTest, AbandonedWriterKeepsPreviousCheckpoint) {
 }
 
 TEST(CheckpointFilesTest, CommitRefusesOpenOrAbandonedFiles) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   auto writer = CheckpointWriter::Begin(dir);
   ASSERT_TRUE(writer.ok());
@@ -490,7 +474,7 @@ TEST(CheckpointFilesTest, CommitRefusesOpenOrAbandonedFiles) {
 }
 
 TEST(CheckpointFilesTest, SinkRejectsUseAfterFinish) {
-  TempDir tmp;
+  ScratchDir tmp;
   auto writer = CheckpointWriter::Begin(tmp.path() / "ckpt");
   ASSERT_TRUE(writer.ok());
   auto sink = writer->CreateFile("f.bin");
@@ -507,7 +491,7 @@ TEST(CheckpointFilesTest, SinkRejectsUseAfterFinish) {
 }
 
 TEST(CheckpointFilesTest, BeginRemovesLeftoversOfDeadProcesses) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(500, 16);
   const nlohmann::json manifest = WriteCheckpoint(dir, {{"a.bin", data}});
@@ -553,7 +537,7 @@ TEST(CheckpointFilesTest, BeginRemovesLeftoversOfDeadProcesses) {
 }
 
 TEST(CheckpointFilesTest, BeginRestoresCheckpointLeftInFallbackWindow) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
   const auto data = Pattern(700, 17);
   const nlohmann::json manifest = WriteCheckpoint(dir, {{"a.bin", data}});
@@ -576,7 +560,7 @@ TEST(CheckpointFilesTest, BeginRestoresCheckpointLeftInFallbackWindow) {
 }
 
 TEST(CheckpointFilesTest, CreateFileRejectsBadNames) {
-  TempDir tmp;
+  ScratchDir tmp;
   auto writer = CheckpointWriter::Begin(tmp.path() / "ckpt");
   ASSERT_TRUE(writer.ok());
   for (const char* name : {"a/b.bin", "/abs.bin", "../up.bin", "", ".", "..", "manifest.json"}) {
@@ -597,7 +581,7 @@ TEST(CheckpointFilesTest, CreateFileRejectsBadNames) {
 }
 
 TEST(CheckpointFilesTest, BeginWithMissingParentFails) {
-  TempDir tmp;
+  ScratchDir tmp;
   const fs::path parent = tmp.path() / "no-such-dir";
   auto writer = CheckpointWriter::Begin(parent / "ckpt");
   ASSERT_FALSE(writer.ok());
@@ -609,7 +593,7 @@ TEST(CheckpointFilesTest, BeginWithMissingParentFails) {
 }
 
 TEST(CheckpointFilesTest, BeginOnFileOrBadPathIsInvalidArgument) {
-  TempDir tmp;
+  ScratchDir tmp;
   WriteText(tmp.path() / "file", "x");
   auto writer = CheckpointWriter::Begin(tmp.path() / "file");
   ASSERT_FALSE(writer.ok());

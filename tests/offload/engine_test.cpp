@@ -12,10 +12,12 @@
 
 #include "strata/core/host_device.h"
 #include "strata/nvme/fault_injection.h"
+#include "support/scratch_dir.h"
 #include "tiny_model.h"
-
 namespace strata::offload {
 namespace {
+
+using strata::testing::ScratchDir;
 
 using testing::EngineTrainer;
 using testing::ReferenceTrainer;
@@ -27,19 +29,6 @@ constexpr int kBatch = 8;
 // One layer (64x64 weight + bias) per chunk: 4160 fp32 elements, padded to 5120.
 constexpr uint64_t kChunkBytes = 20 * 1024;
 constexpr uint64_t kSlotBytes = 2 * 5120 * 4;  // Working params + grads of one fp32 chunk.
-
-class TempDir {
- public:
-  TempDir() {
-    char pattern[] = "/tmp/strata-engine-test-XXXXXX";
-    path_ = mkdtemp(pattern);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 struct Placement {
   const char* name;
@@ -96,7 +85,7 @@ class EngineEquivalenceTest : public ::testing::TestWithParam<Placement> {};
 
 TEST_P(EngineEquivalenceTest, ThirtyStepsMatchTheReferenceBitForBit) {
   const Placement& placement = GetParam();
-  TempDir nvme;
+  ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options = MakeOptions(placement, nvme.path());
   auto device = MakeDevice(placement.device_budget);
@@ -154,7 +143,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Placement>& param) { return param.param.name; });
 
 TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
-  TempDir nvme;
+  ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options =
       MakeOptions({"bf16", Tier::kNvme, Tier::kDevice}, nvme.path(), DType::kBf16);
@@ -175,7 +164,7 @@ TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
 
 TEST(EngineTest, GradientAccumulationSumsEveryMicroStep) {
   for (Tier states : {Tier::kHost, Tier::kNvme, Tier::kDevice}) {
-    TempDir nvme;
+    ScratchDir nvme;
     const TinyModel model(kLayers, kWidth, kBatch);
     EngineOptions options = MakeOptions({"gas", states, Tier::kDevice}, nvme.path());
     options.optimizer.gradient_accumulation_steps = 3;
@@ -196,7 +185,7 @@ TEST(EngineTest, GradientAccumulationSumsEveryMicroStep) {
 }
 
 TEST(EngineTest, ClippingScalesByTheGlobalNorm) {
-  TempDir nvme;
+  ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   EngineOptions options = MakeOptions({"clip", Tier::kNvme, Tier::kDevice}, nvme.path());
   options.optimizer.gradient_clipping = 0.02;  // Below the gradients' norm: clipping is active.
@@ -218,7 +207,7 @@ TEST(EngineTest, ClippingScalesByTheGlobalNorm) {
 }
 
 TEST(EngineTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
-  TempDir nvme;
+  ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   EngineOptions options =
       MakeOptions({"fp16", Tier::kHost, Tier::kDevice}, nvme.path(), DType::kFp16);
@@ -255,7 +244,7 @@ TEST(EngineTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
 
 TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
   for (nvme::IoOp op : {nvme::IoOp::kRead, nvme::IoOp::kWrite}) {
-    TempDir nvme;
+    ScratchDir nvme;
     const TinyModel model(kLayers, kWidth, kBatch);
     const EngineOptions options = MakeOptions({"fault", Tier::kNvme, Tier::kDevice}, nvme.path());
     auto plan = std::make_shared<nvme::FaultPlan>();
@@ -298,7 +287,7 @@ TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
 }
 
 TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
-  TempDir dir;
+  ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const auto specs = model.Specs();
   const std::string nvme_path = dir.path();
@@ -352,7 +341,7 @@ TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
 }
 
 TEST(EngineTest, CorruptedCheckpointIsDataLossAndChangesNothing) {
-  TempDir dir;
+  ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const auto specs = model.Specs();
   const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
@@ -379,7 +368,7 @@ TEST(EngineTest, CorruptedCheckpointIsDataLossAndChangesNothing) {
 }
 
 TEST(EngineTest, CheckpointOfAnotherModelIsRejected) {
-  TempDir dir;
+  ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const TinyModel other(kLayers, kWidth / 2, kBatch);
   const auto specs = model.Specs();
@@ -443,7 +432,7 @@ TEST(EngineDeathTest, ProcessKilledDuringSaveLeavesThePreviousCheckpointLoadable
 }
 
 TEST(EngineTest, BudgetsTooSmallAreClearErrorsAtCreate) {
-  TempDir dir;
+  ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const auto specs = model.Specs();
   {
@@ -485,7 +474,7 @@ TEST(EngineTest, BudgetsTooSmallAreClearErrorsAtCreate) {
 }
 
 TEST(EngineTest, MisuseIsAClearError) {
-  TempDir dir;
+  ScratchDir dir;
   const TinyModel model(2, kWidth, kBatch);
   const auto specs = model.Specs();
   auto device = MakeDevice(64 << 20);
