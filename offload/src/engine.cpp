@@ -375,7 +375,9 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       cpu_adam::CpuOptimizer optimizer,
       cpu_adam::CpuOptimizer::Create({.threads = options_.optimizer.cpu_threads}));
   optimizer_.emplace(std::move(optimizer));
-  RegisterMetrics();
+  m_.Register(metrics_);
+  m_.loss_scale->Set(loss_scaler_.scale());
+  UpdateTierGauges();
   boost::asio::post(loop_.executor(), [this] { StartPreloads(); });
   return Status();
 }
@@ -446,41 +448,6 @@ EngineCounters Engine::counters() const {
 MetricsRegistry& Engine::metrics() {
   impl_->UpdateTierGauges();
   return impl_->metrics_;
-}
-
-void Engine::Impl::RegisterMetrics() {
-  MetricsRegistry& r = metrics_;
-  const char* moved = "Bytes moved between tiers.";
-  m_.d2h_bytes =
-      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kDevice, Tier::kHost));
-  m_.h2d_bytes =
-      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kHost, Tier::kDevice));
-  m_.nvme_read_bytes =
-      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kNvme, Tier::kHost));
-  m_.nvme_write_bytes =
-      &r.GetCounter("strata_tier_bytes_total", moved, TierPairLabels(Tier::kHost, Tier::kNvme));
-  const char* updated = "Parameters updated by the optimizer.";
-  m_.optimizer_params = &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});
-  m_.device_optimizer_params =
-      &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "device"}});
-  m_.optimizer_seconds = &r.GetCounter("strata_optimizer_busy_seconds_total",
-                                       "Time the CPU optimizer spent updating chunks.");
-  m_.evictions = &r.GetCounter("strata_param_evictions_total",
-                               "Offloaded parameter chunks dropped from the device.");
-  m_.fetches = &r.GetCounter("strata_param_fetches_total",
-                             "Offloaded parameter chunks brought to the device.");
-  m_.steps = &r.GetCounter("strata_steps_total", "Optimizer steps taken.");
-  m_.skipped_steps =
-      &r.GetCounter("strata_skipped_steps_total", "Steps skipped for fp16 gradient overflow.");
-  m_.step_seconds = &r.GetGauge("strata_step_seconds", "Duration of the last optimizer step.");
-  m_.loss_scale = &r.GetGauge("strata_loss_scale", "Loss scale for the next backward.");
-  for (int t = 0; t < kTierCount; ++t) {
-    const Labels tier = {{"tier", std::string(TierName(static_cast<Tier>(t)))}};
-    m_.used_bytes[t] = &r.GetGauge("strata_tier_used_bytes", "Bytes in use per tier.", tier);
-    m_.budget_bytes[t] = &r.GetGauge("strata_tier_budget_bytes", "Budget per tier.", tier);
-  }
-  m_.loss_scale->Set(loss_scaler_.scale());
-  UpdateTierGauges();
 }
 
 void Engine::Impl::UpdateTierGauges() {

@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "engine_metrics.h"
 #include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
 #include "strata/core/event_loop.h"
@@ -247,24 +248,7 @@ class Engine::Impl {
 
   // Metrics: the registry owns them; these point into it (updated from any thread).
   MetricsRegistry metrics_;
-  struct {
-    Counter* d2h_bytes;
-    Counter* h2d_bytes;
-    Counter* nvme_read_bytes;
-    Counter* nvme_write_bytes;
-    Counter* optimizer_params;
-    Counter* device_optimizer_params;
-    Counter* optimizer_seconds;
-    Counter* evictions;
-    Counter* fetches;
-    Counter* steps;
-    Counter* skipped_steps;
-    Gauge* step_seconds;
-    Gauge* loss_scale;
-    Gauge* used_bytes[kTierCount];
-    Gauge* budget_bytes[kTierCount];
-  } m_{};
-  void RegisterMetrics();
+  EngineMetrics m_;
   /// Copies the tier budgets' usage into their gauges.
   void UpdateTierGauges();
 

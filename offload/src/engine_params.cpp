@@ -34,7 +34,15 @@ Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
     }
     Prefetch(lock);
   }
-  cv_.wait(lock, [&] { return (!c.params_offloaded() || !c.fetching) && !c.grads_in_flight; });
+  auto ready = [&] { return (!c.params_offloaded() || !c.fetching) && !c.grads_in_flight; };
+  if (!ready()) {
+    // The trainer stalls here: on the fetch if one is running, else on the gradient copy.
+    const TrainerWait reason = !c.fetching                           ? TrainerWait::kDeviceToHost
+                               : c.placement.params == Tier::kNvme ? TrainerWait::kNvme
+                                                                   : TrainerWait::kHostToDevice;
+    WaitTimer stalled(m_.stall_of(reason));
+    cv_.wait(lock, ready);
+  }
   if (c.params_offloaded() && !c.resident) {
     --c.pins;
     Status failed = c.fetch_status;
@@ -141,6 +149,7 @@ Status Engine::Impl::StartFetch(size_t chunk, bool demand, std::unique_lock<std:
           (pinned.empty() ? std::string(" (none)") : pinned) +
           " are acquired; release chunks earlier or raise the device budget");
     }
+    WaitTimer stalled(m_.stall_of(TrainerWait::kDeviceMemory));
     cv_.wait(lock);
   }
   BudgetReservation slot(&device_budget_, bytes);
@@ -176,6 +185,7 @@ void Engine::Impl::Prefetch(std::unique_lock<std::mutex>& lock) {
 Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
   Chunk& c = chunks_[chunk];
   const size_t bytes = c.working_bytes(working_size());
+  InFlightGuard fetching(m_.in_flight_of(InFlightKind::kHostToDevice));
   Status status;
   if (c.placement.params == Tier::kNvme) {
     co_await param_staging_free_->Acquire();
@@ -183,6 +193,7 @@ Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
     if (!staging.ok()) {
       status = staging.status();
     } else {
+      InFlightGuard reading(m_.in_flight_of(InFlightKind::kNvmeRead));
       status =
           co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current], staging->data());
       if (status.ok()) {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "engine_impl.h"
 
@@ -127,9 +128,11 @@ Status Engine::Impl::GradsReady(size_t chunk) {
     }
     if (queued.ok()) {
       queued = device_.LaunchHostFunction(Stream::kDeviceToHost, [this, chunk] {
+        m_.in_flight_of(InFlightKind::kDeviceToHost).Add(-1.0);
         boost::asio::co_spawn(loop_.executor(), LandGrads(chunk), boost::asio::detached);
       });
     }
+    if (queued.ok()) m_.in_flight_of(InFlightKind::kDeviceToHost).Add(1.0);
   }
   if (!queued.ok()) {
     return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
@@ -301,7 +304,10 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
       c.preload.ready.emplace(0);
       boost::asio::co_spawn(loop_.executor(), PreloadStates(chunk), boost::asio::detached);
     }
-    co_await c.preload.ready->Acquire();
+    {
+      WaitTimer waiting(m_.wait_of(UpdateWait::kNvmeRead));
+      co_await c.preload.ready->Acquire();
+    }
     status = c.preload.status;
     state_buffer = std::move(c.preload.buffer);
     c.preload = {};
@@ -310,7 +316,10 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
   StagingBuffer param_buffer;
   void* param_copy = c.param_copy.data();
   if (status.ok() && nvme_params) {
-    co_await param_staging_free_->Acquire();
+    {
+      WaitTimer waiting(m_.wait_of(UpdateWait::kStagingBuffer));
+      co_await param_staging_free_->Acquire();
+    }
     param_buffer = std::move(param_staging_->TryAcquire()).value();
     param_copy = param_buffer.data();
   }
@@ -323,10 +332,20 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
       m_.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
       return s;
     };
-    status = co_await AwaitJob(jobs_, update);
+    {
+      InFlightGuard updating(m_.in_flight_of(InFlightKind::kCpuOptimizer));
+      WaitTimer waiting(m_.wait_of(UpdateWait::kCpuOptimizer));
+      status = co_await AwaitJob(jobs_, update);
+    }
     if (status.ok()) m_.optimizer_params->Increment(double(c.numel));
   }
   // Write-behind into the shadow extents; the commit makes them current.
+  std::optional<InFlightGuard> writing;
+  std::optional<WaitTimer> write_time;
+  if (status.ok() && (nvme_states || nvme_params)) {
+    writing.emplace(m_.in_flight_of(InFlightKind::kNvmeWrite));
+    write_time.emplace(m_.wait_of(UpdateWait::kNvmeWrite));
+  }
   if (status.ok() && nvme_states) {
     const int registered = state_staging_registered_ ? int(state_buffer.index()) : -1;
     status = co_await nvme::AwaitSwapWrite(*swap_, c.state_extents[1 - c.state_current],
@@ -338,6 +357,8 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
                                            param_buffer.data(), wbytes);
     if (status.ok()) m_.nvme_write_bytes->Increment(double(wbytes));
   }
+  writing.reset();
+  write_time.reset();
   if (state_buffer.valid()) {
     state_buffer.Reset();
     state_staging_free_->Release();
@@ -380,8 +401,10 @@ Awaitable<void> Engine::Impl::PreloadStates(size_t chunk) {
   co_await state_staging_free_->Acquire();
   StagingBuffer buffer = std::move(state_staging_->TryAcquire()).value();
   const int registered = state_staging_registered_ ? int(buffer.index()) : -1;
+  std::optional<InFlightGuard> reading(std::in_place, m_.in_flight_of(InFlightKind::kNvmeRead));
   Status status = co_await nvme::AwaitSwapRead(*swap_, c.state_extents[c.state_current],
                                                buffer.data(), registered);
+  reading.reset();
   if (status.ok()) {
     m_.nvme_read_bytes->Increment(double(c.state_bytes()));
     c.preload.buffer = std::move(buffer);
@@ -520,7 +543,11 @@ Awaitable<void> Engine::Impl::Commit() {
 
 void Engine::Impl::FinishStep(Result<StepReport> result) {
   std::promise<Result<StepReport>> promise = std::move(*step_.promise);
+  // The trainer cannot start the next forward before the step completes: all of it is a stall.
+  m_.stall_of(TrainerWait::kStep)
+      .Increment(std::chrono::duration<double>(Clock::now() - step_.started).count());
   if (result.ok()) {
+    m_.UpdateRates();
     step_ = StepState{};
   } else {
     step_.promise.reset();

@@ -6,9 +6,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 
 #include "strata/core/host_device.h"
 #include "strata/nvme/fault_injection.h"
@@ -471,6 +473,69 @@ TEST(EngineTest, BudgetsTooSmallAreClearErrorsAtCreate) {
     ASSERT_FALSE(engine.ok());
     EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
   }
+}
+
+TEST(EngineTest, MetricsShowInFlightWorkStallsAndRates) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options =
+      MakeOptions({"metrics", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes}, nvme.path());
+  // Every NVMe read takes 20 ms longer: the trainer stalls on parameter fetches and the
+  // updates wait for their states, long enough to be seen.
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  plan->Add({.kind = nvme::FaultKind::kDelay,
+             .op = nvme::IoOp::kRead,
+             .times = -1,
+             .delay = std::chrono::milliseconds(20)});
+  EngineEnvironment environment;
+  environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+    return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+  };
+  auto device = MakeDevice(3 * kSlotBytes);
+  const auto specs = model.Specs();
+  auto engine = std::move(Engine::Create(options, *device, specs, std::move(environment))).value();
+  MetricsRegistry& metrics = engine->metrics();
+  auto gauge = [&](const char* name, Labels labels) {
+    return metrics.GetGauge(name, "", labels).Value();
+  };
+  auto counter = [&](const char* name, Labels labels) {
+    return metrics.GetCounter(name, "", labels).Value();
+  };
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+
+  // The second step in the background; NVMe reads are seen in flight while it runs.
+  auto running = std::async(std::launch::async, [&] { return trainer.TrainStep(1, &loss); });
+  double most_reads_in_flight = 0.0;
+  while (running.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready) {
+    most_reads_in_flight =
+        std::max(most_reads_in_flight, gauge("strata_inflight", {{"resource", "nvme_read"}}));
+  }
+  ASSERT_TRUE(running.get().ok());
+  EXPECT_GE(most_reads_in_flight, 1.0);
+  // Between steps only the next step's state preloads (NVMe reads) may be running.
+  for (const char* resource : {"nvme_write", "host_to_device", "device_to_host", "cpu_optimizer"}) {
+    EXPECT_EQ(gauge("strata_inflight", {{"resource", resource}}), 0.0) << resource;
+  }
+
+  // Acquire waited for chunks coming from NVMe (a delayed read each) and for every step.
+  const double fetch_stall = counter("strata_trainer_stall_seconds_total", {{"resource", "nvme"}});
+  EXPECT_GE(fetch_stall, 0.02);
+  EXPECT_EQ(counter("strata_trainer_stall_seconds_total", {{"resource", "host_to_device"}}), 0.0);
+  EXPECT_GT(counter("strata_trainer_stall_seconds_total", {{"resource", "step"}}), 0.0);
+  EXPECT_GT(counter("strata_update_wait_seconds_total", {{"resource", "nvme_read"}}), 0.0);
+  EXPECT_GT(counter("strata_update_wait_seconds_total", {{"resource", "nvme_write"}}), 0.0);
+  EXPECT_GT(counter("strata_update_wait_seconds_total", {{"resource", "cpu_optimizer"}}), 0.0);
+
+  // Rates over the last step: states and parameters went to NVMe, the optimizer ran.
+  const double written = gauge("strata_tier_bandwidth_bytes_per_second",
+                               TierPairLabels(Tier::kHost, Tier::kNvme));
+  EXPECT_GT(written, 0.0);
+  EXPECT_GT(gauge("strata_optimizer_params_per_second", {}), 0.0);
+  const std::string page = metrics.RenderPrometheus();
+  EXPECT_NE(page.find("# TYPE strata_trainer_stall_seconds_total counter"), std::string::npos);
+  EXPECT_NE(page.find("strata_inflight{resource=\"nvme_write\"} 0\n"), std::string::npos) << page;
 }
 
 TEST(EngineTest, MisuseIsAClearError) {

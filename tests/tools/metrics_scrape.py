@@ -75,11 +75,21 @@ def main():
             for name in ["strata_tier_bytes", "strata_optimizer_params", "strata_steps",
                          "strata_tier_used_bytes", "strata_tier_budget_bytes",
                          "strata_step_seconds", "strata_train_loss",
-                         "strata_train_tokens_per_second"]:
+                         "strata_train_tokens_per_second", "strata_inflight",
+                         "strata_trainer_stall_seconds", "strata_update_wait_seconds",
+                         "strata_tier_bandwidth_bytes_per_second",
+                         "strata_optimizer_params_per_second"]:
                 assert name in families, f"{name} missing from /metrics; have {sorted(families)}"
             moved = {(s.labels["from"], s.labels["to"]): s.value
                      for s in families["strata_tier_bytes"].samples if s.name.endswith("_total")}
             assert moved[("host", "nvme")] > 0 and moved[("device", "host")] > 0, moved
+            in_flight = {s.labels["resource"] for s in families["strata_inflight"].samples}
+            assert in_flight == {"nvme_read", "nvme_write", "host_to_device", "device_to_host",
+                                 "cpu_optimizer"}, in_flight
+            stalls = {s.labels["resource"]: s.value
+                      for s in families["strata_trainer_stall_seconds"].samples
+                      if s.name.endswith("_total")}
+            assert stalls["step"] > 0, stalls
             loss = [s.value for s in families["strata_train_loss"].samples][0]
             assert 0 < loss < 6, loss
 

@@ -1,0 +1,93 @@
+#include "engine_metrics.h"
+
+#include <string>
+
+namespace strata::offload {
+namespace {
+
+constexpr const char* kInFlightNames[kInFlightKinds] = {"nvme_read", "nvme_write", "host_to_device",
+                                                        "device_to_host", "cpu_optimizer"};
+constexpr const char* kTrainerWaitNames[kTrainerWaits] = {"host_to_device", "nvme", "device_to_host",
+                                                          "device_memory", "step"};
+constexpr const char* kUpdateWaitNames[kUpdateWaits] = {"nvme_read", "staging_buffer",
+                                                        "cpu_optimizer", "nvme_write"};
+
+}  // namespace
+
+void EngineMetrics::Register(MetricsRegistry& r) {
+  const char* moved = "Bytes moved between tiers.";
+  const Labels pairs[4] = {TierPairLabels(Tier::kDevice, Tier::kHost),
+                           TierPairLabels(Tier::kHost, Tier::kDevice),
+                           TierPairLabels(Tier::kNvme, Tier::kHost),
+                           TierPairLabels(Tier::kHost, Tier::kNvme)};
+  Counter** byte_counters[4] = {&d2h_bytes, &h2d_bytes, &nvme_read_bytes, &nvme_write_bytes};
+  for (int i = 0; i < 4; ++i) {
+    *byte_counters[i] = &r.GetCounter("strata_tier_bytes_total", moved, pairs[i]);
+    bandwidth[i] = &r.GetGauge("strata_tier_bandwidth_bytes_per_second",
+                               "Bytes moved per second between tiers over the last step.", pairs[i]);
+  }
+  const char* updated = "Parameters updated by the optimizer.";
+  optimizer_params = &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});
+  device_optimizer_params =
+      &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "device"}});
+  optimizer_seconds = &r.GetCounter("strata_optimizer_busy_seconds_total",
+                                    "Time the CPU optimizer spent updating chunks.");
+  optimizer_params_per_second =
+      &r.GetGauge("strata_optimizer_params_per_second",
+                  "Parameters the CPU optimizer updated per second of its busy time, last step.");
+  evictions = &r.GetCounter("strata_param_evictions_total",
+                            "Offloaded parameter chunks dropped from the device.");
+  fetches = &r.GetCounter("strata_param_fetches_total",
+                          "Offloaded parameter chunks brought to the device.");
+  steps = &r.GetCounter("strata_steps_total", "Optimizer steps taken.");
+  skipped_steps =
+      &r.GetCounter("strata_skipped_steps_total", "Steps skipped for fp16 gradient overflow.");
+  step_seconds = &r.GetGauge("strata_step_seconds", "Duration of the last optimizer step.");
+  loss_scale = &r.GetGauge("strata_loss_scale", "Loss scale for the next backward.");
+  for (int t = 0; t < kTierCount; ++t) {
+    const Labels tier = {{"tier", std::string(TierName(static_cast<Tier>(t)))}};
+    used_bytes[t] = &r.GetGauge("strata_tier_used_bytes", "Bytes in use per tier.", tier);
+    budget_bytes[t] = &r.GetGauge("strata_tier_budget_bytes", "Budget per tier.", tier);
+  }
+  for (int i = 0; i < kInFlightKinds; ++i) {
+    in_flight[i] = &r.GetGauge("strata_inflight",
+                               "Chunk transfers queued or running per link, and chunk updates in "
+                               "the CPU optimizer, now.",
+                               {{"resource", kInFlightNames[i]}});
+  }
+  for (int i = 0; i < kTrainerWaits; ++i) {
+    trainer_stall[i] = &r.GetCounter(
+        "strata_trainer_stall_seconds_total",
+        "Time the training loop was blocked in the engine, by what it waited for (step: the "
+        "update pipeline after backward).",
+        {{"resource", kTrainerWaitNames[i]}});
+  }
+  for (int i = 0; i < kUpdateWaits; ++i) {
+    update_wait[i] = &r.GetCounter(
+        "strata_update_wait_seconds_total",
+        "Time chunk updates spent waiting on each resource, summed over concurrent updates.",
+        {{"resource", kUpdateWaitNames[i]}});
+  }
+  last_time_ = Clock::now();
+}
+
+void EngineMetrics::UpdateRates() {
+  const Clock::time_point now = Clock::now();
+  const double seconds = std::chrono::duration<double>(now - last_time_).count();
+  const Counter* byte_counters[4] = {d2h_bytes, h2d_bytes, nvme_read_bytes, nvme_write_bytes};
+  for (int i = 0; i < 4; ++i) {
+    const double bytes = byte_counters[i]->Value();
+    if (seconds > 0) bandwidth[i]->Set((bytes - last_bytes_[i]) / seconds);
+    last_bytes_[i] = bytes;
+  }
+  const double params = optimizer_params->Value();
+  const double busy = optimizer_seconds->Value();
+  if (busy > last_busy_seconds_) {
+    optimizer_params_per_second->Set((params - last_params_) / (busy - last_busy_seconds_));
+  }
+  last_params_ = params;
+  last_busy_seconds_ = busy;
+  last_time_ = now;
+}
+
+}  // namespace strata::offload
