@@ -12,6 +12,7 @@ packages=(
   python3-torch python3-numpy   # cpu_adam's comparison against torch.optim (label torch)
   libsimde-dev                  # tests the AVX-512 kernels on CPUs without AVX-512
   python3-prometheus-client     # parses /metrics in the metrics endpoint's test
+  python3-matplotlib            # scripts/plot_bench.py: charts of strata bench all
 )
 
 missing=()

@@ -199,6 +199,20 @@ TEST(CliTest, BenchPipelineBadInput) {
   EXPECT_NE(r.out.find("--offload-optimizer"), std::string::npos);
 }
 
+// The run itself, its files and its charts: bench_all_test.py (ctest bench_all_to_charts).
+TEST(CliTest, BenchAllBadInputFailsBeforeMeasuring) {
+  auto r = RunCli("bench all --nvme-path /nonexistent/dir");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("/nonexistent/dir is not a directory"), std::string::npos) << r.out;
+  r = RunCli("bench all --out /dev/null/charts");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("creating /dev/null/charts"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("[1/4]"), std::string::npos) << "measured before failing: " << r.out;
+  r = RunCli("bench all --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--out"), std::string::npos);
+}
+
 TEST(CliTest, PlanPrintsTheClassicZeroTable) {
   auto r = RunCli("plan --params 10e9 --gpus 8 --json", /*merge_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;

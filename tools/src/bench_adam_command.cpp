@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "bench_json.h"
 #include "flags.h"
 #include "strata/core/bytes.h"
 #include "strata/core/dtype.h"
@@ -55,6 +56,26 @@ std::string CopyName(const AdamBenchmarkOptions& options) {
   return options.param_copy_dtype ? std::string(DTypeName(*options.param_copy_dtype)) : "none";
 }
 
+void PrintTable(const AdamBenchmarkOptions& options, const AdamBenchmarkResult& r) {
+  std::printf("%s step over %zu params (%s): grads %s, states %s, param copy %s; %s, %d threads\n",
+              std::string(OptimizerTypeName(options.optimizer)).c_str(), r.numel,
+              FormatCount(r.numel).c_str(), std::string(DTypeName(options.grad_dtype)).c_str(),
+              std::string(DTypeName(options.state_dtype)).c_str(), CopyName(options).c_str(),
+              std::string(cpu_adam::SimdLevelName(r.simd_level)).c_str(), r.threads);
+  std::printf("%zu bytes per param; median of %d runs after %d warm-up\n\n", r.bytes_per_param,
+              options.timed_runs, options.warmup_runs);
+  std::printf("  %-22s %14s %12s %12s\n", "", "params/s", "GB/s", "median s");
+  std::printf("  %-22s %14.4g %12.2f %12.4f\n", "step", r.params_per_second,
+              r.bytes_per_second / 1e9, r.step_median_seconds);
+  const std::string roofline =
+      "roofline (" + std::string(cpu_adam::SimdLevelName(r.roofline_simd_level)) + ")";
+  std::printf("  %-22s %14.4g %12.2f %12.4f\n", roofline.c_str(), r.roofline_params_per_second,
+              r.roofline_bytes_per_second / 1e9, r.roofline_median_seconds);
+  std::printf("  %-22s %14.3f\n", "ratio", r.ratio);
+}
+
+}  // namespace
+
 nlohmann::ordered_json ToJson(const AdamBenchmarkOptions& options, const AdamBenchmarkResult& r) {
   nlohmann::ordered_json j;
   j["optimizer"] = OptimizerTypeName(options.optimizer);
@@ -79,26 +100,6 @@ nlohmann::ordered_json ToJson(const AdamBenchmarkOptions& options, const AdamBen
   j["roofline_seconds"] = r.roofline_seconds;
   return j;
 }
-
-void PrintTable(const AdamBenchmarkOptions& options, const AdamBenchmarkResult& r) {
-  std::printf("%s step over %zu params (%s): grads %s, states %s, param copy %s; %s, %d threads\n",
-              std::string(OptimizerTypeName(options.optimizer)).c_str(), r.numel,
-              FormatCount(r.numel).c_str(), std::string(DTypeName(options.grad_dtype)).c_str(),
-              std::string(DTypeName(options.state_dtype)).c_str(), CopyName(options).c_str(),
-              std::string(cpu_adam::SimdLevelName(r.simd_level)).c_str(), r.threads);
-  std::printf("%zu bytes per param; median of %d runs after %d warm-up\n\n", r.bytes_per_param,
-              options.timed_runs, options.warmup_runs);
-  std::printf("  %-22s %14s %12s %12s\n", "", "params/s", "GB/s", "median s");
-  std::printf("  %-22s %14.4g %12.2f %12.4f\n", "step", r.params_per_second,
-              r.bytes_per_second / 1e9, r.step_median_seconds);
-  const std::string roofline =
-      "roofline (" + std::string(cpu_adam::SimdLevelName(r.roofline_simd_level)) + ")";
-  std::printf("  %-22s %14.4g %12.2f %12.4f\n", roofline.c_str(), r.roofline_params_per_second,
-              r.roofline_bytes_per_second / 1e9, r.roofline_median_seconds);
-  std::printf("  %-22s %14.3f\n", "ratio", r.ratio);
-}
-
-}  // namespace
 
 int RunBenchAdam(const std::vector<std::string>& args) {
   const std::string command = "strata bench adam";

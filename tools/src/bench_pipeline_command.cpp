@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "bench_json.h"
 #include "flags.h"
 #include "strata/core/bytes.h"
 #include "strata/offload/pipeline_benchmark.h"
@@ -17,31 +18,6 @@ namespace {
 
 using offload::PipelineBenchmarkOptions;
 using offload::PipelineBenchmarkResult;
-
-nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult& r) {
-  nlohmann::ordered_json j;
-  j["chunks"] = o.chunks;
-  j["chunk_bytes"] = o.chunk_bytes;
-  j["params"] = r.params;
-  j["precision"] = DTypeName(o.working_dtype);
-  j["offload_optimizer"] = TierName(o.optimizer_states);
-  j["forward_ms"] = o.forward_ms;
-  j["backward_ms"] = o.backward_ms;
-  j["copy_gbps"] = o.copy_gbps;
-  nlohmann::ordered_json resources = nlohmann::ordered_json::object();
-  for (const auto& resource : r.resources) {
-    resources[resource.name] = {{"seconds", resource.seconds}, {"bytes", resource.bytes}};
-  }
-  j["resources"] = resources;
-  j["slowest"] = r.slowest;
-  j["slowest_seconds"] = r.slowest_seconds;
-  j["serial_seconds"] = r.serial_seconds;
-  j["step_seconds"] = r.step_seconds;
-  j["step_median_seconds"] = r.step_median_seconds;
-  j["ratio_to_slowest"] = r.ratio_to_slowest;
-  j["ratio_to_serial"] = r.ratio_to_serial;
-  return j;
-}
 
 void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult& r) {
   std::printf(
@@ -69,6 +45,31 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
 }
 
 }  // namespace
+
+nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult& r) {
+  nlohmann::ordered_json j;
+  j["chunks"] = o.chunks;
+  j["chunk_bytes"] = o.chunk_bytes;
+  j["params"] = r.params;
+  j["precision"] = DTypeName(o.working_dtype);
+  j["offload_optimizer"] = TierName(o.optimizer_states);
+  j["forward_ms"] = o.forward_ms;
+  j["backward_ms"] = o.backward_ms;
+  j["copy_gbps"] = o.copy_gbps;
+  nlohmann::ordered_json resources = nlohmann::ordered_json::object();
+  for (const auto& resource : r.resources) {
+    resources[resource.name] = {{"seconds", resource.seconds}, {"bytes", resource.bytes}};
+  }
+  j["resources"] = resources;
+  j["slowest"] = r.slowest;
+  j["slowest_seconds"] = r.slowest_seconds;
+  j["serial_seconds"] = r.serial_seconds;
+  j["step_seconds"] = r.step_seconds;
+  j["step_median_seconds"] = r.step_median_seconds;
+  j["ratio_to_slowest"] = r.ratio_to_slowest;
+  j["ratio_to_serial"] = r.ratio_to_serial;
+  return j;
+}
 
 int RunBenchPipeline(const std::vector<std::string>& args) {
   const std::string command = "strata bench pipeline";

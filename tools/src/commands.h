@@ -20,6 +20,7 @@ int RunBench(const std::vector<std::string>& args);
 int RunBenchNvme(const std::vector<std::string>& args);
 int RunBenchAdam(const std::vector<std::string>& args);
 int RunBenchPipeline(const std::vector<std::string>& args);
+int RunBenchAll(const std::vector<std::string>& args);
 int RunTrain(const std::vector<std::string>& args);
 int RunPlan(const std::vector<std::string>& args);
 

@@ -21,6 +21,7 @@ Commands:
   bench adam      CPU optimizer step vs its memory-bandwidth roofline
   bench nvme      sequential O_DIRECT throughput of a directory through the I/O engine
   bench pipeline  a training step through the offload engine vs its slowest resource
+  bench all       every tier benchmark, one summary; JSON/CSV for scripts/plot_bench.py
 
 Run `strata <command> --help` for a command's flags.
 )";
@@ -40,7 +41,8 @@ int RunBench(const std::vector<std::string>& args) {
       "Benchmarks:\n"
       "  adam      CPU optimizer step vs its memory-bandwidth roofline (same arrays, same run)\n"
       "  nvme      sequential O_DIRECT read/write throughput through the I/O engine\n"
-      "  pipeline  a training step through the offload engine vs each resource alone\n";
+      "  pipeline  a training step through the offload engine vs each resource alone\n"
+      "  all       all of the above and host<->device copies, one summary, --out for charts\n";
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     std::cout << kBenchUsage;
     return args.empty() ? kExitUsage : kExitOk;
@@ -49,6 +51,7 @@ int RunBench(const std::vector<std::string>& args) {
   if (args[0] == "adam") return RunBenchAdam(rest);
   if (args[0] == "nvme") return RunBenchNvme(rest);
   if (args[0] == "pipeline") return RunBenchPipeline(rest);
+  if (args[0] == "all") return RunBenchAll(rest);
   return Fail(kExitUsage, "unknown benchmark \"" + args[0] + "\"", "strata bench");
 }
 

@@ -1,0 +1,181 @@
+#include "nvme_bench.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <random>
+#include <span>
+
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
+#include "strata/nvme/file.h"
+#include "strata/nvme/io_engine.h"
+
+namespace strata::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::ordered_json;
+using nvme::IoOp;
+
+/// One sequential pass over [0, size): queue_depth requests of block_size in flight, each
+/// completion starting the next offset with the same buffer.
+class SequentialPass {
+ public:
+  SequentialPass(nvme::IoEngine& engine, nvme::FileId file, IoOp op, const NvmeBenchSettings& s,
+                 std::span<std::byte> buffers, bool registered)
+      : engine_(engine), op_(op), settings_(s), slots_(s.queue_depth) {
+    for (uint32_t i = 0; i < s.queue_depth; ++i) {
+      nvme::IoRequest& r = slots_[i];
+      r.op = op;
+      r.file = file;
+      r.buffer = buffers.data() + i * s.block_size;
+      r.registered_buffer = registered ? static_cast<int>(i) : -1;
+      r.on_complete = [this](nvme::IoRequest& done) { OnComplete(done); };
+    }
+  }
+
+  Result<double> Run(const char* label) {
+    const auto start = Clock::now();
+    for (nvme::IoRequest& r : slots_) {
+      if (!StartNext(r)) break;
+    }
+    std::unique_lock lock(mutex_);
+    auto last_print = Clock::now();
+    while (!finished_cv_.wait_for(lock, std::chrono::milliseconds(250),
+                                  [&] { return outstanding_ == 0 && (done_ || failed_); })) {
+      if (settings_.progress && Clock::now() - last_print > std::chrono::milliseconds(500)) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+        std::fprintf(stderr, "\r  %-6s %9s / %-9s %10s   ", label,
+                     FormatBytes(completed_bytes_).c_str(), FormatBytes(settings_.size).c_str(),
+                     FormatBandwidth(completed_bytes_ / elapsed).c_str());
+        last_print = Clock::now();
+      }
+    }
+    if (settings_.progress) std::fprintf(stderr, "\r%60s\r", "");
+    if (failed_) return error_;
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+ private:
+  /// Gives `r` the next offset and submits it; false when the file is covered.
+  bool StartNext(nvme::IoRequest& r) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failed_ || next_offset_ >= settings_.size) {
+        done_ = true;
+        return false;
+      }
+      r.offset = next_offset_;
+      r.length = std::min<uint64_t>(settings_.block_size, settings_.size - next_offset_);
+      next_offset_ += r.length;
+      ++outstanding_;
+    }
+    engine_.Submit(&r);
+    return true;
+  }
+
+  void OnComplete(nvme::IoRequest& r) {
+    {
+      std::lock_guard lock(mutex_);
+      --outstanding_;
+      completed_bytes_ += r.bytes_done;
+      if (!r.status.ok() && !failed_) {
+        failed_ = true;
+        error_ = r.status;
+      }
+    }
+    if (!StartNext(r)) finished_cv_.notify_one();
+  }
+
+  nvme::IoEngine& engine_;
+  IoOp op_;
+  const NvmeBenchSettings& settings_;
+  std::vector<nvme::IoRequest> slots_;
+  std::mutex mutex_;
+  std::condition_variable finished_cv_;
+  uint64_t next_offset_ = 0;
+  uint64_t completed_bytes_ = 0;
+  uint32_t outstanding_ = 0;
+  bool done_ = false;
+  bool failed_ = false;
+  Status error_;
+};
+
+}  // namespace
+
+Result<std::vector<NvmePass>> RunNvmeBench(const NvmeBenchSettings& s, const std::string& rw) {
+  STRATA_ASSIGN_OR_RETURN(auto engine, nvme::IoEngine::Create({.backend = s.backend,
+                                                               .block_size = s.block_size,
+                                                               .queue_depth = s.queue_depth}));
+  const bool scratch = s.file.empty();
+  const std::string path =
+      scratch ? s.path + "/strata-bench-" + std::to_string(getpid()) + ".bin" : s.file;
+  // A given file that exists and is large enough is used as it is (fio does the same), so
+  // both tools measure overwrites of the same blocks.
+  Result<nvme::File> existing =
+      scratch ? Result<nvme::File>(NotFound(path)) : nvme::File::Open(path, {});
+  const Result<uint64_t> existing_size =
+      existing.ok() ? existing->Size() : Result<uint64_t>(existing.status());
+  const bool reuse = existing_size.ok() && *existing_size >= s.size;
+  nvme::File file;
+  if (reuse) {
+    file = std::move(existing).value();
+  } else {
+    if (!scratch) unlink(path.c_str());
+    STRATA_ASSIGN_OR_RETURN(file, nvme::File::Create(path, {}));
+    Status reserved = file.Reserve(s.size);
+    if (!reserved.ok()) {
+      unlink(path.c_str());
+      return reserved;
+    }
+  }
+  STRATA_ASSIGN_OR_RETURN(nvme::FileId id, engine->RegisterFile(file.fd(), path));
+  // The buffers start on a 2MiB boundary so that the engine can put all of them on huge pages
+  // (IoEngine::RegisterBuffers says why that matters).
+  constexpr uint64_t kHugePage = 2 * kMiB;
+  const uint64_t buffer_bytes = s.block_size * s.queue_depth;
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer memory, AlignedBuffer::Allocate(buffer_bytes + kHugePage));
+  const uint64_t skip = AlignUp(reinterpret_cast<uintptr_t>(memory.data()), kHugePage) -
+                        reinterpret_cast<uintptr_t>(memory.data());
+  const std::span<std::byte> buffers = memory.span().subspan(skip, buffer_bytes);
+  std::mt19937_64 random(42);
+  for (size_t i = 0; i < buffers.size() / 8; ++i) {
+    reinterpret_cast<uint64_t*>(buffers.data())[i] = random();
+  }
+  const bool registered = engine->RegisterBuffers(buffers, s.block_size);
+
+  std::vector<NvmePass> results;
+  auto pass = [&](IoOp op, bool measured) -> Status {
+    SequentialPass run(*engine, id, op, s, buffers, registered);
+    STRATA_ASSIGN_OR_RETURN(double seconds, run.Run(measured ? nvme::IoOpName(op) : "layout"));
+    if (measured) {
+      results.push_back({op, s.block_size, s.queue_depth, s.size, seconds, engine->backend_name()});
+    }
+    return Status();
+  };
+  Status status;
+  // A new file is laid out first, unmeasured, like fio's layout phase: reads of fallocated but
+  // never written blocks return zeros without I/O, and first writes pay for extent conversion
+  // that the swap space pays once, not every step.
+  if (!reuse) status = pass(IoOp::kWrite, false);
+  if (status.ok() && (rw == "write" || rw == "both")) status = pass(IoOp::kWrite, true);
+  if (status.ok() && (rw == "read" || rw == "both")) status = pass(IoOp::kRead, true);
+  engine->UnregisterFile(id);
+  if (scratch) unlink(path.c_str());
+  if (!status.ok()) return status;
+  return results;
+}
+
+ordered_json ToJson(const NvmePass& r) {
+  return {{"rw", nvme::IoOpName(r.op)},   {"block_size", r.block_size},
+          {"queue_depth", r.queue_depth}, {"bytes", r.bytes},
+          {"seconds", r.seconds},         {"bytes_per_second", r.bytes_per_second()},
+          {"backend", r.backend}};
+}
+
+}  // namespace strata::tools
