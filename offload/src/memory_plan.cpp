@@ -59,9 +59,12 @@ std::vector<PlanRow> PlanMemory(const PlanInput& in) {
   PlanRow z2_nvme = offload_optimizer(zero(2, "ZeRO-2, optimizer -> nvme"), Tier::kNvme);
   PlanRow z3_host = offload_params(
       offload_optimizer(zero(3, "ZeRO-3, optimizer + params -> host"), Tier::kHost), Tier::kHost);
+  PlanRow z3_mixed = offload_params(
+      offload_optimizer(zero(3, "ZeRO-3, optimizer -> nvme, params -> host"), Tier::kNvme),
+      Tier::kHost);
   PlanRow z3_nvme = offload_params(
       offload_optimizer(zero(3, "ZeRO-3, optimizer + params -> nvme"), Tier::kNvme), Tier::kNvme);
-  rows.insert(rows.end(), {z2_host, z2_nvme, z3_host, z3_nvme});
+  rows.insert(rows.end(), {z2_host, z2_nvme, z3_host, z3_mixed, z3_nvme});
   return rows;
 }
 

@@ -225,7 +225,7 @@ TEST(CliTest, PlanPrintsTheClassicZeroTable) {
   EXPECT_DOUBLE_EQ(gpu_bytes["ZeRO-1"], 55e9);
   EXPECT_DOUBLE_EQ(gpu_bytes["ZeRO-2"], 37.5e9);
   EXPECT_DOUBLE_EQ(gpu_bytes["ZeRO-3"], 20e9);
-  EXPECT_EQ(j["placements"].size(), 8u);
+  EXPECT_EQ(j["placements"].size(), 9u);
 
   r = RunCli("plan --params 10e9 --gpus 8");
   ASSERT_EQ(r.exit_code, 0);
@@ -235,6 +235,45 @@ TEST(CliTest, PlanPrintsTheClassicZeroTable) {
   EXPECT_EQ(RunCli("plan").exit_code, 2);
   EXPECT_EQ(RunCli("plan --params 1e9 --gpus 0").exit_code, 2);
   EXPECT_EQ(RunCli("plan --params 1e9 --precision fp8").exit_code, 2);
+}
+
+TEST(CliTest, PlanPicksTheFastestPlacementThatFits) {
+  const std::string machine =
+      "plan --params 1e9 --precision bf16 --h2d-gbps 20 --d2h-gbps 20 --nvme-read-gbps 4 "
+      "--nvme-write-gbps 2 --optimizer-gparams 1 --compute-seconds 3 ";
+  auto r = RunCli(machine + "--device-memory 10GB --json", /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["chosen"], "ZeRO-2, optimizer -> host");
+  EXPECT_EQ(j["machine"]["nvme_read_bytes_per_second"].get<double>(), 4e9);
+  for (const auto& p : j["placements"]) {
+    const auto& prediction = p["prediction"];
+    if (p["name"] == "data parallel") {
+      EXPECT_FALSE(prediction["fits"].get<bool>());
+    }
+    if (p["name"] == "ZeRO-2, optimizer -> nvme") {
+      EXPECT_DOUBLE_EQ(prediction["step_seconds"].get<double>(), 10.0);  // 1 + 12/4 + 12/2.
+      EXPECT_EQ(prediction["bound_by"], "nvme");
+    }
+  }
+  // The table marks the choice; too little of everything fits nothing, and says so.
+  r = RunCli(machine + "--device-memory 10GB");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("* ZeRO-2, optimizer -> host"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Chosen: ZeRO-2, optimizer -> host"), std::string::npos) << r.out;
+  r = RunCli(machine + "--device-memory 1GB --host-memory 1GB --nvme-bytes 1GB");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("no placement fits"), std::string::npos) << r.out;
+  // Rates not given are named, not taken as free.
+  r = RunCli("plan --params 1e9 --compute-seconds 1");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("Not counted"), std::string::npos) << r.out;
+  EXPECT_EQ(RunCli("plan --params 1e9 --tokens 4096").exit_code, 2);
+  EXPECT_EQ(RunCli("plan --params 1e9 --h2d-gbps -1").exit_code, 2);
+  EXPECT_EQ(RunCli("plan --params 1e9 --measure --chunk-size 1000").exit_code, 2);
+  r = RunCli("plan --params 1e9 --measure --nvme-path /nonexistent/dir --chunk-size 64KiB");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
 }
 
 // A short run of the tiny model, quick enough for a test.

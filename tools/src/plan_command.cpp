@@ -1,6 +1,11 @@
 // `strata plan`: per-GPU memory of model state and communication per step under data
-// parallelism, each ZeRO stage and the offload placements, before buying or renting hardware.
+// parallelism, each ZeRO stage and the offload placements, before buying or renting hardware;
+// given a machine's memory and rates (or --measure), each placement's step time per resource and
+// the fastest placement that fits.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -8,13 +13,83 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "plan_measure.h"
+#include "strata/core/bytes.h"
 #include "strata/offload/memory_plan.h"
+#include "strata/offload/step_plan.h"
 
 namespace strata::tools {
 namespace {
 
+using offload::MachineMemory;
+using offload::MachineRates;
 using offload::PlanInput;
 using offload::PlanRow;
+using offload::StepPrediction;
+
+/// The machine as the flags describe it: rates in GB/s (1e9 bytes), 0 = not given.
+struct MachineFlags {
+  uint64_t device_memory = 0, host_memory = 0, nvme_bytes = 0, chunk_size = 0;
+  double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0,
+         optimizer_gparams = 0, link_gbps = 0, compute_seconds = 0, tokens = 0, tflops = 0;
+  bool measure = false;
+  std::string nvme_path;
+
+  /// Whether any flag asks for step times and a placement choice.
+  bool given() const {
+    return measure || device_memory || host_memory || nvme_bytes || h2d_gbps || d2h_gbps ||
+           nvme_read_gbps || nvme_write_gbps || optimizer_gparams || link_gbps ||
+           compute_seconds || tokens || tflops;
+  }
+};
+
+Status ValidateMachine(const MachineFlags& m) {
+  for (double v : {m.h2d_gbps, m.d2h_gbps, m.nvme_read_gbps, m.nvme_write_gbps,
+                   m.optimizer_gparams, m.link_gbps, m.compute_seconds, m.tokens, m.tflops}) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      return InvalidArgument("rates, --compute-seconds, --tokens and --tflops must be >= 0");
+    }
+  }
+  if ((m.tokens > 0) != (m.tflops > 0)) {
+    return InvalidArgument("--tokens and --tflops go together (compute = 6 x params x tokens / "
+                           "FLOP/s)");
+  }
+  if (m.compute_seconds > 0 && m.tokens > 0) {
+    return InvalidArgument("give --compute-seconds or --tokens with --tflops, not both");
+  }
+  if (m.chunk_size % (4 * kKiB) != 0) {
+    return InvalidArgument("--chunk-size must be a multiple of 4KiB");
+  }
+  return Status();
+}
+
+/// The flags' rates, with --measure filling those not given.
+Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in) {
+  MachineRates r;
+  if (m.measure) {
+    MeasureSettings settings{.nvme_path = m.nvme_path,
+                             .chunk_bytes = m.chunk_size,
+                             .working_dtype = in.working_dtype,
+                             .params = in.params,
+                             .progress = [](const std::string& line) {
+                               std::fprintf(stderr, "strata plan: %s\n", line.c_str());
+                             }};
+    STRATA_ASSIGN_OR_RETURN(r, MeasureRates(settings));
+  }
+  auto given = [](double gbps, double& rate) {
+    if (gbps > 0) rate = gbps * 1e9;
+  };
+  given(m.h2d_gbps, r.host_to_device_bytes_per_second);
+  given(m.d2h_gbps, r.device_to_host_bytes_per_second);
+  given(m.nvme_read_gbps, r.nvme_read_bytes_per_second);
+  given(m.nvme_write_gbps, r.nvme_write_bytes_per_second);
+  given(m.optimizer_gparams, r.optimizer_params_per_second);
+  given(m.link_gbps, r.link_bytes_per_second);
+  // Forward and backward do about 6 FLOPs per parameter per token.
+  r.compute_seconds =
+      m.tokens > 0 ? 6.0 * in.params * m.tokens / (m.tflops * 1e12) : m.compute_seconds;
+  return r;
+}
 
 /// Decimal gigabytes, as GPU memory is usually quoted; "-" for nothing.
 std::string Gb(double bytes) {
@@ -53,6 +128,109 @@ nlohmann::ordered_json ToJson(const PlanInput& in, const std::vector<PlanRow>& r
   return j;
 }
 
+nlohmann::ordered_json ToJson(const StepPrediction& p) {
+  nlohmann::ordered_json resources = nlohmann::ordered_json::object();
+  for (const auto& r : p.resources) resources[r.name] = r.seconds;
+  return {{"fits", p.fits},
+          {"why_not", p.why_not},
+          {"resources_seconds", resources},
+          {"forward_seconds", p.forward_seconds},
+          {"backward_seconds", p.backward_seconds},
+          {"update_seconds", p.update_seconds},
+          {"step_seconds", p.step_seconds},
+          {"bound_by", p.bound_by},
+          {"unknown_rates", p.unknown}};
+}
+
+/// Adds the machine, each placement's prediction and the choice to the plan's JSON.
+void AddPredictions(nlohmann::ordered_json& j, const MachineRates& r, const MachineMemory& m,
+                    const std::vector<PlanRow>& rows,
+                    const std::vector<StepPrediction>& predictions, int chosen) {
+  j["machine"] = {{"device_memory_bytes", m.device_bytes},
+                  {"host_memory_bytes", m.host_bytes},
+                  {"nvme_bytes", m.nvme_bytes},
+                  {"host_to_device_bytes_per_second", r.host_to_device_bytes_per_second},
+                  {"device_to_host_bytes_per_second", r.device_to_host_bytes_per_second},
+                  {"nvme_read_bytes_per_second", r.nvme_read_bytes_per_second},
+                  {"nvme_write_bytes_per_second", r.nvme_write_bytes_per_second},
+                  {"optimizer_params_per_second", r.optimizer_params_per_second},
+                  {"link_bytes_per_second", r.link_bytes_per_second},
+                  {"compute_seconds", r.compute_seconds}};
+  for (size_t i = 0; i < rows.size(); ++i) {
+    j["placements"][i]["prediction"] = ToJson(predictions[i]);
+  }
+  j["chosen"] = chosen >= 0 ? nlohmann::ordered_json(rows[chosen].name) : nullptr;
+}
+
+std::string Rate(double bytes_per_second) {
+  if (bytes_per_second <= 0) return "?";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f GB/s", bytes_per_second / 1e9);
+  return text;
+}
+
+/// Seconds of one resource, "-" when the placement does not use it.
+std::string SecondsOf(const StepPrediction& p, const char* name) {
+  for (const auto& r : p.resources) {
+    if (r.name == name) {
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.4f", r.seconds);
+      return text;
+    }
+  }
+  return "-";
+}
+
+void PrintPredictions(const MachineRates& r, const MachineMemory& m,
+                      const std::vector<PlanRow>& rows,
+                      const std::vector<StepPrediction>& predictions, int chosen) {
+  auto limit = [](double bytes) {
+    return bytes > 0 ? FormatBytes(uint64_t(bytes)) : std::string("not limited");
+  };
+  std::printf("\nStep time per resource, seconds (step = forward + max(backward, update)):\n");
+  std::printf("  memory: GPU %s, host %s, nvme %s\n", limit(m.device_bytes).c_str(),
+              limit(m.host_bytes).c_str(), limit(m.nvme_bytes).c_str());
+  std::printf("  rates: host->device %s, device->host %s, nvme read %s, write %s, optimizer "
+              "%.3g params/s, link %s; compute %.4g s\n\n",
+              Rate(r.host_to_device_bytes_per_second).c_str(),
+              Rate(r.device_to_host_bytes_per_second).c_str(),
+              Rate(r.nvme_read_bytes_per_second).c_str(),
+              Rate(r.nvme_write_bytes_per_second).c_str(), r.optimizer_params_per_second,
+              Rate(r.link_bytes_per_second).c_str(), r.compute_seconds);
+  std::printf("    %-42s %4s %8s %8s %8s %8s %8s %8s %9s  %s\n", "", "fits", "compute", "d2h",
+              "h2d", "nvme", "cpu opt", "link", "step", "bound by");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const StepPrediction& p = predictions[i];
+    std::printf("  %c %-42s %4s %8s %8s %8s %8s %8s %8s %9.4f  %s\n", int(i) == chosen ? '*' : ' ',
+                rows[i].name.c_str(), p.fits ? "yes" : "no", SecondsOf(p, "compute").c_str(),
+                SecondsOf(p, "device_to_host").c_str(), SecondsOf(p, "host_to_device").c_str(),
+                SecondsOf(p, "nvme").c_str(), SecondsOf(p, "cpu_optimizer").c_str(),
+                SecondsOf(p, "link").c_str(), p.step_seconds, p.bound_by.c_str());
+  }
+  std::vector<std::string> unknown;
+  for (const StepPrediction& p : predictions) {
+    for (const std::string& u : p.unknown) {
+      if (std::find(unknown.begin(), unknown.end(), u) == unknown.end()) unknown.push_back(u);
+    }
+  }
+  if (!unknown.empty()) {
+    std::string names;
+    for (const std::string& u : unknown) names += (names.empty() ? "" : ", ") + u;
+    std::printf("\n  Not counted (no rate given; see --help or --measure): %s.\n", names.c_str());
+  }
+  if (chosen >= 0) {
+    std::printf("\nChosen: %s: %.4f s per step, bound by %s.\n", rows[chosen].name.c_str(),
+                predictions[chosen].step_seconds,
+                predictions[chosen].bound_by.empty() ? "nothing measured"
+                                                     : predictions[chosen].bound_by.c_str());
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!predictions[i].fits) {
+      std::printf("  %s does not fit: %s\n", rows[i].name.c_str(), predictions[i].why_not.c_str());
+    }
+  }
+}
+
 void PrintTable(const PlanInput& in, const std::vector<PlanRow>& rows) {
   std::printf(
       "Model state per GPU: %.4g parameters on %d GPUs, %s working copy, %s "
@@ -60,11 +238,11 @@ void PrintTable(const PlanInput& in, const std::vector<PlanRow>& rows) {
       in.params, in.gpus, std::string(DTypeName(in.working_dtype)).c_str(),
       std::string(OptimizerTypeName(in.optimizer)).c_str(),
       offload::OptimizerBytesPerParam(in.optimizer, in.working_dtype));
-  std::printf("  %-36s %8s %8s %8s %8s   %8s %8s   %s\n", "", "params", "grads", "optim", "GPU GB",
+  std::printf("  %-42s %8s %8s %8s %8s   %8s %8s   %s\n", "", "params", "grads", "optim", "GPU GB",
               "host GB", "nvme GB", "comm/step");
   for (const PlanRow& r : rows) {
     const double psi_multiple = r.comm_elements / in.params;
-    std::printf("  %-36s %8s %8s %8s %8s   %8s %8s   %.0f Psi (%s GB)\n", r.name.c_str(),
+    std::printf("  %-42s %8s %8s %8s %8s   %8s %8s   %.0f Psi (%s GB)\n", r.name.c_str(),
                 Gb(r.device.params).c_str(), Gb(r.device.grads).c_str(),
                 Gb(r.device.optimizer_states).c_str(), Gb(r.device.total()).c_str(),
                 Gb(r.host.total()).c_str(), Gb(r.nvme.total()).c_str(), psi_multiple,
@@ -92,6 +270,30 @@ int RunPlan(const std::vector<std::string>& args) {
   flags.AddString("precision", &precision, "DTYPE", "working dtype: fp16 (default), bf16, fp32");
   flags.AddString("optimizer", &optimizer, "NAME", "adamw (default), adam, adagrad or lion");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
+  MachineFlags machine;
+  flags.AddBytes("device-memory", &machine.device_memory,
+                 "GPU memory per GPU for model state; with any of these flags, step times per "
+                 "placement and the fastest that fits are printed");
+  flags.AddBytes("host-memory", &machine.host_memory, "host memory of the node");
+  flags.AddBytes("nvme-bytes", &machine.nvme_bytes, "NVMe space of the node");
+  flags.AddDouble("h2d-gbps", &machine.h2d_gbps, "host->device GB/s per GPU");
+  flags.AddDouble("d2h-gbps", &machine.d2h_gbps, "device->host GB/s per GPU");
+  flags.AddDouble("nvme-read-gbps", &machine.nvme_read_gbps,
+                  "NVMe read GB/s of the node, as the engine reads chunks");
+  flags.AddDouble("nvme-write-gbps", &machine.nvme_write_gbps, "NVMe write GB/s of the node");
+  flags.AddDouble("optimizer-gparams", &machine.optimizer_gparams,
+                  "CPU optimizer rate of the node, 1e9 params/s");
+  flags.AddDouble("link-gbps", &machine.link_gbps, "GPU-GPU GB/s per GPU for the collectives");
+  flags.AddDouble("compute-seconds", &machine.compute_seconds,
+                  "forward + backward seconds per GPU per step");
+  flags.AddDouble("tokens", &machine.tokens, "tokens per GPU per step (with --tflops)");
+  flags.AddDouble("tflops", &machine.tflops, "achieved TFLOP/s per GPU (with --tokens)");
+  flags.AddBool("measure", &machine.measure,
+                "measure the rates not given on this machine, through the engine");
+  flags.AddString("nvme-path", &machine.nvme_path, "DIR",
+                  "directory --measure times NVMe in (default $TMPDIR or /tmp)");
+  flags.AddBytes("chunk-size", &machine.chunk_size,
+                 "the engine's working bytes per chunk, for --measure (default 64MiB)");
   if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (flags.help_requested()) {
     std::cout << flags.Help();
@@ -105,11 +307,42 @@ int RunPlan(const std::vector<std::string>& args) {
   input.working_dtype = *dtype;
   input.optimizer = *type;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
+  if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);
   const std::vector<PlanRow> rows = offload::PlanMemory(input);
+  if (!machine.given()) {
+    if (json) {
+      std::cout << ToJson(input, rows).dump(2) << "\n";
+    } else {
+      PrintTable(input, rows);
+    }
+    return kExitOk;
+  }
+
+  if (machine.chunk_size == 0) machine.chunk_size = EngineOptions().placement.chunk_bytes;
+  if (machine.nvme_path.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    machine.nvme_path = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  }
+  auto rates = RatesFor(machine, input);
+  if (!rates.ok()) return Fail(kExitFailure, "measuring: " + rates.status().message());
+  const MachineMemory memory{.device_bytes = double(machine.device_memory),
+                             .host_bytes = double(machine.host_memory),
+                             .nvme_bytes = double(machine.nvme_bytes)};
+  std::vector<StepPrediction> predictions;
+  for (const PlanRow& row : rows) {
+    predictions.push_back(offload::PredictStep(input, row, *rates, memory));
+  }
+  const int chosen = offload::ChoosePlacement(predictions);
   if (json) {
-    std::cout << ToJson(input, rows).dump(2) << "\n";
+    nlohmann::ordered_json j = ToJson(input, rows);
+    AddPredictions(j, *rates, memory, rows, predictions, chosen);
+    std::cout << j.dump(2) << "\n";
   } else {
     PrintTable(input, rows);
+    PrintPredictions(*rates, memory, rows, predictions, chosen);
+  }
+  if (chosen < 0) {
+    return Fail(kExitFailure, "no placement fits this machine's memory (see the table)");
   }
   return kExitOk;
 }

@@ -63,7 +63,8 @@ struct PlanRow {
 double OptimizerBytesPerParam(OptimizerType optimizer, DType working_dtype);
 
 /// Data parallel, ZeRO-1, ZeRO-2, ZeRO-3, then the offload placements: ZeRO-2 with the optimizer
-/// on host and on NVMe, ZeRO-3 with optimizer and parameters on host, and on NVMe.
+/// on host and on NVMe, ZeRO-3 with optimizer and parameters on host, with the optimizer on NVMe
+/// and parameters on host (strata train's default), and with both on NVMe.
 std::vector<PlanRow> PlanMemory(const PlanInput& input);
 
 }  // namespace strata::offload

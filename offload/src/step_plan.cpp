@@ -1,0 +1,132 @@
+#include "strata/offload/step_plan.h"
+
+#include <algorithm>
+
+#include "strata/core/bytes.h"
+
+namespace strata::offload {
+namespace {
+
+/// Adds a resource's time for `amount` at `rate`; an unknown rate is recorded, not guessed.
+class ResourceTally {
+ public:
+  explicit ResourceTally(StepPrediction& prediction) : p_(prediction) {}
+
+  double Add(const std::string& name, double amount, double rate, const std::string& rate_name) {
+    if (amount <= 0.0) return 0.0;
+    if (rate <= 0.0) {
+      if (std::find(p_.unknown.begin(), p_.unknown.end(), rate_name) == p_.unknown.end()) {
+        p_.unknown.push_back(rate_name);
+      }
+      return 0.0;
+    }
+    const double seconds = amount / rate;
+    auto it = std::find_if(p_.resources.begin(), p_.resources.end(),
+                           [&](const ResourceSeconds& r) { return r.name == name; });
+    if (it == p_.resources.end()) {
+      p_.resources.push_back({name, seconds});
+    } else {
+      it->seconds += seconds;
+    }
+    return seconds;
+  }
+
+ private:
+  StepPrediction& p_;
+};
+
+std::string Over(const char* tier, double need, double budget) {
+  return std::string(tier) + " needs " + FormatBytes(uint64_t(need)) + " of " +
+         FormatBytes(uint64_t(budget));
+}
+
+}  // namespace
+
+StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const MachineRates& rates,
+                           const MachineMemory& memory) {
+  StepPrediction p;
+  ResourceTally tally(p);
+  const double psi = in.params;
+  const double n = in.gpus;
+  const double w = DTypeSize(in.working_dtype);
+  const double k = OptimizerBytesPerParam(in.optimizer, in.working_dtype);
+  const bool offload_optimizer = row.optimizer_states != Tier::kDevice;
+  const bool offload_params = row.params != Tier::kDevice;
+
+  const double compute = std::max(0.0, rates.compute_seconds);
+  if (compute > 0.0) p.resources.push_back({"compute", compute});
+
+  // Forward and backward: compute, fetches of offloaded parameters and collectives overlap.
+  double fetch = 0.0;  // The longer of the two fetch paths, over both phases.
+  if (offload_params) {
+    fetch = tally.Add("host_to_device", 2 * w * psi / n, rates.host_to_device_bytes_per_second,
+                      "host->device");
+    if (row.params == Tier::kNvme) {
+      fetch = std::max(fetch, tally.Add("nvme", 2 * w * psi, rates.nvme_read_bytes_per_second,
+                                        "nvme read"));
+    }
+  }
+  const double link = n > 1 ? tally.Add("link", row.comm_elements * w,
+                                        rates.link_bytes_per_second, "link")
+                            : 0.0;
+  p.forward_seconds = std::max({compute / 3, fetch / 2, link / 2});
+  p.backward_seconds = std::max({2 * compute / 3, fetch / 2, link / 2});
+
+  // The update pipeline of offloaded optimizer states costs its slowest stage.
+  if (offload_optimizer) {
+    const double d2h = tally.Add("device_to_host", w * psi / n,
+                                 rates.device_to_host_bytes_per_second, "device->host");
+    const double cpu = tally.Add("cpu_optimizer", psi, rates.optimizer_params_per_second,
+                                 "optimizer params/s");
+    double h2d = 0.0;
+    if (!offload_params) {
+      h2d = tally.Add("host_to_device", w * psi / n, rates.host_to_device_bytes_per_second,
+                      "host->device");
+    }
+    double nvme = 0.0;
+    if (row.optimizer_states == Tier::kNvme) {
+      nvme += tally.Add("nvme", k * psi, rates.nvme_read_bytes_per_second, "nvme read");
+      nvme += tally.Add("nvme", k * psi, rates.nvme_write_bytes_per_second, "nvme write");
+    }
+    if (row.params == Tier::kNvme) {
+      nvme += tally.Add("nvme", w * psi, rates.nvme_write_bytes_per_second, "nvme write");
+    }
+    p.update_seconds = std::max({d2h, cpu, h2d, nvme});
+  }
+  p.step_seconds = p.forward_seconds + std::max(p.backward_seconds, p.update_seconds);
+  double most = -1.0;
+  for (const ResourceSeconds& r : p.resources) {
+    if (r.seconds > most) {
+      most = r.seconds;
+      p.bound_by = r.name;
+    }
+  }
+
+  const double device_need = row.device.total();
+  const double host_need = n * row.host.total();
+  const double nvme_need = kNvmeShadowFactor * n * row.nvme.total();
+  std::vector<std::string> over;
+  if (memory.device_bytes > 0 && device_need > memory.device_bytes) {
+    over.push_back(Over("GPU", device_need, memory.device_bytes));
+  }
+  if (memory.host_bytes > 0 && host_need > memory.host_bytes) {
+    over.push_back(Over("host", host_need, memory.host_bytes));
+  }
+  if (memory.nvme_bytes > 0 && nvme_need > memory.nvme_bytes) {
+    over.push_back(Over("nvme", nvme_need, memory.nvme_bytes));
+  }
+  p.fits = over.empty();
+  for (size_t i = 0; i < over.size(); ++i) p.why_not += (i ? "; " : "") + over[i];
+  return p;
+}
+
+int ChoosePlacement(const std::vector<StepPrediction>& predictions) {
+  int best = -1;
+  for (int i = 0; i < int(predictions.size()); ++i) {
+    if (!predictions[i].fits) continue;
+    if (best < 0 || predictions[i].step_seconds < 0.98 * predictions[best].step_seconds) best = i;
+  }
+  return best;
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,127 @@
+#include "strata/offload/step_plan.h"
+
+#include <gtest/gtest.h>
+
+namespace strata::offload {
+namespace {
+
+// 1e9 bf16 parameters with AdamW on one GPU; rates chosen so each placement has a clear bound.
+const PlanInput kModel{.params = 1e9, .gpus = 1, .working_dtype = DType::kBf16};
+const MachineRates kRates{.host_to_device_bytes_per_second = 20e9,
+                          .device_to_host_bytes_per_second = 20e9,
+                          .nvme_read_bytes_per_second = 4e9,
+                          .nvme_write_bytes_per_second = 2e9,
+                          .optimizer_params_per_second = 1e9,
+                          .compute_seconds = 3.0};
+
+struct Planned {
+  std::vector<PlanRow> rows;
+  std::vector<StepPrediction> predictions;
+  const StepPrediction& Of(const std::string& name) const {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i].name == name) return predictions[i];
+    }
+    ADD_FAILURE() << "no row " << name;
+    return predictions.front();
+  }
+  std::string Chosen() const {
+    const int i = ChoosePlacement(predictions);
+    return i < 0 ? "none" : rows[i].name;
+  }
+};
+
+Planned Plan(const PlanInput& in, const MachineRates& rates, const MachineMemory& memory = {}) {
+  Planned p{.rows = PlanMemory(in)};
+  for (const PlanRow& row : p.rows) p.predictions.push_back(PredictStep(in, row, rates, memory));
+  return p;
+}
+
+double Seconds(const StepPrediction& p, const std::string& resource) {
+  for (const ResourceSeconds& r : p.resources) {
+    if (r.name == resource) return r.seconds;
+  }
+  return -1.0;
+}
+
+TEST(StepPlanTest, EachPlacementCostsForwardPlusTheLongerOfBackwardAndTheUpdate) {
+  const Planned plan = Plan(kModel, kRates);
+  // Nothing offloaded: compute alone, a third forward and two thirds backward.
+  const StepPrediction& dp = plan.Of("data parallel");
+  EXPECT_DOUBLE_EQ(dp.step_seconds, 3.0);
+  EXPECT_EQ(dp.bound_by, "compute");
+  EXPECT_EQ(dp.resources.size(), 1u);
+
+  // States on host: the update (CPU Adam, 1 s) hides behind backward (2 s).
+  const StepPrediction& host = plan.Of("ZeRO-2, optimizer -> host");
+  EXPECT_DOUBLE_EQ(Seconds(host, "device_to_host"), 0.1);  // 2 GB of gradients at 20 GB/s.
+  EXPECT_DOUBLE_EQ(Seconds(host, "host_to_device"), 0.1);  // The new parameters.
+  EXPECT_DOUBLE_EQ(Seconds(host, "cpu_optimizer"), 1.0);
+  EXPECT_DOUBLE_EQ(host.update_seconds, 1.0);
+  EXPECT_DOUBLE_EQ(host.step_seconds, 3.0);
+
+  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward.
+  const StepPrediction& nvme = plan.Of("ZeRO-2, optimizer -> nvme");
+  EXPECT_DOUBLE_EQ(Seconds(nvme, "nvme"), 9.0);
+  EXPECT_DOUBLE_EQ(nvme.step_seconds, 1.0 + 9.0);
+  EXPECT_EQ(nvme.bound_by, "nvme");
+
+  // Parameters on NVMe too: fetched in forward and backward (4 GB read), written once (2 GB).
+  const StepPrediction& all = plan.Of("ZeRO-3, optimizer + params -> nvme");
+  EXPECT_DOUBLE_EQ(Seconds(all, "nvme"), 1.0 + 9.0 + 1.0);
+  EXPECT_DOUBLE_EQ(Seconds(all, "host_to_device"), 0.2);  // Fetches only; no update upload.
+  EXPECT_DOUBLE_EQ(all.update_seconds, 10.0);
+  EXPECT_DOUBLE_EQ(all.step_seconds, 11.0);
+  EXPECT_TRUE(all.unknown.empty());
+}
+
+TEST(StepPlanTest, SlowFetchesStretchForwardAndBackward) {
+  MachineRates slow_link = kRates;
+  slow_link.host_to_device_bytes_per_second = 1e9;  // 4 GB of fetches take 4 s.
+  const StepPrediction& p = Plan(kModel, slow_link).Of("ZeRO-3, optimizer + params -> host");
+  EXPECT_DOUBLE_EQ(p.forward_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(p.backward_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(p.step_seconds, 4.0);
+  EXPECT_EQ(p.bound_by, "host_to_device");
+}
+
+TEST(StepPlanTest, CollectivesCountOnTheLinkWithSeveralGpus) {
+  MachineRates rates = kRates;
+  rates.link_bytes_per_second = 100e9;
+  const PlanInput eight{.params = 10e9, .gpus = 8, .working_dtype = DType::kFp16};
+  const Planned plan = Plan(eight, rates);
+  EXPECT_DOUBLE_EQ(Seconds(plan.Of("data parallel"), "link"), 2 * 10e9 * 2 / 100e9);
+  EXPECT_DOUBLE_EQ(Seconds(plan.Of("ZeRO-3"), "link"), 3 * 10e9 * 2 / 100e9);
+  // The node's CPU steps all eight shards; each GPU sends only its own gradients.
+  const StepPrediction& host = plan.Of("ZeRO-2, optimizer -> host");
+  EXPECT_DOUBLE_EQ(Seconds(host, "cpu_optimizer"), 10.0);
+  EXPECT_DOUBLE_EQ(Seconds(host, "device_to_host"), 10e9 * 2 / 8 / 20e9);
+}
+
+TEST(StepPlanTest, PicksTheFastestPlacementThatFits) {
+  // Everything fits: keeping all on the GPU is fastest (ties go to the less offloaded row).
+  EXPECT_EQ(Plan(kModel, kRates).Chosen(), "data parallel");
+  // 10 GB of GPU: 16 GB of model state does not fit; states on host do (4 GB on the GPU).
+  const Planned gpu = Plan(kModel, kRates, {.device_bytes = 10e9});
+  EXPECT_FALSE(gpu.Of("data parallel").fits);
+  EXPECT_NE(gpu.Of("data parallel").why_not.find("GPU needs"), std::string::npos);
+  EXPECT_EQ(gpu.Chosen(), "ZeRO-2, optimizer -> host");
+  // Too little host memory for 12 GB of states and 2 GB of gradients: to NVMe.
+  const Planned host = Plan(kModel, kRates, {.device_bytes = 10e9, .host_bytes = 8e9});
+  EXPECT_EQ(host.Chosen(), "ZeRO-2, optimizer -> nvme");
+  // NVMe holds two copies of the states (the shadow a step writes): 24 GB needed.
+  const Planned nvme =
+      Plan(kModel, kRates, {.device_bytes = 10e9, .host_bytes = 8e9, .nvme_bytes = 20e9});
+  EXPECT_EQ(nvme.Chosen(), "none");
+  EXPECT_NE(nvme.Of("ZeRO-2, optimizer -> nvme").why_not.find("nvme needs"), std::string::npos);
+}
+
+TEST(StepPlanTest, UnknownRatesAreNamedNotGuessed) {
+  const StepPrediction p =
+      Plan(kModel, {.compute_seconds = 3.0}).Of("ZeRO-3, optimizer + params -> nvme");
+  EXPECT_EQ(p.unknown, (std::vector<std::string>{"host->device", "nvme read", "device->host",
+                                                 "optimizer params/s", "nvme write"}));
+  EXPECT_DOUBLE_EQ(p.step_seconds, 3.0);  // Compute alone: the rest is unknown, not zero-cost.
+}
+
+}  // namespace
+}  // namespace strata::offload

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""`strata plan`'s predicted step time against `strata train`'s measured one, at two placements.
+
+For optimizer states on host and on NVMe (parameters on the device), trains the small model with
+a batch small enough that the offload traffic matters, takes the median step time and the
+median model compute per step, then asks `strata plan --measure` (the same machine's rates,
+measured through the engine) for the step time of the matching placements given that compute.
+Prints both and the error; fails beyond 25%.
+Usage: plan_predict_test.py STRATA
+"""
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+
+PLACEMENTS = {"host": "ZeRO-2, optimizer -> host", "nvme": "ZeRO-2, optimizer -> nvme"}
+TOLERANCE = 0.25
+CHUNK = "288KiB"  # strata train's default chunk for the small model.
+
+
+def run_json(args):
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(args)}: {done.stderr}"
+    return json.loads(done.stdout)
+
+
+def main():
+    strata = sys.argv[1]
+    failures = []
+    with tempfile.TemporaryDirectory() as nvme:
+        measured = {}
+        for states in PLACEMENTS:
+            run = run_json([strata, "train", "--batch", "1", "--seq", "8", "--steps", "40",
+                            "--eval-every", "0", "--chunk-size", CHUNK, "--offload-optimizer",
+                            states, "--offload-params", "device", "--nvme-path", nvme, "--json"])
+            steady = run["steps"][10:]
+            measured[states] = (statistics.median(s["seconds"] for s in steady),
+                                statistics.median(s["compute_seconds"] for s in steady),
+                                run["model"]["parameters"])
+        for states, (step, compute, params) in measured.items():
+            plan = run_json([strata, "plan", "--params", str(params), "--gpus", "1",
+                             "--precision", "bf16", "--measure", "--chunk-size", CHUNK,
+                             "--nvme-path", nvme, "--compute-seconds", str(compute), "--json"])
+            row = next(p for p in plan["placements"] if p["name"] == PLACEMENTS[states])
+            predicted = row["prediction"]["step_seconds"]
+            error = predicted / step - 1
+            print(f"states on {states}: measured {step * 1e3:.2f} ms per step "
+                  f"(compute {compute * 1e3:.2f} ms), predicted {predicted * 1e3:.2f} ms "
+                  f"(bound by {row['prediction']['bound_by']}), error {error:+.1%}")
+            if abs(error) > TOLERANCE:
+                failures.append(states)
+    assert not failures, f"prediction off by more than {TOLERANCE:.0%} for {failures}"
+
+
+if __name__ == "__main__":
+    main()
