@@ -7,8 +7,8 @@ namespace {
 
 constexpr const char* kInFlightNames[kInFlightKinds] = {"nvme_read", "nvme_write", "host_to_device",
                                                         "device_to_host", "cpu_optimizer"};
-constexpr const char* kTrainerWaitNames[kTrainerWaits] = {"host_to_device", "nvme", "device_to_host",
-                                                          "device_memory", "step"};
+constexpr const char* kTrainerWaitNames[kTrainerWaits] = {
+    "host_to_device", "nvme", "device_to_host", "device_memory", "step"};
 constexpr const char* kUpdateWaitNames[kUpdateWaits] = {"nvme_read", "staging_buffer",
                                                         "cpu_optimizer", "nvme_write"};
 
@@ -16,15 +16,15 @@ constexpr const char* kUpdateWaitNames[kUpdateWaits] = {"nvme_read", "staging_bu
 
 void EngineMetrics::Register(MetricsRegistry& r) {
   const char* moved = "Bytes moved between tiers.";
-  const Labels pairs[4] = {TierPairLabels(Tier::kDevice, Tier::kHost),
-                           TierPairLabels(Tier::kHost, Tier::kDevice),
-                           TierPairLabels(Tier::kNvme, Tier::kHost),
-                           TierPairLabels(Tier::kHost, Tier::kNvme)};
+  const Labels pairs[4] = {
+      TierPairLabels(Tier::kDevice, Tier::kHost), TierPairLabels(Tier::kHost, Tier::kDevice),
+      TierPairLabels(Tier::kNvme, Tier::kHost), TierPairLabels(Tier::kHost, Tier::kNvme)};
   Counter** byte_counters[4] = {&d2h_bytes, &h2d_bytes, &nvme_read_bytes, &nvme_write_bytes};
   for (int i = 0; i < 4; ++i) {
     *byte_counters[i] = &r.GetCounter("strata_tier_bytes_total", moved, pairs[i]);
-    bandwidth[i] = &r.GetGauge("strata_tier_bandwidth_bytes_per_second",
-                               "Bytes moved per second between tiers over the last step.", pairs[i]);
+    bandwidth[i] =
+        &r.GetGauge("strata_tier_bandwidth_bytes_per_second",
+                    "Bytes moved per second between tiers over the last step.", pairs[i]);
   }
   const char* updated = "Parameters updated by the optimizer.";
   optimizer_params = &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});

@@ -37,7 +37,7 @@ Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
   auto ready = [&] { return (!c.params_offloaded() || !c.fetching) && !c.grads_in_flight; };
   if (!ready()) {
     // The trainer stalls here: on the fetch if one is running, else on the gradient copy.
-    const TrainerWait reason = !c.fetching                           ? TrainerWait::kDeviceToHost
+    const TrainerWait reason = !c.fetching                         ? TrainerWait::kDeviceToHost
                                : c.placement.params == Tier::kNvme ? TrainerWait::kNvme
                                                                    : TrainerWait::kHostToDevice;
     WaitTimer stalled(m_.stall_of(reason));

@@ -127,12 +127,14 @@ Status Engine::Impl::GradsReady(size_t chunk) {
                                   c.working_bytes(working_size()), Stream::kDeviceToHost);
     }
     if (queued.ok()) {
-      queued = device_.LaunchHostFunction(Stream::kDeviceToHost, [this, chunk] {
-        m_.in_flight_of(InFlightKind::kDeviceToHost).Add(-1.0);
+      Gauge& copying = m_.in_flight_of(InFlightKind::kDeviceToHost);
+      copying.Add(1.0);  // Before the copy can land and take it back.
+      queued = device_.LaunchHostFunction(Stream::kDeviceToHost, [this, chunk, &copying] {
+        copying.Add(-1.0);
         boost::asio::co_spawn(loop_.executor(), LandGrads(chunk), boost::asio::detached);
       });
+      if (!queued.ok()) copying.Add(-1.0);
     }
-    if (queued.ok()) m_.in_flight_of(InFlightKind::kDeviceToHost).Add(1.0);
   }
   if (!queued.ok()) {
     return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
@@ -401,10 +403,12 @@ Awaitable<void> Engine::Impl::PreloadStates(size_t chunk) {
   co_await state_staging_free_->Acquire();
   StagingBuffer buffer = std::move(state_staging_->TryAcquire()).value();
   const int registered = state_staging_registered_ ? int(buffer.index()) : -1;
-  std::optional<InFlightGuard> reading(std::in_place, m_.in_flight_of(InFlightKind::kNvmeRead));
-  Status status = co_await nvme::AwaitSwapRead(*swap_, c.state_extents[c.state_current],
-                                               buffer.data(), registered);
-  reading.reset();
+  Status status;
+  {
+    InFlightGuard reading(m_.in_flight_of(InFlightKind::kNvmeRead));
+    status = co_await nvme::AwaitSwapRead(*swap_, c.state_extents[c.state_current], buffer.data(),
+                                          registered);
+  }
   if (status.ok()) {
     m_.nvme_read_bytes->Increment(double(c.state_bytes()));
     c.preload.buffer = std::move(buffer);

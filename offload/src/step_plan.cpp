@@ -62,13 +62,12 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     fetch = tally.Add("host_to_device", 2 * w * psi / n, rates.host_to_device_bytes_per_second,
                       "host->device");
     if (row.params == Tier::kNvme) {
-      fetch = std::max(fetch, tally.Add("nvme", 2 * w * psi, rates.nvme_read_bytes_per_second,
-                                        "nvme read"));
+      fetch = std::max(
+          fetch, tally.Add("nvme", 2 * w * psi, rates.nvme_read_bytes_per_second, "nvme read"));
     }
   }
-  const double link = n > 1 ? tally.Add("link", row.comm_elements * w,
-                                        rates.link_bytes_per_second, "link")
-                            : 0.0;
+  const double link =
+      n > 1 ? tally.Add("link", row.comm_elements * w, rates.link_bytes_per_second, "link") : 0.0;
   p.forward_seconds = std::max({compute / 3, fetch / 2, link / 2});
   p.backward_seconds = std::max({2 * compute / 3, fetch / 2, link / 2});
 
@@ -76,8 +75,8 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
   if (offload_optimizer) {
     const double d2h = tally.Add("device_to_host", w * psi / n,
                                  rates.device_to_host_bytes_per_second, "device->host");
-    const double cpu = tally.Add("cpu_optimizer", psi, rates.optimizer_params_per_second,
-                                 "optimizer params/s");
+    const double cpu =
+        tally.Add("cpu_optimizer", psi, rates.optimizer_params_per_second, "optimizer params/s");
     double h2d = 0.0;
     if (!offload_params) {
       h2d = tally.Add("host_to_device", w * psi / n, rates.host_to_device_bytes_per_second,

@@ -529,8 +529,8 @@ TEST(EngineTest, MetricsShowInFlightWorkStallsAndRates) {
   EXPECT_GT(counter("strata_update_wait_seconds_total", {{"resource", "cpu_optimizer"}}), 0.0);
 
   // Rates over the last step: states and parameters went to NVMe, the optimizer ran.
-  const double written = gauge("strata_tier_bandwidth_bytes_per_second",
-                               TierPairLabels(Tier::kHost, Tier::kNvme));
+  const double written =
+      gauge("strata_tier_bandwidth_bytes_per_second", TierPairLabels(Tier::kHost, Tier::kNvme));
   EXPECT_GT(written, 0.0);
   EXPECT_GT(gauge("strata_optimizer_params_per_second", {}), 0.0);
   const std::string page = metrics.RenderPrometheus();

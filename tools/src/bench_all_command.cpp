@@ -163,10 +163,10 @@ ordered_json TierSummary(const ordered_json& report) {
     }
     if (top == nullptr) return;
     const bool nvme = top->contains("queue_depth");  // Else a copy of "bytes".
-    const std::string setting =
-        nvme ? FormatBytes(top->at("block_size").get<uint64_t>()) + " x qd" +
-                   std::to_string(top->at("queue_depth").get<int>())
-             : FormatBytes(top->at("bytes").get<uint64_t>()) + " copies";
+    const std::string setting = nvme
+                                    ? FormatBytes(top->at("block_size").get<uint64_t>()) + " x qd" +
+                                          std::to_string(top->at("queue_depth").get<int>())
+                                    : FormatBytes(top->at("bytes").get<uint64_t>()) + " copies";
     tiers.push_back({{"from", from},
                      {"to", to},
                      {"bytes_per_second", top->at("bytes_per_second")},
@@ -239,8 +239,8 @@ Status WriteOut(const std::filesystem::path& dir, const ordered_json& report) {
     json.close();
     if (!json) return IoError("writing " + (dir / "bench.json").string());
   }
-  STRATA_RETURN_IF_ERROR(WriteCsv(dir / "tiers.csv", report["tiers"],
-                                  {"from", "to", "bytes_per_second", "setting"}));
+  STRATA_RETURN_IF_ERROR(
+      WriteCsv(dir / "tiers.csv", report["tiers"], {"from", "to", "bytes_per_second", "setting"}));
   STRATA_RETURN_IF_ERROR(
       WriteCsv(dir / "adam.csv", report.value("adam", ordered_json::array()),
                {"optimizer", "numel", "grad_dtype", "param_copy", "simd", "threads",
@@ -249,9 +249,8 @@ Status WriteOut(const std::filesystem::path& dir, const ordered_json& report) {
   STRATA_RETURN_IF_ERROR(WriteCsv(
       dir / "nvme.csv", report.value("nvme", ordered_json::array()),
       {"rw", "block_size", "queue_depth", "bytes", "seconds", "bytes_per_second", "backend"}));
-  STRATA_RETURN_IF_ERROR(
-      WriteCsv(dir / "copies.csv", report.value("copies", ordered_json::array()),
-               {"direction", "bytes", "copies", "seconds", "bytes_per_second"}));
+  STRATA_RETURN_IF_ERROR(WriteCsv(dir / "copies.csv", report.value("copies", ordered_json::array()),
+                                  {"direction", "bytes", "copies", "seconds", "bytes_per_second"}));
   return WriteCsv(dir / "pipeline.csv", report.value("pipeline", ordered_json::array()),
                   {"offload_optimizer", "params", "slowest", "slowest_seconds", "serial_seconds",
                    "step_median_seconds", "ratio_to_slowest", "ratio_to_serial"});
@@ -293,10 +292,11 @@ int RunBenchAll(const std::vector<std::string>& args) {
   const CpuInfo cpu = ProbeCpu();
   ordered_json report;
   report["version"] = 1;
-  report["machine"] = {{"cpu", cpu.model},
-                       {"hardware_threads", cpu.logical_cpus},
-                       {"simd", std::string(cpu_adam::SimdLevelName(cpu_adam::BestSupportedSimdLevel()))},
-                       {"nvme_path", f.nvme_path}};
+  report["machine"] = {
+      {"cpu", cpu.model},
+      {"hardware_threads", cpu.logical_cpus},
+      {"simd", std::string(cpu_adam::SimdLevelName(cpu_adam::BestSupportedSimdLevel()))},
+      {"nvme_path", f.nvme_path}};
   report["quick"] = f.quick;
   for (auto* run : {RunAdam, RunNvme, RunCopies, RunPipelines}) {
     if (Status s = run(f, report); !s.ok()) return Fail(kExitFailure, s.message());

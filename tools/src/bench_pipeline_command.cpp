@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "bench_json.h"
+#include "commands.h"
 #include "flags.h"
 #include "strata/core/bytes.h"
 #include "strata/offload/pipeline_benchmark.h"

@@ -30,29 +30,30 @@ using offload::StepPrediction;
 /// The machine as the flags describe it: rates in GB/s (1e9 bytes), 0 = not given.
 struct MachineFlags {
   uint64_t device_memory = 0, host_memory = 0, nvme_bytes = 0, chunk_size = 0;
-  double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0,
-         optimizer_gparams = 0, link_gbps = 0, compute_seconds = 0, tokens = 0, tflops = 0;
+  double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, optimizer_gparams = 0,
+         link_gbps = 0, compute_seconds = 0, tokens = 0, tflops = 0;
   bool measure = false;
   std::string nvme_path;
 
   /// Whether any flag asks for step times and a placement choice.
   bool given() const {
     return measure || device_memory || host_memory || nvme_bytes || h2d_gbps || d2h_gbps ||
-           nvme_read_gbps || nvme_write_gbps || optimizer_gparams || link_gbps ||
-           compute_seconds || tokens || tflops;
+           nvme_read_gbps || nvme_write_gbps || optimizer_gparams || link_gbps || compute_seconds ||
+           tokens || tflops;
   }
 };
 
 Status ValidateMachine(const MachineFlags& m) {
-  for (double v : {m.h2d_gbps, m.d2h_gbps, m.nvme_read_gbps, m.nvme_write_gbps,
-                   m.optimizer_gparams, m.link_gbps, m.compute_seconds, m.tokens, m.tflops}) {
+  for (double v : {m.h2d_gbps, m.d2h_gbps, m.nvme_read_gbps, m.nvme_write_gbps, m.optimizer_gparams,
+                   m.link_gbps, m.compute_seconds, m.tokens, m.tflops}) {
     if (!(v >= 0) || !std::isfinite(v)) {
       return InvalidArgument("rates, --compute-seconds, --tokens and --tflops must be >= 0");
     }
   }
   if ((m.tokens > 0) != (m.tflops > 0)) {
-    return InvalidArgument("--tokens and --tflops go together (compute = 6 x params x tokens / "
-                           "FLOP/s)");
+    return InvalidArgument(
+        "--tokens and --tflops go together (compute = 6 x params x tokens / "
+        "FLOP/s)");
   }
   if (m.compute_seconds > 0 && m.tokens > 0) {
     return InvalidArgument("give --compute-seconds or --tokens with --tflops, not both");
@@ -190,13 +191,13 @@ void PrintPredictions(const MachineRates& r, const MachineMemory& m,
   std::printf("\nStep time per resource, seconds (step = forward + max(backward, update)):\n");
   std::printf("  memory: GPU %s, host %s, nvme %s\n", limit(m.device_bytes).c_str(),
               limit(m.host_bytes).c_str(), limit(m.nvme_bytes).c_str());
-  std::printf("  rates: host->device %s, device->host %s, nvme read %s, write %s, optimizer "
-              "%.3g params/s, link %s; compute %.4g s\n\n",
-              Rate(r.host_to_device_bytes_per_second).c_str(),
-              Rate(r.device_to_host_bytes_per_second).c_str(),
-              Rate(r.nvme_read_bytes_per_second).c_str(),
-              Rate(r.nvme_write_bytes_per_second).c_str(), r.optimizer_params_per_second,
-              Rate(r.link_bytes_per_second).c_str(), r.compute_seconds);
+  std::printf(
+      "  rates: host->device %s, device->host %s, nvme read %s, write %s, optimizer "
+      "%.3g params/s, link %s; compute %.4g s\n\n",
+      Rate(r.host_to_device_bytes_per_second).c_str(),
+      Rate(r.device_to_host_bytes_per_second).c_str(), Rate(r.nvme_read_bytes_per_second).c_str(),
+      Rate(r.nvme_write_bytes_per_second).c_str(), r.optimizer_params_per_second,
+      Rate(r.link_bytes_per_second).c_str(), r.compute_seconds);
   std::printf("    %-42s %4s %8s %8s %8s %8s %8s %8s %9s  %s\n", "", "fits", "compute", "d2h",
               "h2d", "nvme", "cpu opt", "link", "step", "bound by");
   for (size_t i = 0; i < rows.size(); ++i) {

@@ -31,9 +31,9 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   progress("measuring host<->device copies of " + FormatBytes(s.chunk_bytes));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
                           OpenTrainingDevice(std::max<uint64_t>(s.chunk_bytes, 64 * kMiB)));
-  STRATA_ASSIGN_OR_RETURN(std::vector<CopyPoint> copies,
-                          RunCopyBench(*device, {.sizes = {s.chunk_bytes},
-                                                 .bytes_per_size = 256 * kMiB}));
+  STRATA_ASSIGN_OR_RETURN(
+      std::vector<CopyPoint> copies,
+      RunCopyBench(*device, {.sizes = {s.chunk_bytes}, .bytes_per_size = 256 * kMiB}));
   for (const CopyPoint& p : copies) {
     (p.direction == "host_to_device" ? rates.host_to_device_bytes_per_second
                                      : rates.device_to_host_bytes_per_second) =
@@ -44,8 +44,8 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   o.chunk_bytes = s.chunk_bytes;
   o.working_dtype = s.working_dtype;
   const double chunk_params = double(s.chunk_bytes) / DTypeSize(s.working_dtype);
-  o.chunks = int(std::clamp(std::ceil(std::min(s.params, kMaxMeasuredParams) / chunk_params),
-                            4.0, 1024.0));
+  o.chunks = int(
+      std::clamp(std::ceil(std::min(s.params, kMaxMeasuredParams) / chunk_params), 4.0, 1024.0));
   o.forward_ms = 0.0;
   o.backward_ms = 0.0;
   o.copy_gbps = 0.0;

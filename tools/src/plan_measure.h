@@ -16,7 +16,7 @@
 namespace strata::tools {
 
 struct MeasureSettings {
-  std::string nvme_path;    ///< A directory on the drives the states would use.
+  std::string nvme_path;     ///< A directory on the drives the states would use.
   uint64_t chunk_bytes = 0;  ///< Working parameters per chunk, a multiple of 4 KiB.
   DType working_dtype = DType::kBf16;
   double params = 0.0;  ///< The model's size; at most 32Mi parameters of it are streamed.
