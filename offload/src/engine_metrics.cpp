@@ -24,7 +24,7 @@ void EngineMetrics::Register(MetricsRegistry& r) {
     *byte_counters[i] = &r.GetCounter("strata_tier_bytes_total", moved, pairs[i]);
     bandwidth[i] =
         &r.GetGauge("strata_tier_bandwidth_bytes_per_second",
-                    "Bytes moved per second between tiers over the last step.", pairs[i]);
+                    "Bytes moved per second between tiers since the previous step.", pairs[i]);
   }
   const char* updated = "Parameters updated by the optimizer.";
   optimizer_params = &r.GetCounter("strata_optimizer_params_total", updated, {{"where", "cpu"}});
@@ -34,7 +34,7 @@ void EngineMetrics::Register(MetricsRegistry& r) {
                                     "Time the CPU optimizer spent updating chunks.");
   optimizer_params_per_second =
       &r.GetGauge("strata_optimizer_params_per_second",
-                  "Parameters the CPU optimizer updated per second of its busy time, last step.");
+                  "Parameters the CPU optimizer updated per second while busy, last step.");
   evictions = &r.GetCounter("strata_param_evictions_total",
                             "Offloaded parameter chunks dropped from the device.");
   fetches = &r.GetCounter("strata_param_fetches_total",
@@ -71,6 +71,19 @@ void EngineMetrics::Register(MetricsRegistry& r) {
   last_time_ = Clock::now();
 }
 
+void EngineMetrics::OptimizerBegin() {
+  in_flight_of(InFlightKind::kCpuOptimizer).Add(1.0);
+  if (optimizer_running_++ == 0) optimizer_busy_since_ = Clock::now();
+}
+
+void EngineMetrics::OptimizerEnd() {
+  in_flight_of(InFlightKind::kCpuOptimizer).Add(-1.0);
+  if (--optimizer_running_ == 0) {
+    optimizer_wall_seconds_ +=
+        std::chrono::duration<double>(Clock::now() - optimizer_busy_since_).count();
+  }
+}
+
 void EngineMetrics::UpdateRates() {
   const Clock::time_point now = Clock::now();
   const double seconds = std::chrono::duration<double>(now - last_time_).count();
@@ -80,13 +93,11 @@ void EngineMetrics::UpdateRates() {
     if (seconds > 0) bandwidth[i]->Set((bytes - last_bytes_[i]) / seconds);
     last_bytes_[i] = bytes;
   }
-  const double params = optimizer_params->Value();
-  const double busy = optimizer_seconds->Value();
-  if (busy > last_busy_seconds_) {
-    optimizer_params_per_second->Set((params - last_params_) / (busy - last_busy_seconds_));
-  }
-  last_params_ = params;
-  last_busy_seconds_ = busy;
+  const double params = optimizer_params->Value() - last_params_;
+  const double busy = optimizer_wall_seconds_ - last_optimizer_wall_seconds_;
+  optimizer_params_per_second->Set(params > 0 && busy > 0 ? params / busy : 0.0);
+  last_params_ = optimizer_params->Value();
+  last_optimizer_wall_seconds_ = optimizer_wall_seconds_;
   last_time_ = now;
 }
 

@@ -35,8 +35,9 @@ inline constexpr int kTrainerWaits = 5;
 
 /// What a chunk's update waits for.
 enum class UpdateWait {
-  kNvmeRead,       ///< Its optimizer states (or parameters) arriving from NVMe.
-  kStagingBuffer,  ///< A free staging buffer.
+  kNvmeRead,       ///< Its optimizer states arriving from NVMe (from asking for a staging
+                   ///< buffer to read them into until they are there).
+  kStagingBuffer,  ///< A staging buffer for NVMe-home parameters.
   kCpuOptimizer,   ///< The optimizer step, queued and running.
   kNvmeWrite,      ///< Writing the updated states (and parameters) back.
 };
@@ -62,7 +63,7 @@ struct EngineMetrics {
   Counter* trainer_stall[kTrainerWaits] = {};
   Counter* update_wait[kUpdateWaits] = {};
   // Over the last step: bytes per second per tier pair (d2h, h2d, nvme->host, host->nvme) and
-  // parameters the CPU optimizer updated per second of its busy time.
+  // parameters the CPU optimizer updated per second while it was busy (wall time).
   Gauge* bandwidth[4] = {};
   Gauge* optimizer_params_per_second = nullptr;
 
@@ -73,8 +74,13 @@ struct EngineMetrics {
   Counter& stall_of(TrainerWait wait) { return *trainer_stall[int(wait)]; }
   Counter& wait_of(UpdateWait wait) { return *update_wait[int(wait)]; }
 
-  /// Sets the last-step gauges from the counters' change since the previous call (or since
-  /// Register). Called by one thread at a time (the loop thread, at each step's end).
+  /// A chunk update enters / leaves the CPU optimizer: counts it in flight and keeps the wall
+  /// time during which at least one chunk was being updated. Loop thread only.
+  void OptimizerBegin();
+  void OptimizerEnd();
+
+  /// Sets the last-step gauges from the counters' change since the previous call (or, the
+  /// first time, since Register). Loop thread only, at each step's end.
   void UpdateRates();
 
  private:
@@ -82,7 +88,25 @@ struct EngineMetrics {
   Clock::time_point last_time_{};
   double last_bytes_[4] = {};
   double last_params_ = 0.0;
-  double last_busy_seconds_ = 0.0;
+  // The CPU optimizer's busy wall time: the union of its chunk updates' intervals.
+  int optimizer_running_ = 0;
+  Clock::time_point optimizer_busy_since_{};
+  double optimizer_wall_seconds_ = 0.0;
+  double last_optimizer_wall_seconds_ = 0.0;
+};
+
+/// One chunk update in the CPU optimizer for the guard's lifetime (loop thread).
+class OptimizerBusyGuard {
+ public:
+  explicit OptimizerBusyGuard(EngineMetrics& metrics) : metrics_(&metrics) {
+    metrics_->OptimizerBegin();
+  }
+  ~OptimizerBusyGuard() { metrics_->OptimizerEnd(); }
+  OptimizerBusyGuard(const OptimizerBusyGuard&) = delete;
+  OptimizerBusyGuard& operator=(const OptimizerBusyGuard&) = delete;
+
+ private:
+  EngineMetrics* metrics_;
 };
 
 /// One operation in flight on a gauge for the guard's lifetime.

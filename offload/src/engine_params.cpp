@@ -4,6 +4,7 @@
 // next chunks (prefetch) and each chunk's next use (eviction drops the chunk used furthest in
 // the future, Belady's rule). Before the order is known, eviction is least recently used.
 #include <algorithm>
+#include <optional>
 
 #include "engine_impl.h"
 #include "strata/core/bytes.h"
@@ -185,7 +186,8 @@ void Engine::Impl::Prefetch(std::unique_lock<std::mutex>& lock) {
 Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
   Chunk& c = chunks_[chunk];
   const size_t bytes = c.working_bytes(working_size());
-  InFlightGuard fetching(m_.in_flight_of(InFlightKind::kHostToDevice));
+  // Counted on the host->device link from the first copy to the last.
+  std::optional<InFlightGuard> uploading;
   Status status;
   if (c.placement.params == Tier::kNvme) {
     co_await param_staging_free_->Acquire();
@@ -193,11 +195,14 @@ Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
     if (!staging.ok()) {
       status = staging.status();
     } else {
-      InFlightGuard reading(m_.in_flight_of(InFlightKind::kNvmeRead));
-      status =
-          co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current], staging->data());
+      {
+        InFlightGuard reading(m_.in_flight_of(InFlightKind::kNvmeRead));
+        status =
+            co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current], staging->data());
+      }
       if (status.ok()) {
         m_.nvme_read_bytes->Increment(double(bytes));
+        uploading.emplace(m_.in_flight_of(InFlightKind::kHostToDevice));
         status = device_.CopyToDevice(c.params.data(), staging->data(), bytes);
       }
       if (status.ok()) status = co_await AwaitStream(device_, Stream::kHostToDevice);
@@ -205,12 +210,14 @@ Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
     }
     param_staging_free_->Release();
   } else {
+    uploading.emplace(m_.in_flight_of(InFlightKind::kHostToDevice));
     status = device_.CopyToDevice(c.params.data(), c.host_params.data(), bytes);
     if (status.ok()) status = co_await AwaitStream(device_, Stream::kHostToDevice);
   }
   // A new gradient buffer starts at zero, padding included.
   if (status.ok()) status = device_.CopyToDevice(c.grads.data(), zeros_.data(), bytes);
   if (status.ok()) status = co_await AwaitStream(device_, Stream::kHostToDevice);
+  uploading.reset();  // Before the trainer can see the chunk resident.
   if (status.ok()) {
     m_.h2d_bytes->Increment(double(bytes));
     m_.fetches->Increment();

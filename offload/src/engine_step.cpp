@@ -335,7 +335,7 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
       return s;
     };
     {
-      InFlightGuard updating(m_.in_flight_of(InFlightKind::kCpuOptimizer));
+      OptimizerBusyGuard updating(m_);
       WaitTimer waiting(m_.wait_of(UpdateWait::kCpuOptimizer));
       status = co_await AwaitJob(jobs_, update);
     }

@@ -1,6 +1,7 @@
 #include "strata/offload/step_plan.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "strata/core/bytes.h"
 
@@ -57,13 +58,14 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
   if (compute > 0.0) p.resources.push_back({"compute", compute});
 
   // Forward and backward: compute, fetches of offloaded parameters and collectives overlap.
-  double fetch = 0.0;  // The longer of the two fetch paths, over both phases.
+  double fetch = 0.0;       // The longer of the two fetch paths, over both phases.
+  double nvme_fetch = 0.0;  // Its NVMe reads.
   if (offload_params) {
     fetch = tally.Add("host_to_device", 2 * w * psi / n, rates.host_to_device_bytes_per_second,
                       "host->device");
     if (row.params == Tier::kNvme) {
-      fetch = std::max(
-          fetch, tally.Add("nvme", 2 * w * psi, rates.nvme_read_bytes_per_second, "nvme read"));
+      nvme_fetch = tally.Add("nvme", 2 * w * psi, rates.nvme_read_bytes_per_second, "nvme read");
+      fetch = std::max(fetch, nvme_fetch);
     }
   }
   const double link =
@@ -77,12 +79,16 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
                                  rates.device_to_host_bytes_per_second, "device->host");
     const double cpu =
         tally.Add("cpu_optimizer", psi, rates.optimizer_params_per_second, "optimizer params/s");
+    // The new working parameters of device-home chunks go up in the pipeline, or after it when
+    // the step is transactional (states on NVMe).
     double h2d = 0.0;
     if (!offload_params) {
       h2d = tally.Add("host_to_device", w * psi / n, rates.host_to_device_bytes_per_second,
                       "host->device");
     }
-    double nvme = 0.0;
+    if (row.optimizer_states == Tier::kNvme) std::swap(h2d, p.commit_seconds);
+    // Backward's parameter reads share the drives with the states' traffic.
+    double nvme = nvme_fetch / 2;
     if (row.optimizer_states == Tier::kNvme) {
       nvme += tally.Add("nvme", k * psi, rates.nvme_read_bytes_per_second, "nvme read");
       nvme += tally.Add("nvme", k * psi, rates.nvme_write_bytes_per_second, "nvme write");
@@ -92,14 +98,20 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     }
     p.update_seconds = std::max({d2h, cpu, h2d, nvme});
   }
-  p.step_seconds = p.forward_seconds + std::max(p.backward_seconds, p.update_seconds);
-  double most = -1.0;
+  const bool gated = in.working_dtype == DType::kFp16 || in.gradient_clipping > 0.0;
+  p.step_seconds = p.forward_seconds +
+                   (gated ? p.backward_seconds + p.update_seconds
+                          : std::max(p.backward_seconds, p.update_seconds)) +
+                   p.commit_seconds;
+  double most = 0.0;
   for (const ResourceSeconds& r : p.resources) {
     if (r.seconds > most) {
       most = r.seconds;
       p.bound_by = r.name;
     }
   }
+  // No overlap makes a step shorter than the busiest resource's own work.
+  p.step_seconds = std::max(p.step_seconds, most);
 
   const double device_need = row.device.total();
   const double host_need = n * row.host.total();
@@ -120,12 +132,17 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
 }
 
 int ChoosePlacement(const std::vector<StepPrediction>& predictions) {
-  int best = -1;
-  for (int i = 0; i < int(predictions.size()); ++i) {
-    if (!predictions[i].fits) continue;
-    if (best < 0 || predictions[i].step_seconds < 0.98 * predictions[best].step_seconds) best = i;
+  // A step time with a rate missing is a lower bound: it only competes when no complete one fits.
+  for (bool need_known : {true, false}) {
+    int best = -1;
+    for (int i = 0; i < int(predictions.size()); ++i) {
+      const StepPrediction& p = predictions[i];
+      if (!p.fits || (need_known && !p.unknown.empty())) continue;
+      if (best < 0 || p.step_seconds < 0.98 * predictions[best].step_seconds) best = i;
+    }
+    if (best >= 0) return best;
   }
-  return best;
+  return -1;
 }
 
 }  // namespace strata::offload

@@ -59,19 +59,53 @@ TEST(StepPlanTest, EachPlacementCostsForwardPlusTheLongerOfBackwardAndTheUpdate)
   EXPECT_DOUBLE_EQ(host.update_seconds, 1.0);
   EXPECT_DOUBLE_EQ(host.step_seconds, 3.0);
 
-  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward.
+  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward, and
+  // the transactional step uploads the new parameters (0.1 s) after the last chunk's update.
   const StepPrediction& nvme = plan.Of("ZeRO-2, optimizer -> nvme");
   EXPECT_DOUBLE_EQ(Seconds(nvme, "nvme"), 9.0);
-  EXPECT_DOUBLE_EQ(nvme.step_seconds, 1.0 + 9.0);
+  EXPECT_DOUBLE_EQ(nvme.update_seconds, 9.0);
+  EXPECT_DOUBLE_EQ(nvme.commit_seconds, 0.1);
+  EXPECT_DOUBLE_EQ(nvme.step_seconds, 1.0 + 9.0 + 0.1);
   EXPECT_EQ(nvme.bound_by, "nvme");
 
-  // Parameters on NVMe too: fetched in forward and backward (4 GB read), written once (2 GB).
+  // Parameters on NVMe too: fetched in forward and backward (4 GB read, 1 s), written once
+  // (2 GB, 1 s). Backward's half of the reads shares the drives with the update.
   const StepPrediction& all = plan.Of("ZeRO-3, optimizer + params -> nvme");
   EXPECT_DOUBLE_EQ(Seconds(all, "nvme"), 1.0 + 9.0 + 1.0);
   EXPECT_DOUBLE_EQ(Seconds(all, "host_to_device"), 0.2);  // Fetches only; no update upload.
-  EXPECT_DOUBLE_EQ(all.update_seconds, 10.0);
-  EXPECT_DOUBLE_EQ(all.step_seconds, 11.0);
+  EXPECT_DOUBLE_EQ(all.update_seconds, 0.5 + 9.0 + 1.0);
+  EXPECT_DOUBLE_EQ(all.step_seconds, 1.0 + 10.5);
   EXPECT_TRUE(all.unknown.empty());
+}
+
+TEST(StepPlanTest, GatedStepsUpdateAfterBackward) {
+  // fp16 checks every gradient for overflow, clipping needs the global norm: no update starts
+  // before backward ends, so the update adds to it.
+  PlanInput fp16 = kModel;
+  fp16.working_dtype = DType::kFp16;
+  EXPECT_DOUBLE_EQ(Plan(fp16, kRates).Of("ZeRO-2, optimizer -> host").step_seconds, 1 + 2 + 1.0);
+  PlanInput clipped = kModel;
+  clipped.gradient_clipping = 1.0;
+  EXPECT_DOUBLE_EQ(Plan(clipped, kRates).Of("ZeRO-2, optimizer -> host").step_seconds, 1 + 2 + 1.0);
+  EXPECT_DOUBLE_EQ(Plan(kModel, kRates).Of("ZeRO-2, optimizer -> host").step_seconds, 3.0);
+}
+
+TEST(StepPlanTest, NoStepIsShorterThanItsBusiestResource) {
+  // Whatever overlaps, a resource cannot do its step's work in less than its own time.
+  for (double compute : {0.0, 0.3, 3.0, 30.0}) {
+    for (double nvme_read : {0.5e9, 4e9}) {
+      MachineRates rates = kRates;
+      rates.compute_seconds = compute;
+      rates.nvme_read_bytes_per_second = nvme_read;
+      const Planned plan = Plan(kModel, rates);
+      for (size_t i = 0; i < plan.rows.size(); ++i) {
+        for (const ResourceSeconds& r : plan.predictions[i].resources) {
+          EXPECT_GE(plan.predictions[i].step_seconds, r.seconds)
+              << plan.rows[i].name << ", " << r.name << ", compute " << compute;
+        }
+      }
+    }
+  }
 }
 
 TEST(StepPlanTest, SlowFetchesStretchForwardAndBackward) {
@@ -115,12 +149,22 @@ TEST(StepPlanTest, PicksTheFastestPlacementThatFits) {
   EXPECT_NE(nvme.Of("ZeRO-2, optimizer -> nvme").why_not.find("nvme needs"), std::string::npos);
 }
 
-TEST(StepPlanTest, UnknownRatesAreNamedNotGuessed) {
+TEST(StepPlanTest, UnknownRatesAreNamedAndOnlyCompeteWhenNothingElseFits) {
   const StepPrediction p =
       Plan(kModel, {.compute_seconds = 3.0}).Of("ZeRO-3, optimizer + params -> nvme");
   EXPECT_EQ(p.unknown, (std::vector<std::string>{"host->device", "nvme read", "device->host",
                                                  "optimizer params/s", "nvme write"}));
-  EXPECT_DOUBLE_EQ(p.step_seconds, 3.0);  // Compute alone: the rest is unknown, not zero-cost.
+  EXPECT_DOUBLE_EQ(p.step_seconds, 3.0);  // A lower bound: compute alone, the rest unknown.
+
+  // Without NVMe rates the NVMe rows look as fast as the host rows; they are not chosen while
+  // a row with every rate known fits, and are (as lower bounds) once none does.
+  MachineRates no_nvme = kRates;
+  no_nvme.nvme_read_bytes_per_second = 0.0;
+  no_nvme.nvme_write_bytes_per_second = 0.0;
+  no_nvme.compute_seconds = 30.0;  // Hides the known update stages.
+  EXPECT_EQ(Plan(kModel, no_nvme, {.device_bytes = 10e9}).Chosen(), "ZeRO-2, optimizer -> host");
+  EXPECT_EQ(Plan(kModel, no_nvme, {.device_bytes = 10e9, .host_bytes = 8e9}).Chosen(),
+            "ZeRO-2, optimizer -> nvme");
 }
 
 }  // namespace

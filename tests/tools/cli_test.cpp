@@ -252,7 +252,8 @@ TEST(CliTest, PlanPicksTheFastestPlacementThatFits) {
       EXPECT_FALSE(prediction["fits"].get<bool>());
     }
     if (p["name"] == "ZeRO-2, optimizer -> nvme") {
-      EXPECT_DOUBLE_EQ(prediction["step_seconds"].get<double>(), 10.0);  // 1 + 12/4 + 12/2.
+      // forward 1 + states 12/4 + 12/2 + the commit's upload 2/20.
+      EXPECT_DOUBLE_EQ(prediction["step_seconds"].get<double>(), 10.1);
       EXPECT_EQ(prediction["bound_by"], "nvme");
     }
   }
@@ -264,16 +265,21 @@ TEST(CliTest, PlanPicksTheFastestPlacementThatFits) {
   r = RunCli(machine + "--device-memory 1GB --host-memory 1GB --nvme-bytes 1GB");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("no placement fits"), std::string::npos) << r.out;
-  // Rates not given are named, not taken as free.
+  // Rates not given are named, and the step times they leave out marked as lower bounds.
   r = RunCli("plan --params 1e9 --compute-seconds 1");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("Not counted"), std::string::npos) << r.out;
   EXPECT_EQ(RunCli("plan --params 1e9 --tokens 4096").exit_code, 2);
   EXPECT_EQ(RunCli("plan --params 1e9 --h2d-gbps -1").exit_code, 2);
   EXPECT_EQ(RunCli("plan --params 1e9 --measure --chunk-size 1000").exit_code, 2);
+  // A bad --nvme-path fails before anything is measured; measuring settings need --measure.
   r = RunCli("plan --params 1e9 --measure --nvme-path /nonexistent/dir --chunk-size 64KiB");
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("/nonexistent/dir is not a directory"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("measuring"), std::string::npos) << r.out;
+  r = RunCli("plan --params 1e9 --compute-seconds 1 --nvme-path /tmp");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("settings of --measure"), std::string::npos) << r.out;
 }
 
 // A short run of the tiny model, quick enough for a test.

@@ -44,12 +44,6 @@ void Progress(int step, const std::string& line) {
   std::fprintf(stderr, "[%d/%d] %s\n", step, kSteps, line.c_str());
 }
 
-std::string Gbps(double bytes_per_second) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.2f GB/s", bytes_per_second / 1e9);
-  return text;
-}
-
 Status RunAdam(const BenchAllFlags& f, ordered_json& report) {
   const size_t numel = f.quick ? 16 * kMiB : 64 * kMiB;
   Progress(1, "adam: CPU optimizer step vs its memory-bandwidth roofline, " + FormatCount(numel) +
@@ -68,8 +62,8 @@ Status RunAdam(const BenchAllFlags& f, ordered_json& report) {
       STRATA_ASSIGN_OR_RETURN(cpu_adam::AdamBenchmarkResult r, cpu_adam::RunAdamBenchmark(o));
       std::fprintf(stderr, "      %s grads%s, %d thread%s: %.3g params/s, %s, %.2f of roofline\n",
                    engine_dtypes ? "bf16" : "fp32", engine_dtypes ? " + bf16 copy" : "", threads,
-                   threads == 1 ? "" : "s", r.params_per_second, Gbps(r.bytes_per_second).c_str(),
-                   r.ratio);
+                   threads == 1 ? "" : "s", r.params_per_second,
+                   FormatBandwidth(r.bytes_per_second).c_str(), r.ratio);
       report["adam"].push_back(ToJson(o, r));
       if (all_threads == 1) break;
     }
@@ -98,7 +92,8 @@ Status RunNvme(const BenchAllFlags& f, ordered_json& report) {
       }
       for (const NvmePass& p : *passes) {
         std::fprintf(stderr, "      %-5s %6s x qd%-3u %s\n", nvme::IoOpName(p.op),
-                     FormatBytes(block).c_str(), depth, Gbps(p.bytes_per_second()).c_str());
+                     FormatBytes(block).c_str(), depth,
+                     FormatBandwidth(p.bytes_per_second()).c_str());
         report["nvme"].push_back(ToJson(p));
       }
     }
@@ -120,7 +115,7 @@ Status RunCopies(const BenchAllFlags& f, ordered_json& report) {
   for (const CopyPoint& p : points) {
     if (p.bytes == s.sizes.back()) {
       std::fprintf(stderr, "      %-15s %6s copies: %s\n", p.direction.c_str(),
-                   FormatBytes(p.bytes).c_str(), Gbps(p.bytes_per_second()).c_str());
+                   FormatBytes(p.bytes).c_str(), FormatBandwidth(p.bytes_per_second()).c_str());
     }
     report["copies"].push_back(ToJson(p));
   }
@@ -188,14 +183,14 @@ void PrintSummary(const ordered_json& report) {
   for (const ordered_json& t : report["tiers"]) {
     const std::string pair = t["from"].get<std::string>() + " -> " + t["to"].get<std::string>();
     std::printf("  %-30s %12s   %s\n", pair.c_str(),
-                Gbps(t["bytes_per_second"].get<double>()).c_str(),
+                FormatBandwidth(t["bytes_per_second"].get<double>()).c_str(),
                 t["setting"].get<std::string>().c_str());
   }
   for (const ordered_json& a : report.value("adam", ordered_json::array())) {
     const std::string name = "cpu adam, " + a["grad_dtype"].get<std::string>() + " grads, " +
                              std::to_string(a["threads"].get<int>()) + " thr";
     std::printf("  %-30s %12s   %.3g params/s, %.2f of its roofline\n", name.c_str(),
-                Gbps(a["bytes_per_second"].get<double>()).c_str(),
+                FormatBandwidth(a["bytes_per_second"].get<double>()).c_str(),
                 a["params_per_second"].get<double>(), a["ratio"].get<double>());
   }
   for (const ordered_json& p : report.value("pipeline", ordered_json::array())) {
@@ -207,6 +202,15 @@ void PrintSummary(const ordered_json& report) {
   }
 }
 
+/// A CSV field (RFC 4180): quoted when it holds a comma, a quote or a line break.
+std::string CsvField(const ordered_json& value) {
+  const std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+  if (text.find_first_of(",\"\n\r") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return quoted + "\"";
+}
+
 /// One CSV: a header of `columns`, then a row per entry (nested values as JSON text).
 Status WriteCsv(const std::filesystem::path& file, const ordered_json& entries,
                 const std::vector<std::string>& columns) {
@@ -216,7 +220,7 @@ Status WriteCsv(const std::filesystem::path& file, const ordered_json& entries,
   for (const ordered_json& e : entries) {
     for (size_t c = 0; c < columns.size(); ++c) {
       const ordered_json& v = e.contains(columns[c]) ? e[columns[c]] : ordered_json();
-      out << (c ? "," : "") << (v.is_string() ? v.get<std::string>() : v.dump());
+      out << (c ? "," : "") << CsvField(v);
     }
     out << "\n";
   }
@@ -256,11 +260,6 @@ Status WriteOut(const std::filesystem::path& dir, const ordered_json& report) {
                    "step_median_seconds", "ratio_to_slowest", "ratio_to_serial"});
 }
 
-std::string DefaultNvmePath() {
-  const char* tmp = std::getenv("TMPDIR");
-  return tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
-}
-
 }  // namespace
 
 int RunBenchAll(const std::vector<std::string>& args) {
@@ -279,7 +278,7 @@ int RunBenchAll(const std::vector<std::string>& args) {
     std::cout << flags.Help();
     return kExitOk;
   }
-  if (f.nvme_path.empty()) f.nvme_path = DefaultNvmePath();
+  if (f.nvme_path.empty()) f.nvme_path = TempDirectory();
   if (!std::filesystem::is_directory(f.nvme_path)) {
     return Fail(kExitUsage, "--nvme-path " + f.nvme_path + " is not a directory", kCommand);
   }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,12 @@ inline std::string FormatCount(uint64_t count) {
   std::string text = FormatBytes(count);
   if (!text.empty() && text.back() == 'B') text.pop_back();
   return text;
+}
+
+/// Where scratch files go by default: $TMPDIR, or /tmp.
+inline std::string TempDirectory() {
+  const char* tmp = std::getenv("TMPDIR");
+  return tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
 }
 
 /// Prints "strata: error: <message>" to stderr, with a pointer to --help for usage errors.

@@ -82,14 +82,18 @@ class SequentialPass {
   void OnComplete(nvme::IoRequest& r) {
     {
       std::lock_guard lock(mutex_);
-      --outstanding_;
       completed_bytes_ += r.bytes_done;
       if (!r.status.ok() && !failed_) {
         failed_ = true;
         error_ = r.status;
       }
     }
-    if (!StartNext(r)) finished_cv_.notify_one();
+    // Reuse the request before this one stops counting: once nothing is outstanding, Run may
+    // return and destroy the pass, so nothing of it may be touched after the count drops.
+    StartNext(r);
+    std::lock_guard lock(mutex_);
+    --outstanding_;
+    finished_cv_.notify_one();
   }
 
   nvme::IoEngine& engine_;
@@ -106,6 +110,14 @@ class SequentialPass {
   Status error_;
 };
 
+/// Removes the benchmark's scratch file however the benchmark ends.
+struct RemoveOnExit {
+  std::string path;  // Empty: nothing to remove.
+  ~RemoveOnExit() {
+    if (!path.empty()) unlink(path.c_str());
+  }
+};
+
 }  // namespace
 
 Result<std::vector<NvmePass>> RunNvmeBench(const NvmeBenchSettings& s, const std::string& rw) {
@@ -115,6 +127,7 @@ Result<std::vector<NvmePass>> RunNvmeBench(const NvmeBenchSettings& s, const std
   const bool scratch = s.file.empty();
   const std::string path =
       scratch ? s.path + "/strata-bench-" + std::to_string(getpid()) + ".bin" : s.file;
+  const RemoveOnExit cleanup{scratch ? path : std::string()};
   // A given file that exists and is large enough is used as it is (fio does the same), so
   // both tools measure overwrites of the same blocks.
   Result<nvme::File> existing =
@@ -166,7 +179,6 @@ Result<std::vector<NvmePass>> RunNvmeBench(const NvmeBenchSettings& s, const std
   if (status.ok() && (rw == "write" || rw == "both")) status = pass(IoOp::kWrite, true);
   if (status.ok() && (rw == "read" || rw == "both")) status = pass(IoOp::kRead, true);
   engine->UnregisterFile(id);
-  if (scratch) unlink(path.c_str());
   if (!status.ok()) return status;
   return results;
 }

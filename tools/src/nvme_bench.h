@@ -1,6 +1,6 @@
-// The measurement behind `strata bench nvme` (and the NVMe parts of `strata bench all` and
-// `strata plan --measure`): sequential O_DIRECT passes through the IoEngine, like fio's
-// sequential jobs: block_size reads or writes, queue_depth of them in flight.
+// The measurement behind `strata bench nvme` (and the NVMe sweep of `strata bench all`):
+// sequential O_DIRECT passes through the IoEngine, like fio's sequential jobs: block_size reads
+// or writes, queue_depth of them in flight.
 #pragma once
 
 #include <cstdint>

@@ -6,9 +6,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.h"
@@ -32,6 +34,7 @@ struct MachineFlags {
   uint64_t device_memory = 0, host_memory = 0, nvme_bytes = 0, chunk_size = 0;
   double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, optimizer_gparams = 0,
          link_gbps = 0, compute_seconds = 0, tokens = 0, tflops = 0;
+  double gradient_clipping = 0;
   bool measure = false;
   std::string nvme_path;
 
@@ -44,10 +47,19 @@ struct MachineFlags {
 };
 
 Status ValidateMachine(const MachineFlags& m) {
-  for (double v : {m.h2d_gbps, m.d2h_gbps, m.nvme_read_gbps, m.nvme_write_gbps, m.optimizer_gparams,
-                   m.link_gbps, m.compute_seconds, m.tokens, m.tflops}) {
-    if (!(v >= 0) || !std::isfinite(v)) {
-      return InvalidArgument("rates, --compute-seconds, --tokens and --tflops must be >= 0");
+  const std::pair<const char*, double> numbers[] = {{"--h2d-gbps", m.h2d_gbps},
+                                                    {"--d2h-gbps", m.d2h_gbps},
+                                                    {"--nvme-read-gbps", m.nvme_read_gbps},
+                                                    {"--nvme-write-gbps", m.nvme_write_gbps},
+                                                    {"--optimizer-gparams", m.optimizer_gparams},
+                                                    {"--link-gbps", m.link_gbps},
+                                                    {"--compute-seconds", m.compute_seconds},
+                                                    {"--tokens", m.tokens},
+                                                    {"--tflops", m.tflops},
+                                                    {"--gradient-clipping", m.gradient_clipping}};
+  for (const auto& [flag, value] : numbers) {
+    if (!(value >= 0) || !std::isfinite(value)) {
+      return InvalidArgument(std::string(flag) + " must be a number >= 0");
     }
   }
   if ((m.tokens > 0) != (m.tflops > 0)) {
@@ -58,23 +70,32 @@ Status ValidateMachine(const MachineFlags& m) {
   if (m.compute_seconds > 0 && m.tokens > 0) {
     return InvalidArgument("give --compute-seconds or --tokens with --tflops, not both");
   }
+  if (!m.measure && (!m.nvme_path.empty() || m.chunk_size > 0)) {
+    return InvalidArgument("--nvme-path and --chunk-size are settings of --measure");
+  }
   if (m.chunk_size % (4 * kKiB) != 0) {
     return InvalidArgument("--chunk-size must be a multiple of 4KiB");
+  }
+  if (!m.nvme_path.empty() && !std::filesystem::is_directory(m.nvme_path)) {
+    return InvalidArgument("--nvme-path " + m.nvme_path + " is not a directory");
   }
   return Status();
 }
 
-/// The flags' rates, with --measure filling those not given.
+/// The flags' rates; --measure measures those not given.
 Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in) {
   MachineRates r;
   if (m.measure) {
-    MeasureSettings settings{.nvme_path = m.nvme_path,
-                             .chunk_bytes = m.chunk_size,
-                             .working_dtype = in.working_dtype,
-                             .params = in.params,
-                             .progress = [](const std::string& line) {
-                               std::fprintf(stderr, "strata plan: %s\n", line.c_str());
-                             }};
+    MeasureSettings settings{
+        .nvme_path = m.nvme_path.empty() ? TempDirectory() : m.nvme_path,
+        .chunk_bytes = m.chunk_size > 0 ? m.chunk_size : EngineOptions().placement.chunk_bytes,
+        .working_dtype = in.working_dtype,
+        .params = in.params,
+        .copies = !(m.h2d_gbps > 0 && m.d2h_gbps > 0),
+        .states = !(m.nvme_read_gbps > 0 && m.nvme_write_gbps > 0 && m.optimizer_gparams > 0),
+        .progress = [](const std::string& line) {
+          std::fprintf(stderr, "strata plan: %s\n", line.c_str());
+        }};
     STRATA_ASSIGN_OR_RETURN(r, MeasureRates(settings));
   }
   auto given = [](double gbps, double& rate) {
@@ -138,6 +159,7 @@ nlohmann::ordered_json ToJson(const StepPrediction& p) {
           {"forward_seconds", p.forward_seconds},
           {"backward_seconds", p.backward_seconds},
           {"update_seconds", p.update_seconds},
+          {"commit_seconds", p.commit_seconds},
           {"step_seconds", p.step_seconds},
           {"bound_by", p.bound_by},
           {"unknown_rates", p.unknown}};
@@ -164,20 +186,19 @@ void AddPredictions(nlohmann::ordered_json& j, const MachineRates& r, const Mach
 }
 
 std::string Rate(double bytes_per_second) {
-  if (bytes_per_second <= 0) return "?";
+  return bytes_per_second > 0 ? FormatBandwidth(bytes_per_second) : "?";
+}
+
+std::string SecondsOf(double seconds) {
   char text[32];
-  std::snprintf(text, sizeof(text), "%.2f GB/s", bytes_per_second / 1e9);
+  std::snprintf(text, sizeof(text), "%.4f", seconds);
   return text;
 }
 
 /// Seconds of one resource, "-" when the placement does not use it.
 std::string SecondsOf(const StepPrediction& p, const char* name) {
   for (const auto& r : p.resources) {
-    if (r.name == name) {
-      char text[32];
-      std::snprintf(text, sizeof(text), "%.4f", r.seconds);
-      return text;
-    }
+    if (r.name == name) return SecondsOf(r.seconds);
   }
   return "-";
 }
@@ -188,7 +209,9 @@ void PrintPredictions(const MachineRates& r, const MachineMemory& m,
   auto limit = [](double bytes) {
     return bytes > 0 ? FormatBytes(uint64_t(bytes)) : std::string("not limited");
   };
-  std::printf("\nStep time per resource, seconds (step = forward + max(backward, update)):\n");
+  std::printf(
+      "\nStep time per resource, seconds (step = forward + max(backward, update) + commit; with "
+      "fp16 or clipping, forward + backward + update + commit):\n");
   std::printf("  memory: GPU %s, host %s, nvme %s\n", limit(m.device_bytes).c_str(),
               limit(m.host_bytes).c_str(), limit(m.nvme_bytes).c_str());
   std::printf(
@@ -198,15 +221,16 @@ void PrintPredictions(const MachineRates& r, const MachineMemory& m,
       Rate(r.device_to_host_bytes_per_second).c_str(), Rate(r.nvme_read_bytes_per_second).c_str(),
       Rate(r.nvme_write_bytes_per_second).c_str(), r.optimizer_params_per_second,
       Rate(r.link_bytes_per_second).c_str(), r.compute_seconds);
-  std::printf("    %-42s %4s %8s %8s %8s %8s %8s %8s %9s  %s\n", "", "fits", "compute", "d2h",
+  std::printf("    %-42s %4s %8s %8s %8s %8s %8s %8s %10s  %s\n", "", "fits", "compute", "d2h",
               "h2d", "nvme", "cpu opt", "link", "step", "bound by");
   for (size_t i = 0; i < rows.size(); ++i) {
     const StepPrediction& p = predictions[i];
-    std::printf("  %c %-42s %4s %8s %8s %8s %8s %8s %8s %9.4f  %s\n", int(i) == chosen ? '*' : ' ',
+    const std::string step = (p.unknown.empty() ? "" : ">=") + SecondsOf(p.step_seconds);
+    std::printf("  %c %-42s %4s %8s %8s %8s %8s %8s %8s %10s  %s\n", int(i) == chosen ? '*' : ' ',
                 rows[i].name.c_str(), p.fits ? "yes" : "no", SecondsOf(p, "compute").c_str(),
                 SecondsOf(p, "device_to_host").c_str(), SecondsOf(p, "host_to_device").c_str(),
                 SecondsOf(p, "nvme").c_str(), SecondsOf(p, "cpu_optimizer").c_str(),
-                SecondsOf(p, "link").c_str(), p.step_seconds, p.bound_by.c_str());
+                SecondsOf(p, "link").c_str(), step.c_str(), p.bound_by.c_str());
   }
   std::vector<std::string> unknown;
   for (const StepPrediction& p : predictions) {
@@ -217,7 +241,10 @@ void PrintPredictions(const MachineRates& r, const MachineMemory& m,
   if (!unknown.empty()) {
     std::string names;
     for (const std::string& u : unknown) names += (names.empty() ? "" : ", ") + u;
-    std::printf("\n  Not counted (no rate given; see --help or --measure): %s.\n", names.c_str());
+    std::printf(
+        "\n  Not counted (no rate given; see --help or --measure): %s. Steps marked >= are lower "
+        "bounds, chosen only when no placement with every rate known fits.\n",
+        names.c_str());
   }
   if (chosen >= 0) {
     std::printf("\nChosen: %s: %.4f s per step, bound by %s.\n", rows[chosen].name.c_str(),
@@ -289,8 +316,12 @@ int RunPlan(const std::vector<std::string>& args) {
                   "forward + backward seconds per GPU per step");
   flags.AddDouble("tokens", &machine.tokens, "tokens per GPU per step (with --tflops)");
   flags.AddDouble("tflops", &machine.tflops, "achieved TFLOP/s per GPU (with --tokens)");
+  flags.AddDouble("gradient-clipping", &machine.gradient_clipping,
+                  "max global gradient norm, as DeepSpeed's gradient_clipping (0 = none): "
+                  "updates then wait for backward to end, as with fp16");
   flags.AddBool("measure", &machine.measure,
-                "measure the rates not given on this machine, through the engine");
+                "measure on this machine the rates not given (the engine's chunk copies, swap "
+                "space and optimizer)");
   flags.AddString("nvme-path", &machine.nvme_path, "DIR",
                   "directory --measure times NVMe in (default $TMPDIR or /tmp)");
   flags.AddBytes("chunk-size", &machine.chunk_size,
@@ -307,6 +338,7 @@ int RunPlan(const std::vector<std::string>& args) {
   if (!type.ok()) return Fail(kExitUsage, type.status().message(), command);
   input.working_dtype = *dtype;
   input.optimizer = *type;
+  input.gradient_clipping = machine.gradient_clipping;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);
   const std::vector<PlanRow> rows = offload::PlanMemory(input);
@@ -319,11 +351,6 @@ int RunPlan(const std::vector<std::string>& args) {
     return kExitOk;
   }
 
-  if (machine.chunk_size == 0) machine.chunk_size = EngineOptions().placement.chunk_bytes;
-  if (machine.nvme_path.empty()) {
-    const char* tmp = std::getenv("TMPDIR");
-    machine.nvme_path = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
-  }
   auto rates = RatesFor(machine, input);
   if (!rates.ok()) return Fail(kExitFailure, "measuring: " + rates.status().message());
   const MachineMemory memory{.device_bytes = double(machine.device_memory),

@@ -28,17 +28,20 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   };
   offload::MachineRates rates;
 
-  progress("measuring host<->device copies of " + FormatBytes(s.chunk_bytes));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
-                          OpenTrainingDevice(std::max<uint64_t>(s.chunk_bytes, 64 * kMiB)));
-  STRATA_ASSIGN_OR_RETURN(
-      std::vector<CopyPoint> copies,
-      RunCopyBench(*device, {.sizes = {s.chunk_bytes}, .bytes_per_size = 256 * kMiB}));
-  for (const CopyPoint& p : copies) {
-    (p.direction == "host_to_device" ? rates.host_to_device_bytes_per_second
-                                     : rates.device_to_host_bytes_per_second) =
-        p.bytes_per_second();
+  if (s.copies) {
+    progress("measuring host<->device copies of " + FormatBytes(s.chunk_bytes));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
+                            OpenTrainingDevice(std::max<uint64_t>(s.chunk_bytes, 64 * kMiB)));
+    STRATA_ASSIGN_OR_RETURN(
+        std::vector<CopyPoint> copies,
+        RunCopyBench(*device, {.sizes = {s.chunk_bytes}, .bytes_per_size = 256 * kMiB}));
+    for (const CopyPoint& p : copies) {
+      (p.direction == "host_to_device" ? rates.host_to_device_bytes_per_second
+                                       : rates.device_to_host_bytes_per_second) =
+          p.bytes_per_second();
+    }
   }
+  if (!s.states) return rates;
 
   offload::PipelineBenchmarkOptions o;
   o.chunk_bytes = s.chunk_bytes;
@@ -53,7 +56,7 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   o.nvme_paths = {s.nvme_path};
   o.warmup_steps = 0;
   o.timed_steps = 1;
-  progress("measuring the CPU optimizer and NVMe state traffic through the engine (" +
+  progress("measuring the CPU optimizer and NVMe state traffic as the engine runs them (" +
            std::to_string(o.chunks) + " chunks in " + s.nvme_path + ")");
   STRATA_ASSIGN_OR_RETURN(offload::PipelineBenchmarkResult r, offload::RunPipelineBenchmark(o));
   rates.nvme_read_bytes_per_second = RateOf(r, "nvme_read");

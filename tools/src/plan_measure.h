@@ -1,8 +1,8 @@
 // `strata plan --measure`: the rates the offload engine achieves on this machine, for the step
 // time prediction (step_plan.h). Not device peaks: host<->device copies of whole chunks
 // (copy_bench.h's device), and the CPU optimizer and NVMe reads and writes of optimizer states
-// timed through the engine itself, each alone, at its chunk size and staging concurrency (the
-// pipeline benchmark's per-resource phase, with no model compute).
+// with the engine's own optimizer, swap space and staging buffers, each alone, at its chunk size
+// and staging concurrency (the pipeline benchmark's per-resource phase).
 #pragma once
 
 #include <cstdint>
@@ -20,11 +20,13 @@ struct MeasureSettings {
   uint64_t chunk_bytes = 0;  ///< Working parameters per chunk, a multiple of 4 KiB.
   DType working_dtype = DType::kBf16;
   double params = 0.0;  ///< The model's size; at most 32Mi parameters of it are streamed.
+  bool copies = true;   ///< Measure host<->device copies.
+  bool states = true;   ///< Measure the CPU optimizer and NVMe state traffic.
   /// One line before each measurement; may be empty.
   std::function<void(const std::string&)> progress;
 };
 
-/// Fills every rate but the link's and compute (which need GPUs and a model). Errors: the
+/// Fills the asked rates (never the link's or compute, which need GPUs and a model). Errors: the
 /// benchmarks' (an NVMe path that is missing or full, a chunk size that is not 4 KiB-aligned).
 Result<offload::MachineRates> MeasureRates(const MeasureSettings& settings);
 

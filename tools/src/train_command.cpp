@@ -56,9 +56,7 @@ class ScratchDir {
     if (!path_.empty()) std::filesystem::remove_all(path_);
   }
   Result<std::string> Make() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/strata-train-XXXXXX";
+    std::string pattern = TempDirectory() + "/strata-train-XXXXXX";
     if (mkdtemp(pattern.data()) == nullptr) return ErrnoError("creating " + pattern, errno);
     path_ = pattern;
     return path_;

@@ -34,6 +34,9 @@ struct PlanInput {
   int gpus = 1;         ///< Data-parallel ranks N, >= 1.
   DType working_dtype = DType::kFp16;
   OptimizerType optimizer = OptimizerType::kAdamW;
+  /// Gradient clipping by global norm (DeepSpeed's gradient_clipping); 0 = none. Clipping, like
+  /// fp16's overflow check, makes every update wait for the last gradient (step_plan.h).
+  double gradient_clipping = 0.0;
 
   Status Validate() const;
 };

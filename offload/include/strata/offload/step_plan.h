@@ -4,7 +4,7 @@
 // Each resource's time per step is the bytes (or parameters) the placement gives it over its
 // rate. The engine overlaps them the way its pipelines allow:
 //
-//   step = forward + max(backward, update)
+//   step = forward + max(backward, update) + commit     (no resource longer than the step)
 //
 // - forward and backward take a third and two thirds of the model's compute (backward does
 //   twice forward's FLOPs). Offloaded parameters are fetched during both, half the traffic
@@ -14,12 +14,18 @@
 //   gradients to the host, the CPU optimizer, NVMe reads and writes of the states, the new
 //   parameters back. It runs chunk by chunk, its stages overlapping, so it costs its slowest
 //   stage; it starts as soon as backward produces the first gradients, so backward hides it.
-//   Reads and writes of the same drives add up. States kept on the GPU cost no update time.
+//   Reads and writes of the same drives add up, backward's parameter reads included. States
+//   kept on the GPU cost no update time.
+// - a gated step (fp16, whose overflow check needs every gradient, or gradient clipping, which
+//   needs the global norm) starts no update before backward ends: update follows backward.
+// - commit: with states on NVMe a step is transactional, and the new working parameters of
+//   device-home chunks go up only once every chunk is updated, after the pipeline.
 //
 // Rates are what the engine achieves, not device peaks: NVMe bandwidth at the engine's chunk
-// sizes and staging concurrency (`strata plan --measure` measures it through the engine), which
-// can be well below a sequential benchmark's. Host memory and NVMe are the node's, shared by its
-// GPUs; host<->device links are per GPU.
+// sizes and staging concurrency (`strata plan --measure` times the engine's own swap space and
+// staging buffers), which can be well below a sequential benchmark's. Host memory and NVMe are
+// the node's, shared by its GPUs; host<->device links are per GPU. A resource whose rate is
+// unknown is left out, so the step time is then a lower bound (`unknown` names what is missing).
 #pragma once
 
 #include <string>
@@ -58,7 +64,8 @@ struct StepPrediction {
   double forward_seconds = 0.0;
   double backward_seconds = 0.0;
   double update_seconds = 0.0;
-  double step_seconds = 0.0;  ///< forward + max(backward, update).
+  double commit_seconds = 0.0;
+  double step_seconds = 0.0;  ///< See the file comment.
   std::string bound_by;       ///< The resource with the most time.
   /// Resources the placement uses whose rate was not given ("nvme read", ...).
   std::vector<std::string> unknown;
@@ -76,7 +83,7 @@ StepPrediction PredictStep(const PlanInput& input, const PlanRow& row, const Mac
                            const MachineMemory& memory);
 
 /// The index of the fastest row that fits (ties within 2% go to the earlier, less offloaded
-/// row); -1 when none fits.
+/// row), among rows whose rates are all known when any of those fits; -1 when none fits.
 int ChoosePlacement(const std::vector<StepPrediction>& predictions);
 
 }  // namespace strata::offload
