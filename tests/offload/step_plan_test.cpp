@@ -111,7 +111,7 @@ TEST(StepPlanTest, NoStepIsShorterThanItsBusiestResource) {
 TEST(StepPlanTest, SlowFetchesStretchForwardAndBackward) {
   MachineRates slow_link = kRates;
   slow_link.host_to_device_bytes_per_second = 1e9;  // 4 GB of fetches take 4 s.
-  const StepPrediction& p = Plan(kModel, slow_link).Of("ZeRO-3, optimizer + params -> host");
+  const StepPrediction p = Plan(kModel, slow_link).Of("ZeRO-3, optimizer + params -> host");
   EXPECT_DOUBLE_EQ(p.forward_seconds, 2.0);
   EXPECT_DOUBLE_EQ(p.backward_seconds, 2.0);
   EXPECT_DOUBLE_EQ(p.step_seconds, 4.0);

@@ -292,7 +292,8 @@ int RunPlan(const std::vector<std::string>& args) {
   FlagParser flags(command,
                    "Per-GPU memory of parameters, gradients and optimizer states, and "
                    "communication per step, for data parallelism, ZeRO-1/2/3 and the offload "
-                   "placements (the ZeRO paper's accounting).");
+                   "placements (the ZeRO paper's accounting); given the machine's memory and "
+                   "rates, each placement's step time per resource and the fastest that fits.");
   flags.AddDouble("params", &params, "parameter count, e.g. 10e9 (required)");
   flags.AddInt("gpus", &gpus, "data-parallel GPUs (default 1)");
   flags.AddString("precision", &precision, "DTYPE", "working dtype: fp16 (default), bf16, fp32");
