@@ -75,33 +75,36 @@ def plot_tiers(entries, machine):
     return fig
 
 
-def plot_nvme(entries, machine):
-    backends = sorted({e["backend"] for e in entries if "backend" in e})
-    title = "NVMe sweep" + (f" ({', '.join(backends)})" if backends else "")
+def plot_bandwidth_lines(title, machine, entries, size_key, size_label, lines):
+    """GB/s against a log2 size axis, one line per (label, linestyle, which entries)."""
     fig, (ax,) = new_figure(title, machine)
-    for rw, qd in sorted({(e["rw"], e["queue_depth"]) for e in entries}):
-        line = sorted((e["block_size"], e["bytes_per_second"] / GB) for e in entries
-                      if e["rw"] == rw and e["queue_depth"] == qd)
-        ax.plot([x for x, _ in line], [y for _, y in line], marker="o",
-                linestyle="-" if rw == "read" else "--", label=f"{rw}, qd {qd}")
-    log2_size_axis(ax, [e["block_size"] for e in entries], "block size")
+    for label, linestyle, keep in lines:
+        points = sorted((e[size_key], e["bytes_per_second"] / GB) for e in entries if keep(e))
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o",
+                linestyle=linestyle, label=label)
+    log2_size_axis(ax, [e[size_key] for e in entries], size_label)
     ax.set_ylabel("bandwidth (GB/s)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def plot_nvme(entries, machine):
+    backends = sorted({e["backend"] for e in entries if "backend" in e})
+    title = "NVMe sweep" + (f" ({', '.join(backends)})" if backends else "")
+    lines = [(f"{rw}, qd {qd}", "-" if rw == "read" else "--",
+              lambda e, rw=rw, qd=qd: e["rw"] == rw and e["queue_depth"] == qd)
+             for rw, qd in sorted({(e["rw"], e["queue_depth"]) for e in entries})]
+    fig, ax = plot_bandwidth_lines(title, machine, entries, "block_size", "block size", lines)
     ax.legend(ncol=2, fontsize="small")
     return fig
 
 
 def plot_copies(entries, machine):
-    fig, (ax,) = new_figure("Host ↔ device copy bandwidth vs transfer size", machine)
-    for direction in sorted({e["direction"] for e in entries}):
-        line = sorted((e["bytes"], e["bytes_per_second"] / GB) for e in entries
-                      if e["direction"] == direction)
-        ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=arrow(direction))
-    log2_size_axis(ax, [e["bytes"] for e in entries], "transfer size")
-    ax.set_ylabel("bandwidth (GB/s)")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
+    lines = [(arrow(d), "-", lambda e, d=d: e["direction"] == d)
+             for d in sorted({e["direction"] for e in entries})]
+    fig, ax = plot_bandwidth_lines("Host ↔ device copy bandwidth vs transfer size", machine,
+                                   entries, "bytes", "transfer size", lines)
     ax.legend()
     return fig
 

@@ -19,19 +19,6 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-offload::EngineCounters Difference(const offload::EngineCounters& a,
-                                   const offload::EngineCounters& b) {
-  return {.device_to_host_bytes = a.device_to_host_bytes - b.device_to_host_bytes,
-          .host_to_device_bytes = a.host_to_device_bytes - b.host_to_device_bytes,
-          .nvme_read_bytes = a.nvme_read_bytes - b.nvme_read_bytes,
-          .nvme_write_bytes = a.nvme_write_bytes - b.nvme_write_bytes,
-          .optimizer_seconds = a.optimizer_seconds - b.optimizer_seconds,
-          .optimizer_params = a.optimizer_params - b.optimizer_params,
-          .device_optimizer_params = a.device_optimizer_params - b.device_optimizer_params,
-          .evictions = a.evictions - b.evictions,
-          .fetches = a.fetches - b.fetches};
-}
-
 /// A 64-bit mix of the keys, so that every (seed, step, micro-step) draws its own batch.
 uint64_t MixKey(uint64_t a, uint64_t b, uint64_t c) {
   uint64_t x = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^
@@ -99,9 +86,7 @@ Result<std::unique_ptr<ByteLmTrainer>> ByteLmTrainer::Create(const TrainSettings
                            std::to_string(corpus.validation.size()) + " bytes)");
   }
   if (device.properties().kind != DeviceKind::kHost) {
-    return Unavailable(
-        "the built-in model computes on the host; its CUDA kernels come with the GPU issue "
-        "(use --device host)");
+    return Unavailable(kHostComputeOnly);
   }
   std::unique_ptr<ByteLmTrainer> trainer(new ByteLmTrainer(settings, corpus));
   trainer->micro_steps_ = options.optimizer.gradient_accumulation_steps;
@@ -111,7 +96,6 @@ Result<std::unique_ptr<ByteLmTrainer>> ByteLmTrainer::Create(const TrainSettings
   std::vector<offload::ParameterSpec> specs;
   for (size_t p = 0; p < trainer->parameters_.size(); ++p) {
     specs.push_back({trainer->parameters_[p].name, trainer->parameters_[p].shape, initial[p]});
-    trainer->parameter_count_ += initial[p].size();
   }
   STRATA_ASSIGN_OR_RETURN(trainer->engine_, offload::Engine::Create(options, device, specs));
 
@@ -289,7 +273,7 @@ Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
   record.skipped = report.skipped;
   record.seconds = SecondsSince(start);
   record.tokens_per_second = double(settings_.batch) * settings_.seq * micro_steps / record.seconds;
-  record.counters = Difference(engine_->counters(), before);
+  record.counters = engine_->counters() - before;
   return record;
 }
 

@@ -82,8 +82,6 @@ std::string Hex(uint64_t value) {
   return text;
 }
 
-std::string Quote(const fs::path& path) { return path.string(); }
-
 /// A short rendering of a JSON value for messages (never throws on bad UTF-8).
 std::string Show(const nlohmann::json& value) {
   std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -95,13 +93,13 @@ std::string Show(const nlohmann::json& value) {
 /// disk.
 Status FileError(std::string_view operation, const fs::path& path, int err,
                  std::string_view detail = {}) {
-  std::string what = "cannot " + std::string(operation) + " " + Quote(path) + std::string(detail);
+  std::string what = "cannot " + std::string(operation) + " " + path.string() + std::string(detail);
   Status status = ErrnoError(what, err);
   if (err == ENOSPC || err == EDQUOT) {
     return IoError(status.message() +
                    ": the disk is full (or the quota is used up); free space on the file "
                    "system holding " +
-                   Quote(path.parent_path()) + " or write checkpoints elsewhere");
+                   path.parent_path().string() + " or write checkpoints elsewhere");
   }
   return status;
 }
@@ -248,17 +246,18 @@ void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
     if (::lstat(dir.c_str(), &st) != 0 && errno == ENOENT) {
       if (::rename(old.c_str(), dir.c_str()) == 0) {
         SyncDirectory(parent).IgnoreError();
-        Log(LogLevel::kWarning, "checkpoint " + Quote(dir) +
+        Log(LogLevel::kWarning, "checkpoint " + dir.string() +
                                     " was missing after an interrupted save; restored the "
                                     "previous checkpoint from " +
-                                    Quote(old));
+                                    old.string());
         continue;
       }
     }
     std::error_code ec;
     fs::remove_all(old, ec);
     if (!ec) {
-      Log(LogLevel::kWarning, "removed " + Quote(old) + ", left by an interrupted checkpoint save");
+      Log(LogLevel::kWarning,
+          "removed " + old.string() + ", left by an interrupted checkpoint save");
     }
   }
   for (const std::string& entry_name : stale_staging) {
@@ -267,7 +266,7 @@ void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
     fs::remove_all(staging, ec);
     if (!ec) {
       Log(LogLevel::kWarning,
-          "removed " + Quote(staging) + ", left by an interrupted checkpoint save");
+          "removed " + staging.string() + ", left by an interrupted checkpoint save");
     }
   }
 }
@@ -286,14 +285,14 @@ Result<FileDigest> DigestFile(const fs::path& path) {
   ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     const int err = errno;
-    if (err == ENOENT) return NotFound("file " + Quote(path) + " does not exist");
+    if (err == ENOENT) return NotFound("file " + path.string() + " does not exist");
     return FileError("open", path, err);
   }
   std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[kDigestBufferBytes]);
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
                                                                  &XXH3_freeState);
   if (buffer == nullptr || state == nullptr) {
-    return ResourceExhausted("out of memory while hashing " + Quote(path));
+    return ResourceExhausted("out of memory while hashing " + path.string());
   }
   XXH3_64bits_reset(state.get());
   FileDigest digest;
@@ -358,12 +357,12 @@ void CheckpointFileSink::Release(bool finished) {
 
 Status CheckpointFileSink::Append(std::span<const std::byte> bytes) {
   if (failed_) {
-    return FailedPrecondition("cannot append to checkpoint file " + Quote(path_) +
+    return FailedPrecondition("cannot append to checkpoint file " + path_.string() +
                               ": an earlier write to it failed");
   }
   if (fd_ < 0) {
     return FailedPrecondition(path_.empty() ? std::string("Append on an empty CheckpointFileSink")
-                                            : "cannot append to checkpoint file " + Quote(path_) +
+                                            : "cannot append to checkpoint file " + path_.string() +
                                                   ": it is already finished");
   }
   if (const int err = WriteAll(fd_, bytes.data(), bytes.size()); err != 0) {
@@ -377,13 +376,13 @@ Status CheckpointFileSink::Append(std::span<const std::byte> bytes) {
 
 Result<FileDigest> CheckpointFileSink::Finish() {
   if (failed_) {
-    return FailedPrecondition("cannot finish checkpoint file " + Quote(path_) +
+    return FailedPrecondition("cannot finish checkpoint file " + path_.string() +
                               ": an earlier write to it failed");
   }
   if (fd_ < 0) {
     return FailedPrecondition(path_.empty()
                                   ? std::string("Finish on an empty CheckpointFileSink")
-                                  : "checkpoint file " + Quote(path_) + " is already finished");
+                                  : "checkpoint file " + path_.string() + " is already finished");
   }
   // After a failed fsync the page cache may have dropped the dirty pages, and a second fsync
   // can report success: the sink stays failed and the writer will not commit.
@@ -447,7 +446,7 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) 
   if (!dir.empty() && !dir.has_filename()) dir = dir.parent_path();  // "a/b/" names "a/b".
   const std::string name = dir.filename().string();
   if (name.empty() || name == "." || name == "..") {
-    return InvalidArgument("checkpoint path \"" + Quote(requested_dir) +
+    return InvalidArgument("checkpoint path \"" + requested_dir.string() +
                            "\" does not name a directory to create; give a path such as "
                            "/checkpoints/step-1000");
   }
@@ -458,17 +457,17 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) 
   if (::stat(parent.c_str(), &st) != 0) {
     const int err = errno;
     if (err == ENOENT || err == ENOTDIR) {
-      return NotFound("cannot write checkpoint " + Quote(dir) + ": its parent directory " +
-                      Quote(parent) + " does not exist (" + std::strerror(err) +
+      return NotFound("cannot write checkpoint " + dir.string() + ": its parent directory " +
+                      parent.string() + " does not exist (" + std::strerror(err) +
                       "); create it first");
     }
-    return ErrnoError("cannot write checkpoint " + Quote(dir) +
-                          ": cannot examine its parent directory " + Quote(parent),
+    return ErrnoError("cannot write checkpoint " + dir.string() +
+                          ": cannot examine its parent directory " + parent.string(),
                       err);
   }
   if (!S_ISDIR(st.st_mode)) {
-    return InvalidArgument("cannot write checkpoint " + Quote(dir) + ": its parent " +
-                           Quote(parent) + " is not a directory");
+    return InvalidArgument("cannot write checkpoint " + dir.string() + ": its parent " +
+                           parent.string() + " is not a directory");
   }
 
   // Resolve symbolic links so the staging directory sits next to the real target: rename()
@@ -482,12 +481,12 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) 
 
   if (::lstat(dir.c_str(), &st) == 0) {
     if (!S_ISDIR(st.st_mode)) {
-      return InvalidArgument("cannot write checkpoint " + Quote(dir) +
+      return InvalidArgument("cannot write checkpoint " + dir.string() +
                              ": it exists and is not a directory; a checkpoint is a directory, "
                              "so remove that file or choose another path");
     }
   } else if (errno != ENOENT) {
-    return ErrnoError("cannot write checkpoint " + Quote(dir) + ": cannot examine it", errno);
+    return ErrnoError("cannot write checkpoint " + dir.string() + ": cannot examine it", errno);
   }
 
   CleanUpLeftovers(parent, dir);
@@ -495,11 +494,11 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) 
   fs::path staging = parent / (dir.filename().string() + ".tmp-" + std::to_string(::getpid()));
   fs::remove_all(staging, ec);
   if (ec) {
-    return ErrnoError("cannot remove the stale staging directory " + Quote(staging), ec.value());
+    return ErrnoError("cannot remove the stale staging directory " + staging.string(), ec.value());
   }
   if (::mkdir(staging.c_str(), 0755) != 0) {
     return FileError("create staging directory", staging, errno)
-        .WithContext("cannot write checkpoint " + Quote(dir));
+        .WithContext("cannot write checkpoint " + dir.string());
   }
   return CheckpointWriter(std::move(dir), std::move(staging));
 }
@@ -508,7 +507,7 @@ Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
   if (staging_.empty()) return FailedPrecondition("CreateFile on a moved-from CheckpointWriter");
   if (committed_) {
     return FailedPrecondition("cannot add file \"" + std::string(name) + "\" to checkpoint " +
-                              Quote(dir_) + ": it is already committed");
+                              dir_.string() + ": it is already committed");
   }
   STRATA_RETURN_IF_ERROR(ValidateFileName(name));
   fs::path path = staging_ / std::string(name);
@@ -516,7 +515,7 @@ Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
   if (fd < 0) {
     const int err = errno;
     if (err == EEXIST) {
-      return AlreadyExists("checkpoint " + Quote(dir_) + " already has a file named \"" +
+      return AlreadyExists("checkpoint " + dir_.string() + " already has a file named \"" +
                            std::string(name) + "\"");
     }
     return FileError("create checkpoint file", path, err);
@@ -527,7 +526,7 @@ Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
   if (hash == nullptr || hash->state == nullptr) {
     ::close(fd);
     ::unlink(path.c_str());
-    return ResourceExhausted("out of memory for the hash state of " + Quote(path));
+    return ResourceExhausted("out of memory for the hash state of " + path.string());
   }
   XXH3_64bits_reset(hash->state);
   shared_->open_sinks.fetch_add(1);
@@ -537,9 +536,9 @@ Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
 Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
   if (staging_.empty()) return FailedPrecondition("Commit on a moved-from CheckpointWriter");
   if (committed_) {
-    return FailedPrecondition("checkpoint " + Quote(dir_) + " is already committed");
+    return FailedPrecondition("checkpoint " + dir_.string() + " is already committed");
   }
-  const std::string what = "cannot commit checkpoint " + Quote(dir_);
+  const std::string what = "cannot commit checkpoint " + dir_.string();
   if (const int open = shared_->open_sinks.load(); open > 0) {
     return FailedPrecondition(what + ": " + std::to_string(open) +
                               " of its files are still open; call Finish on every "
@@ -551,7 +550,7 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
                               "content is not durable");
   }
   STRATA_RETURN_IF_ERROR(
-      CheckManifestHeader(manifest, "the manifest of checkpoint " + Quote(dir_)));
+      CheckManifestHeader(manifest, "the manifest of checkpoint " + dir_.string()));
   std::string text;
   try {
     text = manifest.dump(2);
@@ -581,7 +580,7 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
 }
 
 Status CheckpointWriter::Publish() {
-  const std::string what = "cannot commit checkpoint " + Quote(dir_);
+  const std::string what = "cannot commit checkpoint " + dir_.string();
   const fs::path parent = dir_.parent_path();
   // Where the previous checkpoint ends up once the new one is in place (empty: there was none).
   fs::path old;
@@ -594,7 +593,7 @@ Status CheckpointWriter::Publish() {
     } else if (errno == EEXIST || errno == ENOTEMPTY) {
       exists = true;  // Something appeared at dir_ since lstat: swap with it instead.
     } else {
-      return FileError("rename staging directory", staging_, errno, " to " + Quote(dir_))
+      return FileError("rename staging directory", staging_, errno, " to " + dir_.string())
           .WithContext(what);
     }
   }
@@ -610,36 +609,37 @@ Status CheckpointWriter::Publish() {
       std::error_code ec;
       fs::remove_all(old, ec);
       if (::rename(dir_.c_str(), old.c_str()) != 0) {
-        return FileError("rename previous checkpoint", dir_, errno, " to " + Quote(old))
+        return FileError("rename previous checkpoint", dir_, errno, " to " + old.string())
             .WithContext(what);
       }
       if (::rename(staging_.c_str(), dir_.c_str()) != 0) {
         const Status error =
-            FileError("rename staging directory", staging_, errno, " to " + Quote(dir_));
+            FileError("rename staging directory", staging_, errno, " to " + dir_.string());
         if (::rename(old.c_str(), dir_.c_str()) != 0) {
           return error.WithContext(what +
                                    " (and the previous checkpoint could not be put back from " +
-                                   Quote(old) + "; the next save restores it)");
+                                   old.string() + "; the next save restores it)");
         }
         return error.WithContext(what);
       }
       committed_ = true;
     } else {
       return FileError("exchange staging directory", staging_, errno,
-                       " with the previous checkpoint " + Quote(dir_))
+                       " with the previous checkpoint " + dir_.string())
           .WithContext(what);
     }
   }
 
   STRATA_RETURN_IF_ERROR(SyncDirectory(parent).WithContext(
-      "checkpoint " + Quote(dir_) + " was committed but may not survive a crash"));
+      "checkpoint " + dir_.string() + " was committed but may not survive a crash"));
   if (!old.empty()) {
     std::error_code ec;
     fs::remove_all(old, ec);
     if (ec) {
-      Log(LogLevel::kWarning,
-          "checkpoint " + Quote(dir_) + " was committed, but removing the previous one at " +
-              Quote(old) + " failed: " + ec.message() + "; the next save to this path removes it");
+      Log(LogLevel::kWarning, "checkpoint " + dir_.string() +
+                                  " was committed, but removing the previous one at " +
+                                  old.string() + " failed: " + ec.message() +
+                                  "; the next save to this path removes it");
     }
   }
   return Status::Ok();
@@ -653,12 +653,12 @@ Result<CheckpointReader> CheckpointReader::Open(const fs::path& dir) {
   if (::stat(dir.c_str(), &st) != 0) {
     const int err = errno;
     if (err == ENOENT || err == ENOTDIR) {
-      return NotFound(Quote(dir) + " is not a Strata checkpoint: the directory does not exist");
+      return NotFound(dir.string() + " is not a Strata checkpoint: the directory does not exist");
     }
-    return ErrnoError("cannot open checkpoint " + Quote(dir), err);
+    return ErrnoError("cannot open checkpoint " + dir.string(), err);
   }
   if (!S_ISDIR(st.st_mode)) {
-    return InvalidArgument(Quote(dir) +
+    return InvalidArgument(dir.string() +
                            " is not a Strata checkpoint: it is a file; a checkpoint is a "
                            "directory holding manifest.json");
   }
@@ -667,8 +667,8 @@ Result<CheckpointReader> CheckpointReader::Open(const fs::path& dir) {
   if (fd.get() < 0) {
     const int err = errno;
     if (err == ENOENT) {
-      return NotFound(Quote(dir) + " is not a Strata checkpoint: its manifest " +
-                      Quote(manifest_path) + " is missing");
+      return NotFound(dir.string() + " is not a Strata checkpoint: its manifest " +
+                      manifest_path.string() + " is missing");
     }
     return FileError("open", manifest_path, err);
   }
@@ -691,21 +691,21 @@ Result<CheckpointReader> CheckpointReader::Open(const fs::path& dir) {
           !message.empty() && message[0] == '[' && end != std::string::npos) {
         message.erase(0, end + 2);
       }
-      return DataLoss("checkpoint manifest " + Quote(manifest_path) +
+      return DataLoss("checkpoint manifest " + manifest_path.string() +
                       " is damaged: malformed JSON at byte " + std::to_string(e.byte) + ": " +
                       message);
     }
     if (!manifest.is_object()) {
-      return DataLoss("checkpoint manifest " + Quote(manifest_path) +
+      return DataLoss("checkpoint manifest " + manifest_path.string() +
                       " is damaged: expected a JSON object, got " + Show(manifest));
     }
     STRATA_RETURN_IF_ERROR(
-        CheckManifestHeader(manifest, "checkpoint manifest " + Quote(manifest_path)));
+        CheckManifestHeader(manifest, "checkpoint manifest " + manifest_path.string()));
     return CheckpointReader(dir, std::move(manifest));
   } catch (const std::bad_alloc&) {
-    return ResourceExhausted("out of memory while reading " + Quote(manifest_path));
+    return ResourceExhausted("out of memory while reading " + manifest_path.string());
   } catch (const std::exception& e) {
-    return Internal("unexpected error while reading " + Quote(manifest_path) + ": " + e.what());
+    return Internal("unexpected error while reading " + manifest_path.string() + ": " + e.what());
   }
 }
 
@@ -721,7 +721,7 @@ Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expec
   if (fd.get() < 0) {
     const int err = errno;
     if (err == ENOENT) {
-      return DataLoss("checkpoint " + Quote(dir_) + " is incomplete: file " + std::string(name) +
+      return DataLoss("checkpoint " + dir_.string() + " is incomplete: file " + std::string(name) +
                       " is missing");
     }
     return FileError("open checkpoint file", path, err);
@@ -732,7 +732,7 @@ Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expec
   if (::fstat(fd.get(), &st) != 0) return FileError("stat checkpoint file", path, errno);
   if (static_cast<uint64_t>(st.st_size) != expected.bytes) {
     return DataLoss(
-        "checkpoint file " + Quote(path) + " is " +
+        "checkpoint file " + path.string() + " is " +
         (static_cast<uint64_t>(st.st_size) < expected.bytes ? "truncated" : "longer than written") +
         ": it has " + std::to_string(st.st_size) + " bytes, the manifest expects " + expected_text);
   }
@@ -745,7 +745,7 @@ Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expec
                                                                  &XXH3_freeState);
   if (buffer == nullptr || state == nullptr) {
     return ResourceExhausted("out of memory for a " + std::to_string(buffer_bytes) +
-                             "-byte read buffer for " + Quote(path) + "; lower piece_bytes");
+                             "-byte read buffer for " + path.string() + "; lower piece_bytes");
   }
   XXH3_64bits_reset(state.get());
 
@@ -759,7 +759,7 @@ Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expec
                        " at offset " + std::to_string(offset));
     }
     if (static_cast<size_t>(n) < want) {  // Shrunk since fstat.
-      return DataLoss("checkpoint file " + Quote(path) + " is truncated: it ended after " +
+      return DataLoss("checkpoint file " + path.string() + " is truncated: it ended after " +
                       std::to_string(offset + static_cast<uint64_t>(n)) +
                       " bytes, the manifest expects " + expected_text);
     }
@@ -771,13 +771,13 @@ Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expec
   const ssize_t tail = ReadFull(fd.get(), extra, 1);
   if (tail < 0) return FileError("read checkpoint file", path, static_cast<int>(-tail));
   if (tail > 0) {  // Grew since fstat.
-    return DataLoss("checkpoint file " + Quote(path) +
+    return DataLoss("checkpoint file " + path.string() +
                     " is longer than written: it has more than the " + expected_text +
                     " the manifest expects");
   }
   const uint64_t actual = XXH3_64bits_digest(state.get());
   if (actual != expected.xxh3) {
-    return DataLoss("checkpoint file " + Quote(path) +
+    return DataLoss("checkpoint file " + path.string() +
                     " is corrupt: its content does not match its checksum: expected " +
                     expected_text + ", found " + std::to_string(offset) + " bytes with xxh3 " +
                     Hex(actual));

@@ -8,6 +8,12 @@
 
 namespace strata::offload {
 
+size_t ChunkStateBytes(size_t numel) { return numel * sizeof(float) * 3; }
+
+size_t ChunkDeviceBytes(size_t numel, DType working_dtype) {
+  return 2 * AlignUp(numel * DTypeSize(working_dtype), kHostAlignment);
+}
+
 size_t ParameterSpec::numel() const {
   size_t n = 1;
   for (int64_t d : shape) n *= static_cast<size_t>(std::max<int64_t>(d, 0));

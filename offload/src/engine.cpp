@@ -38,6 +38,18 @@ void LoopSemaphore::Release() {
   next();
 }
 
+Awaitable<StagingBuffer> LoopStagingPool::Acquire() {
+  co_await free_.Acquire();
+  // A unit of free_ is a free buffer, so this cannot fail.
+  co_return std::move(pool_->TryAcquire()).value();
+}
+
+void LoopStagingPool::Release(StagingBuffer& buffer) {
+  if (!buffer.valid()) return;
+  buffer.Reset();
+  free_.Release();
+}
+
 // ---- Placement and budgets ----
 
 namespace {
@@ -160,12 +172,12 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   for (size_t i = 0; i < n_chunks; ++i) {
     Chunk& c = chunks_[i];
     if (c.params_offloaded()) continue;
-    const uint64_t bytes = c.device_slot_bytes(wsize);
+    const uint64_t bytes = c.device_slot_bytes(working_dtype());
     Status reserved = device_budget_.Reserve(
         bytes, "the working parameters and gradients of chunk " + std::to_string(i));
     if (!reserved.ok()) {
       uint64_t needed = 0;
-      for (const Chunk& other : chunks_) needed += other.device_slot_bytes(wsize);
+      for (const Chunk& other : chunks_) needed += other.device_slot_bytes(working_dtype());
       return ResourceExhausted(
           "device memory budget of " + FormatBytes(device_budget_.usage().budget_bytes) +
           " cannot hold the working parameters and gradients (" + FormatBytes(needed) +
@@ -208,7 +220,6 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
     static_reservations_.emplace_back(&device_budget_, bytes);
     c.placement.optimizer_states = Tier::kDevice;
-    ++device_state_chunks_;
     STRATA_ASSIGN_OR_RETURN(c.device_states, device_.Allocate(c.state_bytes()));
     if (gas > 1) {
       STRATA_ASSIGN_OR_RETURN(c.device_grads_sum, device_.Allocate(c.numel * sizeof(float)));
@@ -329,34 +340,35 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
         }
       }
     }
-    auto make_pool = [&](std::unique_ptr<StagingPool>& pool, std::optional<LoopSemaphore>& free,
-                         size_t bytes, int count, const char* what) -> Status {
+    auto make_pool = [&](std::optional<LoopStagingPool>& pool, size_t bytes, int count,
+                         const char* what) -> Status {
       const uint64_t total = AlignUp(bytes, kHostAlignment) * count;
       STRATA_RETURN_IF_ERROR(host_budget_.Reserve(total, what));
       static_reservations_.emplace_back(&host_budget_, total);
       STRATA_ASSIGN_OR_RETURN(
-          pool, StagingPool::Create(
-                    {.buffer_bytes = bytes, .buffer_count = size_t(count), .pin_with = &device_}));
-      free.emplace(size_t(count));
+          std::unique_ptr<StagingPool> created,
+          StagingPool::Create(
+              {.buffer_bytes = bytes, .buffer_count = size_t(count), .pin_with = &device_}));
+      pool.emplace(std::move(created));
       return Status();
     };
     if (nvme_states) {
-      STRATA_RETURN_IF_ERROR(make_pool(
-          state_staging_, state_staging_free_, layout_.max_chunk_numel() * 4 * kStateArrays,
-          options_.host.optimizer_buffer_count, "the optimizer state staging buffers"));
-      state_staging_registered_ =
-          io_->RegisterBuffers(state_staging_->arena(), state_staging_->buffer_bytes());
+      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(layout_.max_chunk_numel()),
+                                       options_.host.optimizer_buffer_count,
+                                       "the optimizer state staging buffers"));
+      state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
+                                                       state_staging_->pool().buffer_bytes());
     }
     if (nvme_params) {
-      STRATA_RETURN_IF_ERROR(
-          make_pool(param_staging_, param_staging_free_, layout_.max_chunk_numel() * wsize,
-                    options_.host.param_buffer_count, "the parameter staging buffers"));
+      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, layout_.max_chunk_numel() * wsize,
+                                       options_.host.param_buffer_count,
+                                       "the parameter staging buffers"));
     }
   }
 
   // --- Initial values: master = given values (padding zero), moments zero ---
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
-                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
+                          AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
   for (size_t i = 0; i < n_chunks; ++i) {
     const ChunkInfo& info = layout_.chunk(i);
     std::memset(states.data(), 0, chunks_[i].state_bytes());
@@ -429,6 +441,32 @@ TierUsage Engine::tier_usage(Tier tier) const {
     case Tier::kNvme: return impl_->nvme_budget_.usage();
   }
   return {};
+}
+
+EngineCounters& EngineCounters::operator+=(const EngineCounters& o) {
+  device_to_host_bytes += o.device_to_host_bytes;
+  host_to_device_bytes += o.host_to_device_bytes;
+  nvme_read_bytes += o.nvme_read_bytes;
+  nvme_write_bytes += o.nvme_write_bytes;
+  optimizer_seconds += o.optimizer_seconds;
+  optimizer_params += o.optimizer_params;
+  device_optimizer_params += o.device_optimizer_params;
+  evictions += o.evictions;
+  fetches += o.fetches;
+  return *this;
+}
+
+EngineCounters& EngineCounters::operator-=(const EngineCounters& o) {
+  device_to_host_bytes -= o.device_to_host_bytes;
+  host_to_device_bytes -= o.host_to_device_bytes;
+  nvme_read_bytes -= o.nvme_read_bytes;
+  nvme_write_bytes -= o.nvme_write_bytes;
+  optimizer_seconds -= o.optimizer_seconds;
+  optimizer_params -= o.optimizer_params;
+  device_optimizer_params -= o.device_optimizer_params;
+  evictions -= o.evictions;
+  fetches -= o.fetches;
+  return *this;
 }
 
 EngineCounters Engine::counters() const {

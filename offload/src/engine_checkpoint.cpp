@@ -7,7 +7,6 @@
 
 #include "checkpoint_files.h"
 #include "engine_impl.h"
-#include "strata/core/bytes.h"
 
 namespace strata::offload {
 namespace {
@@ -130,7 +129,7 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
   STRATA_ASSIGN_OR_RETURN(internal::CheckpointWriter writer,
                           internal::CheckpointWriter::Begin(dir));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
-                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
+                          AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
   json chunks = json::array();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     // One chunk at a time through one buffer: saving never needs the whole model in memory.
@@ -232,7 +231,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
                         [](std::span<const std::byte>, uint64_t) { return Status(); }));
   }
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
-                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * 4 * kStateArrays));
+                          AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
   // States read ahead from NVMe are about to be replaced: drop them, and read again after.
   loop_.Run(DropPreloads());
   for (size_t i = 0; i < chunks_.size(); ++i) {

@@ -49,9 +49,22 @@ class LoopSemaphore {
   std::deque<std::function<void()>> waiters_;
 };
 
-/// The optimizer states of one chunk in one buffer: fp32 master | exp_avg | exp_avg_sq, each
-/// `numel` elements.
-inline constexpr size_t kStateArrays = 3;
+/// A StagingPool for coroutines on one event loop: Acquire waits, without blocking the loop,
+/// until a buffer is free. Loop thread only, like LoopSemaphore.
+class LoopStagingPool {
+ public:
+  explicit LoopStagingPool(std::unique_ptr<StagingPool> pool)
+      : pool_(std::move(pool)), free_(pool_->buffer_count()) {}
+
+  Awaitable<StagingBuffer> Acquire();
+  /// Returns `buffer` (if it holds one) and wakes the longest waiter.
+  void Release(StagingBuffer& buffer);
+  const StagingPool& pool() const { return *pool_; }
+
+ private:
+  std::unique_ptr<StagingPool> pool_;
+  LoopSemaphore free_;  // Counts the pool's free buffers.
+};
 
 struct Chunk {
   size_t numel = 0;
@@ -108,12 +121,18 @@ struct Chunk {
   bool updating = false;
 
   bool params_offloaded() const { return placement.params != Tier::kDevice; }
-  size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
-  /// Device memory its working parameters and gradients take: devices allocate whole pages.
-  size_t device_slot_bytes(size_t element_bytes) const {
-    return 2 * AlignUp(working_bytes(element_bytes), kHostAlignment);
+  /// Frees the device copy of offloaded parameters (and gradients) and its budget.
+  void DropDeviceCopy() {
+    params = DeviceBuffer();
+    grads = DeviceBuffer();
+    device_slot.Reset();
+    resident = false;
   }
-  size_t state_bytes() const { return numel * sizeof(float) * kStateArrays; }
+  size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
+  size_t device_slot_bytes(DType working_dtype) const {
+    return ChunkDeviceBytes(numel, working_dtype);
+  }
+  size_t state_bytes() const { return ChunkStateBytes(numel); }
 };
 
 /// The step in progress (loop thread only).
@@ -122,8 +141,6 @@ struct StepState {
   std::optional<std::promise<Result<StepReport>>> promise;
   std::chrono::steady_clock::time_point started;
   size_t chunks_arrived = 0;
-  double sum_of_squares = 0.0;
-  bool all_finite = true;
   bool decided = false;  // Gated steps: the global norm/overflow decision is made.
   bool skip = false;     // fp16 overflow.
   double grad_scale = 1.0;
@@ -166,7 +183,6 @@ class Engine::Impl {
   // Shared helpers.
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
   DType working_dtype() const { return options_.precision.working_dtype; }
-  bool transactional() const { return transactional_; }
   /// Blocks until no step is running (the loop has finished the last one).
   void WaitIdle();
 
@@ -183,6 +199,12 @@ class Engine::Impl {
 
   // --- engine_step.cpp internals (loop thread) ---
   Awaitable<void> LandGrads(size_t chunk);
+  /// Adds a micro-step's working-dtype `grads` into the fp32 `sum` (with accumulation) and, on
+  /// the last micro-step, measures what the update will use (any thread but the loop's).
+  Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
+                                                int micro_step, bool last);
+  /// The gradient buffer is free again (any thread); the last micro-step keeps `stats`.
+  void GradsLanded(Chunk& c, bool last, const Result<cpu_adam::GradientStats>& stats);
   void OnChunkArrived(size_t chunk);
   void StartUpdate(size_t chunk);
   Awaitable<Status> UpdateChunk(size_t chunk);
@@ -192,6 +214,8 @@ class Engine::Impl {
   /// Starts reading the optimizer states of the chunks whose gradients come first in backward
   /// (the last chunks) into staging buffers, so NVMe works while the next forward runs.
   void StartPreloads();
+  /// Reads one chunk's states into a staging buffer; `preload.ready` says when they are there.
+  void StartPreload(size_t chunk);
   Awaitable<void> PreloadStates(size_t chunk);
   /// Waits for preloads in flight and returns every preloaded buffer (loop thread).
   Awaitable<void> DropPreloads();
@@ -215,15 +239,12 @@ class Engine::Impl {
   // Host buffers registered for DMA; declared after chunks_ so they are unpinned first.
   std::vector<PinnedHostRegion> pinned_;
   bool transactional_ = false;
-  size_t device_state_chunks_ = 0;
 
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
   std::unique_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapSpace> swap_;
-  std::unique_ptr<StagingPool> state_staging_;
-  std::unique_ptr<StagingPool> param_staging_;
-  std::optional<LoopSemaphore> state_staging_free_;
-  std::optional<LoopSemaphore> param_staging_free_;
+  std::optional<LoopStagingPool> state_staging_;
+  std::optional<LoopStagingPool> param_staging_;
   bool state_staging_registered_ = false;  // Its buffers are io_uring fixed buffers.
   DeviceEvent compute_marker_;
   // Zeros as large as the largest chunk's working gradients: the source that clears a gradient

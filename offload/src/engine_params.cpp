@@ -118,16 +118,13 @@ void Engine::Impl::Evict(size_t chunk) {
   Chunk& c = chunks_[chunk];
   // The trainer's queued work on the chunk must finish before its memory is reused.
   device_.SynchronizeEvent(c.released).IgnoreError();
-  c.params = DeviceBuffer();
-  c.grads = DeviceBuffer();
-  c.device_slot.Reset();
-  c.resident = false;
+  c.DropDeviceCopy();
   m_.evictions->Increment();
 }
 
 Status Engine::Impl::StartFetch(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock) {
   Chunk& c = chunks_[chunk];
-  const uint64_t bytes = c.device_slot_bytes(working_size());
+  const uint64_t bytes = c.device_slot_bytes(working_dtype());
   while (!device_budget_.TryReserve(bytes)) {
     if (std::optional<size_t> victim = PickVictim(chunk, demand)) {
       Evict(*victim);
@@ -186,38 +183,31 @@ void Engine::Impl::Prefetch(std::unique_lock<std::mutex>& lock) {
 Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
   Chunk& c = chunks_[chunk];
   const size_t bytes = c.working_bytes(working_size());
-  // Counted on the host->device link from the first copy to the last.
-  std::optional<InFlightGuard> uploading;
   Status status;
+  const std::byte* source = c.host_params.data();
+  StagingBuffer staging;  // NVMe-home parameters come up through one.
   if (c.placement.params == Tier::kNvme) {
-    co_await param_staging_free_->Acquire();
-    Result<StagingBuffer> staging = param_staging_->TryAcquire();
-    if (!staging.ok()) {
-      status = staging.status();
-    } else {
-      {
-        InFlightGuard reading(m_.in_flight_of(InFlightKind::kNvmeRead));
-        status =
-            co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current], staging->data());
-      }
-      if (status.ok()) {
-        m_.nvme_read_bytes->Increment(double(bytes));
-        uploading.emplace(m_.in_flight_of(InFlightKind::kHostToDevice));
-        status = device_.CopyToDevice(c.params.data(), staging->data(), bytes);
-      }
-      if (status.ok()) status = co_await AwaitStream(device_, Stream::kHostToDevice);
-      staging->Reset();
+    staging = co_await param_staging_->Acquire();
+    {
+      InFlightGuard reading(m_.in_flight_of(InFlightKind::kNvmeRead));
+      status =
+          co_await nvme::AwaitSwapRead(*swap_, c.param_extents[c.param_current], staging.data());
     }
-    param_staging_free_->Release();
-  } else {
-    uploading.emplace(m_.in_flight_of(InFlightKind::kHostToDevice));
-    status = device_.CopyToDevice(c.params.data(), c.host_params.data(), bytes);
-    if (status.ok()) status = co_await AwaitStream(device_, Stream::kHostToDevice);
+    if (status.ok()) m_.nvme_read_bytes->Increment(double(bytes));
+    source = staging.data();
   }
-  // A new gradient buffer starts at zero, padding included.
-  if (status.ok()) status = device_.CopyToDevice(c.grads.data(), zeros_.data(), bytes);
-  if (status.ok()) status = co_await AwaitStream(device_, Stream::kHostToDevice);
-  uploading.reset();  // Before the trainer can see the chunk resident.
+  if (status.ok()) {
+    // The parameters, then a gradient buffer starting at zero (padding included): one wait for
+    // both on the in-order stream, before the staging buffer goes back.
+    InFlightGuard uploading(m_.in_flight_of(InFlightKind::kHostToDevice));
+    status = device_.CopyToDevice(c.params.data(), source, bytes);
+    if (status.ok()) {
+      const Status zeroed = device_.CopyToDevice(c.grads.data(), zeros_.data(), bytes);
+      const Status landed = co_await AwaitStream(device_, Stream::kHostToDevice);
+      status = zeroed.ok() ? landed : zeroed;
+    }
+  }
+  if (param_staging_) param_staging_->Release(staging);
   if (status.ok()) {
     m_.h2d_bytes->Increment(double(bytes));
     m_.fetches->Increment();
@@ -228,9 +218,7 @@ Awaitable<void> Engine::Impl::FetchChunk(size_t chunk) {
     c.resident = true;
   } else {
     c.fetch_status = status.ok() ? Status() : status;
-    c.params = DeviceBuffer();
-    c.grads = DeviceBuffer();
-    c.device_slot.Reset();
+    c.DropDeviceCopy();
   }
   cv_.notify_all();
 }
@@ -240,12 +228,7 @@ void Engine::Impl::DropOffloadedCopies() {
     Chunk& c = chunks_[i];
     if (!c.params_offloaded()) continue;
     if (c.fetching) c.stale_fetch = true;
-    if (c.resident) {
-      c.params = DeviceBuffer();
-      c.grads = DeviceBuffer();
-      c.device_slot.Reset();
-      c.resident = false;
-    }
+    if (c.resident) c.DropDeviceCopy();
   }
 }
 

@@ -90,28 +90,11 @@ Status Engine::Impl::GradsReady(size_t chunk) {
   Status queued;
   if (c.placement.optimizer_states == Tier::kDevice) {
     // The device keeps and updates this chunk: sum and measure its gradients in stream order.
-    queued = device_.LaunchHostFunction(Stream::kCompute, [this, chunk, micro_step, last, gas] {
+    queued = device_.LaunchHostFunction(Stream::kCompute, [this, chunk, micro_step, last] {
       Chunk& ch = chunks_[chunk];
-      if (gas > 1) {
-        AccumulateGrads(*optimizer_, static_cast<float*>(ch.device_grads_sum.data()),
-                        ch.grads.data(), working_dtype(), ch.numel, micro_step == 1);
-      }
-      Result<cpu_adam::GradientStats> stats = cpu_adam::GradientStats{};
-      if (last) {
-        stats = gas > 1
-                    ? optimizer_->ComputeGradientStats(ch.device_grads_sum.data(), DType::kFp32,
-                                                       ch.numel)
-                    : optimizer_->ComputeGradientStats(ch.grads.data(), working_dtype(), ch.numel);
-      }
-      {
-        std::lock_guard inner(mutex_);
-        ch.grads_in_flight = false;
-        if (last) {
-          ch.land_status = stats.status();
-          if (stats.ok()) ch.stats = *stats;
-        }
-        cv_.notify_all();
-      }
+      GradsLanded(ch, last,
+                  SumAndMeasure(static_cast<float*>(ch.device_grads_sum.data()), ch.grads.data(),
+                                ch.numel, micro_step, last));
       if (last) {
         boost::asio::post(loop_.executor(), [this, chunk] {
           chunks_[chunk].micro_steps_landed = options_.optimizer.gradient_accumulation_steps;
@@ -144,37 +127,37 @@ Status Engine::Impl::GradsReady(size_t chunk) {
   return Status();
 }
 
+Result<cpu_adam::GradientStats> Engine::Impl::SumAndMeasure(float* sum, const void* grads,
+                                                            size_t numel, int micro_step,
+                                                            bool last) {
+  const bool summed = options_.optimizer.gradient_accumulation_steps > 1;
+  if (summed) AccumulateGrads(*optimizer_, sum, grads, working_dtype(), numel, micro_step == 1);
+  if (!last) return cpu_adam::GradientStats{};
+  return summed ? optimizer_->ComputeGradientStats(sum, DType::kFp32, numel)
+                : optimizer_->ComputeGradientStats(grads, working_dtype(), numel);
+}
+
+void Engine::Impl::GradsLanded(Chunk& c, bool last, const Result<cpu_adam::GradientStats>& stats) {
+  std::lock_guard lock(mutex_);
+  c.grads_in_flight = false;
+  if (last) {
+    c.land_status = stats.status();
+    if (stats.ok()) c.stats = *stats;
+  }
+  cv_.notify_all();
+}
+
 Awaitable<void> Engine::Impl::LandGrads(size_t chunk) {
   Chunk& c = chunks_[chunk];
   const int gas = options_.optimizer.gradient_accumulation_steps;
   const int landed = ++c.micro_steps_landed;
   const bool last = landed == gas;
   m_.d2h_bytes->Increment(double(c.working_bytes(working_size())));
-  if (gas > 1) {
-    auto sum = [&] {
-      AccumulateGrads(*optimizer_, reinterpret_cast<float*>(c.grads_sum.data()),
-                      c.grads_landing.data(), working_dtype(), c.numel, landed == 1);
-    };
-    co_await AwaitJob(jobs_, sum);
-  }
-  Result<cpu_adam::GradientStats> stats = cpu_adam::GradientStats{};
-  if (last) {
-    auto measure = [&] {
-      return gas > 1 ? optimizer_->ComputeGradientStats(c.grads_sum.data(), DType::kFp32, c.numel)
-                     : optimizer_->ComputeGradientStats(c.grads_landing.data(), working_dtype(),
-                                                        c.numel);
-    };
-    stats = co_await AwaitJob(jobs_, measure);
-  }
-  {
-    std::lock_guard lock(mutex_);
-    c.grads_in_flight = false;
-    if (last) {
-      c.land_status = stats.status();
-      if (stats.ok()) c.stats = *stats;
-    }
-    cv_.notify_all();
-  }
+  auto sum_and_measure = [&] {
+    return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.grads_landing.data(),
+                         c.numel, landed, last);
+  };
+  GradsLanded(c, last, co_await AwaitJob(jobs_, sum_and_measure));
   if (last) OnChunkArrived(chunk);
 }
 
@@ -301,11 +284,7 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
   StagingBuffer state_buffer;
   float* states = reinterpret_cast<float*>(c.host_states.data());
   if (nvme_states) {
-    if (!c.preload.active) {
-      c.preload.active = true;
-      c.preload.ready.emplace(0);
-      boost::asio::co_spawn(loop_.executor(), PreloadStates(chunk), boost::asio::detached);
-    }
+    if (!c.preload.active) StartPreload(chunk);
     {
       WaitTimer waiting(m_.wait_of(UpdateWait::kNvmeRead));
       co_await c.preload.ready->Acquire();
@@ -320,9 +299,8 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
   if (status.ok() && nvme_params) {
     {
       WaitTimer waiting(m_.wait_of(UpdateWait::kStagingBuffer));
-      co_await param_staging_free_->Acquire();
+      param_buffer = co_await param_staging_->Acquire();
     }
-    param_buffer = std::move(param_staging_->TryAcquire()).value();
     param_copy = param_buffer.data();
   }
   if (status.ok()) {
@@ -361,14 +339,8 @@ Awaitable<Status> Engine::Impl::UpdateChunk(size_t chunk) {
   }
   writing.reset();
   write_time.reset();
-  if (state_buffer.valid()) {
-    state_buffer.Reset();
-    state_staging_free_->Release();
-  }
-  if (param_buffer.valid()) {
-    param_buffer.Reset();
-    param_staging_free_->Release();
-  }
+  if (state_staging_) state_staging_->Release(state_buffer);
+  if (param_staging_) param_staging_->Release(param_buffer);
   // Nothing can fail after the update here, so the new parameters go up at once.
   if (status.ok() && !transactional_ && c.placement.params == Tier::kDevice) {
     status = device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
@@ -400,8 +372,7 @@ Awaitable<Status> Engine::Impl::UpdateChunkOnDevice(size_t chunk) {
 Awaitable<void> Engine::Impl::PreloadStates(size_t chunk) {
   Chunk& c = chunks_[chunk];
   ++preloads_running_;
-  co_await state_staging_free_->Acquire();
-  StagingBuffer buffer = std::move(state_staging_->TryAcquire()).value();
+  StagingBuffer buffer = co_await state_staging_->Acquire();
   const int registered = state_staging_registered_ ? int(buffer.index()) : -1;
   Status status;
   {
@@ -413,8 +384,7 @@ Awaitable<void> Engine::Impl::PreloadStates(size_t chunk) {
     m_.nvme_read_bytes->Increment(double(c.state_bytes()));
     c.preload.buffer = std::move(buffer);
   } else {
-    buffer.Reset();
-    state_staging_free_->Release();
+    state_staging_->Release(buffer);
   }
   c.preload.status = status;
   --preloads_running_;
@@ -422,28 +392,30 @@ Awaitable<void> Engine::Impl::PreloadStates(size_t chunk) {
 }
 
 void Engine::Impl::StartPreloads() {
-  if (state_staging_ == nullptr) return;
+  if (!state_staging_) return;
   // Leave one staging buffer for a chunk that arrives out of the expected order.
   const int depth = std::max(1, options_.host.optimizer_buffer_count - 1);
   int started = 0;
   for (size_t i = chunks_.size(); i-- > 0 && started < depth;) {
     Chunk& c = chunks_[i];
     if (c.placement.optimizer_states != Tier::kNvme || c.preload.active) continue;
-    c.preload.active = true;
-    c.preload.ready.emplace(0);
-    boost::asio::co_spawn(loop_.executor(), PreloadStates(i), boost::asio::detached);
+    StartPreload(i);
     ++started;
   }
+}
+
+void Engine::Impl::StartPreload(size_t chunk) {
+  Chunk& c = chunks_[chunk];
+  c.preload.active = true;
+  c.preload.ready.emplace(0);
+  boost::asio::co_spawn(loop_.executor(), PreloadStates(chunk), boost::asio::detached);
 }
 
 Awaitable<void> Engine::Impl::DropPreloads() {
   for (Chunk& c : chunks_) {
     if (!c.preload.active) continue;
     co_await c.preload.ready->Acquire();
-    if (c.preload.buffer.valid()) {
-      c.preload.buffer.Reset();
-      state_staging_free_->Release();
-    }
+    state_staging_->Release(c.preload.buffer);
     c.preload = {};
   }
 }

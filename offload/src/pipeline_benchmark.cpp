@@ -32,7 +32,11 @@ Status QueueCompute(Device& device, double ms) {
   });
 }
 
-size_t StateBytes(size_t numel) { return numel * sizeof(float) * 3; }
+/// HostDevice with room for every chunk's parameters and gradients, copies at copy_gbps.
+Result<std::unique_ptr<Device>> CreateBenchmarkDevice(const PipelineBenchmarkOptions& o) {
+  return CreateHostDevice({.memory_budget_bytes = 2 * o.chunk_bytes * (o.chunks + 1) + kMiB,
+                           .copy_bytes_per_second = o.copy_gbps * 1e9});
+}
 
 /// Forward and backward of every chunk, alone on the compute stream.
 Result<double> TimeCompute(Device& device, const PipelineBenchmarkOptions& o) {
@@ -66,7 +70,7 @@ Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
   const size_t wsize = DTypeSize(o.working_dtype);
   std::vector<AlignedBuffer> states, grads, copies;
   for (int c = 0; c < o.chunks; ++c) {
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer s, AlignedBuffer::Allocate(StateBytes(numel)));
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer s, AlignedBuffer::Allocate(ChunkStateBytes(numel)));
     STRATA_ASSIGN_OR_RETURN(AlignedBuffer g, AlignedBuffer::Allocate(numel * wsize));
     STRATA_ASSIGN_OR_RETURN(AlignedBuffer p, AlignedBuffer::Allocate(numel * wsize));
     // First touch by the optimizer's threads, as in the engine's steady state.
@@ -110,7 +114,7 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
                           nvme::IoEngine::Create({.backend = nv.backend,
                                                   .block_size = nv.block_size,
                                                   .queue_depth = uint32_t(nv.queue_depth)}));
-  const uint64_t bytes = StateBytes(numel);
+  const uint64_t bytes = ChunkStateBytes(numel);
   const uint64_t per_path =
       AlignUp(AlignUp(bytes, kMiB) * o.chunks / o.nvme_paths.size() + 16 * kMiB, kMiB);
   STRATA_ASSIGN_OR_RETURN(
@@ -218,44 +222,51 @@ Status PipelineBenchmarkOptions::Validate() const {
   return Status();
 }
 
-Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOptions& o) {
+Result<std::vector<ResourceTime>> TimeResourcesAlone(const PipelineBenchmarkOptions& o) {
   STRATA_RETURN_IF_ERROR(o.Validate());
   auto say = [&](const std::string& line) {
     if (o.progress) o.progress(line);
   };
   const size_t numel = o.chunk_bytes / DTypeSize(o.working_dtype);
-  PipelineBenchmarkResult result;
-  result.params = uint64_t(numel) * o.chunks;
-
-  const uint64_t device_bytes = 2 * o.chunk_bytes * (o.chunks + 1) + kMiB;
-  STRATA_ASSIGN_OR_RETURN(auto device,
-                          CreateHostDevice({.memory_budget_bytes = device_bytes,
-                                            .copy_bytes_per_second = o.copy_gbps * 1e9}));
+  STRATA_ASSIGN_OR_RETURN(auto device, CreateBenchmarkDevice(o));
   const uint64_t chunk_copy_bytes = o.chunk_bytes * o.chunks;
+  std::vector<ResourceTime> resources;
   say("compute alone");
   STRATA_ASSIGN_OR_RETURN(double compute, TimeCompute(*device, o));
-  result.resources.push_back({"compute", compute, 0});
+  resources.push_back({"compute", compute, 0});
   say("device->host copies alone");
   STRATA_ASSIGN_OR_RETURN(double d2h, TimeCopies(*device, o, /*to_device=*/false));
-  result.resources.push_back({"device_to_host", d2h, chunk_copy_bytes});
+  resources.push_back({"device_to_host", d2h, chunk_copy_bytes});
   say("cpu adam alone");
   STRATA_ASSIGN_OR_RETURN(double adam, TimeCpuAdam(o, numel));
-  result.resources.push_back({"cpu_adam", adam, uint64_t(28) * numel * o.chunks});
-  double nvme_seconds = 0.0;
+  resources.push_back({"cpu_adam", adam, uint64_t(28) * numel * o.chunks});
   if (o.optimizer_states == Tier::kNvme) {
     say("nvme reads and writes alone");
     STRATA_ASSIGN_OR_RETURN(auto nvme, TimeNvme(o, numel));
-    result.resources.push_back({"nvme_read", nvme.first, StateBytes(numel) * o.chunks});
-    result.resources.push_back({"nvme_write", nvme.second, StateBytes(numel) * o.chunks});
-    nvme_seconds = nvme.first + nvme.second;
+    resources.push_back({"nvme_read", nvme.first, ChunkStateBytes(numel) * o.chunks});
+    resources.push_back({"nvme_write", nvme.second, ChunkStateBytes(numel) * o.chunks});
   }
   say("host->device copies alone");
   STRATA_ASSIGN_OR_RETURN(double h2d, TimeCopies(*device, o, /*to_device=*/true));
-  result.resources.push_back({"host_to_device", h2d, chunk_copy_bytes});
+  resources.push_back({"host_to_device", h2d, chunk_copy_bytes});
+  return resources;
+}
 
+Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOptions& o) {
+  PipelineBenchmarkResult result;
+  STRATA_ASSIGN_OR_RETURN(result.resources, TimeResourcesAlone(o));
+  auto say = [&](const std::string& line) {
+    if (o.progress) o.progress(line);
+  };
+  const size_t numel = o.chunk_bytes / DTypeSize(o.working_dtype);
+  result.params = uint64_t(numel) * o.chunks;
+  double nvme_seconds = 0.0;
   for (const ResourceTime& r : result.resources) {
     result.serial_seconds += r.seconds;
-    if (r.name == "nvme_read" || r.name == "nvme_write") continue;
+    if (r.name == "nvme_read" || r.name == "nvme_write") {
+      nvme_seconds += r.seconds;
+      continue;
+    }
     if (r.seconds > result.slowest_seconds) {
       result.slowest = r.name;
       result.slowest_seconds = r.seconds;
@@ -277,6 +288,7 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   for (int c = 0; c < o.chunks; ++c) {
     specs.push_back({"chunk" + std::to_string(c) + ".weight", {int64_t(numel)}, {}});
   }
+  STRATA_ASSIGN_OR_RETURN(auto device, CreateBenchmarkDevice(o));
   STRATA_ASSIGN_OR_RETURN(auto engine, Engine::Create(options, *device, specs));
   for (int s = 0; s < o.warmup_steps + o.timed_steps; ++s) {
     const bool timed = s >= o.warmup_steps;

@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -48,7 +47,7 @@ Status RunAdam(const BenchAllFlags& f, ordered_json& report) {
   const size_t numel = f.quick ? 16 * kMiB : 64 * kMiB;
   Progress(1, "adam: CPU optimizer step vs its memory-bandwidth roofline, " + FormatCount(numel) +
                   " params, 4 settings");
-  const int all_threads = int(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  const int all_threads = std::max(1, report["machine"]["hardware_threads"].get<int>());
   for (bool engine_dtypes : {false, true}) {
     for (int threads : {1, all_threads}) {
       cpu_adam::AdamBenchmarkOptions o;

@@ -31,9 +31,9 @@ Result<std::vector<CopyPoint>> RunCopyBench(Device& device, const CopyBenchSetti
 
   std::vector<CopyPoint> points;
   for (uint64_t size : settings.sizes) {
-    for (const char* direction : {"host_to_device", "device_to_host"}) {
-      const bool up = std::strcmp(direction, "host_to_device") == 0;
-      const Stream stream = up ? Stream::kHostToDevice : Stream::kDeviceToHost;
+    for (const Stream stream : {Stream::kHostToDevice, Stream::kDeviceToHost}) {
+      const bool up = stream == Stream::kHostToDevice;
+      const char* direction = up ? "host_to_device" : "device_to_host";
       auto copy = [&] {
         return up ? device.CopyToDevice(on_device.data(), host.data(), size, stream)
                   : device.CopyToHost(host.data(), on_device.data(), size, stream);

@@ -20,10 +20,7 @@ class MetricsServer::Impl {
   explicit Impl(MetricsServerOptions options) : options_(std::move(options)), acceptor_(context_) {}
 
   ~Impl() {
-    asio::post(context_, [this] {
-      boost::system::error_code ignored;
-      acceptor_.close(ignored);
-    });
+    // Stopped and joined first; the acceptor and any sessions close as their objects die.
     context_.stop();
     if (thread_.joinable()) thread_.join();
   }

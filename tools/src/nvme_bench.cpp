@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -28,7 +27,7 @@ class SequentialPass {
  public:
   SequentialPass(nvme::IoEngine& engine, nvme::FileId file, IoOp op, const NvmeBenchSettings& s,
                  std::span<std::byte> buffers, bool registered)
-      : engine_(engine), op_(op), settings_(s), slots_(s.queue_depth) {
+      : engine_(engine), settings_(s), slots_(s.queue_depth) {
     for (uint32_t i = 0; i < s.queue_depth; ++i) {
       nvme::IoRequest& r = slots_[i];
       r.op = op;
@@ -97,7 +96,6 @@ class SequentialPass {
   }
 
   nvme::IoEngine& engine_;
-  IoOp op_;
   const NvmeBenchSettings& settings_;
   std::vector<nvme::IoRequest> slots_;
   std::mutex mutex_;

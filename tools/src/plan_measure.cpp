@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "copy_bench.h"
 #include "strata/core/bytes.h"
@@ -12,13 +14,6 @@ namespace {
 
 /// Enough chunks to reach the engine's steady state, few enough to take seconds.
 constexpr double kMaxMeasuredParams = 32.0 * kMiB;
-
-double RateOf(const offload::PipelineBenchmarkResult& r, const std::string& name) {
-  for (const offload::ResourceTime& t : r.resources) {
-    if (t.name == name && t.seconds > 0) return double(t.bytes) / t.seconds;
-  }
-  return 0.0;
-}
 
 }  // namespace
 
@@ -54,16 +49,15 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   o.copy_gbps = 0.0;
   o.optimizer_states = Tier::kNvme;
   o.nvme_paths = {s.nvme_path};
-  o.warmup_steps = 0;
-  o.timed_steps = 1;
   progress("measuring the CPU optimizer and NVMe state traffic as the engine runs them (" +
            std::to_string(o.chunks) + " chunks in " + s.nvme_path + ")");
-  STRATA_ASSIGN_OR_RETURN(offload::PipelineBenchmarkResult r, offload::RunPipelineBenchmark(o));
-  rates.nvme_read_bytes_per_second = RateOf(r, "nvme_read");
-  rates.nvme_write_bytes_per_second = RateOf(r, "nvme_write");
-  for (const offload::ResourceTime& t : r.resources) {
-    if (t.name == "cpu_adam" && t.seconds > 0) {
-      rates.optimizer_params_per_second = double(r.params) / t.seconds;
+  STRATA_ASSIGN_OR_RETURN(std::vector<offload::ResourceTime> alone, offload::TimeResourcesAlone(o));
+  for (const offload::ResourceTime& r : alone) {
+    if (r.seconds <= 0) continue;
+    if (r.name == "nvme_read") rates.nvme_read_bytes_per_second = double(r.bytes) / r.seconds;
+    if (r.name == "nvme_write") rates.nvme_write_bytes_per_second = double(r.bytes) / r.seconds;
+    if (r.name == "cpu_adam") {
+      rates.optimizer_params_per_second = double(o.chunks) * chunk_params / r.seconds;
     }
   }
   return rates;

@@ -2,16 +2,13 @@
 // the shipped corpus. Its defaults are the demo: optimizer states on NVMe in a temporary
 // folder, parameters offloaded to host memory, and a device budget a fraction of the model.
 #include <stdlib.h>
-#include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -132,7 +129,7 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f, ScratchDir& scratch,
       offload::ChunkLayout layout,
       offload::ChunkLayout::Build(specs, o.precision.working_dtype, o.placement.chunk_bytes));
   const uint64_t slot =
-      2 * AlignUp(layout.max_chunk_numel() * DTypeSize(o.precision.working_dtype), 4 * kKiB);
+      offload::ChunkDeviceBytes(layout.max_chunk_numel(), o.precision.working_dtype);
   if (f.device_memory > 0) {
     o.device.host_device_memory_bytes = f.device_memory;
     o.device.cuda_memory_bytes = f.device_memory;
@@ -171,11 +168,7 @@ struct RunTotals {
 RunTotals Totals(const std::vector<TrainStepRecord>& records) {
   RunTotals t;
   for (const TrainStepRecord& r : records) {
-    t.moved.device_to_host_bytes += r.counters.device_to_host_bytes;
-    t.moved.host_to_device_bytes += r.counters.host_to_device_bytes;
-    t.moved.nvme_read_bytes += r.counters.nvme_read_bytes;
-    t.moved.nvme_write_bytes += r.counters.nvme_write_bytes;
-    t.moved.optimizer_seconds += r.counters.optimizer_seconds;
+    t.moved += r.counters;
     t.compute_seconds += r.compute_seconds;
     t.step_seconds += r.seconds;
   }
@@ -347,9 +340,7 @@ int Train(const TrainFlags& f) {
   auto options = EngineOptionsFor(f, scratch, *model);
   if (!options.ok()) return Fail(kExitUsage, options.status().message(), kCommand);
   if (options->device.kind == DeviceKind::kCuda) {
-    return Fail(kExitFailure,
-                "the built-in model computes on the host; its CUDA kernels come with the GPU "
-                "issue (use --device host)");
+    return Fail(kExitFailure, examples::kHostComputeOnly);
   }
   auto device =
       CreateHostDevice({.memory_budget_bytes = options->device.host_device_memory_bytes,

@@ -22,6 +22,11 @@
 
 namespace strata::examples {
 
+/// Why a trainer on a non-host device is refused.
+inline constexpr const char* kHostComputeOnly =
+    "the built-in model computes on the host; its CUDA kernels come with the GPU issue (use "
+    "--device host)";
+
 /// A text split into training and validation bytes.
 struct Corpus {
   std::vector<uint8_t> train;
@@ -72,7 +77,7 @@ class ByteLmTrainer {
   Result<double> Evaluate();
 
   offload::Engine& engine() { return *engine_; }
-  uint64_t parameter_count() const { return parameter_count_; }
+  uint64_t parameter_count() const { return engine_->layout().parameter_numel(); }
 
  private:
   ByteLmTrainer(const TrainSettings& settings, const Corpus& corpus);
@@ -90,8 +95,7 @@ class ByteLmTrainer {
   std::vector<std::vector<size_t>> layer_chunks_;      // Chunks each layer touches.
   std::vector<int> chunk_first_layer_, chunk_last_layer_;
   std::vector<std::vector<float>> scratch_params_, scratch_grads_;  // fp32, per parameter.
-  uint64_t parameter_count_ = 0;
-  int micro_steps_ = 1;  // gradient_accumulation_steps
+  int micro_steps_ = 1;                                             // gradient_accumulation_steps
 };
 
 }  // namespace strata::examples

@@ -30,6 +30,14 @@ inline constexpr size_t kParameterAlignment = 64;
 /// Chunk lengths are multiples of this many elements: 1024 fp32 = 4 KiB.
 inline constexpr size_t kChunkAlignment = 1024;
 
+/// Bytes of a chunk's optimizer states for `numel` elements: fp32 master, exp_avg and
+/// exp_avg_sq, one after the other (the same layout in every tier and in checkpoints).
+size_t ChunkStateBytes(size_t numel);
+
+/// Device memory a resident chunk of `numel` working elements takes: its parameters and its
+/// gradients, each rounded up to whole 4 KiB pages as devices allocate them.
+size_t ChunkDeviceBytes(size_t numel, DType working_dtype);
+
 /// A parameter as the trainer registers it.
 struct ParameterSpec {
   /// Unique, non-empty name (e.g. "blocks.3.fc1.weight"); checkpoints match parameters by it.

@@ -96,7 +96,13 @@ struct EngineCounters {
   uint64_t device_optimizer_params = 0;  ///< Parameters updated on the device.
   uint64_t evictions = 0;                ///< Offloaded parameter chunks dropped from the device.
   uint64_t fetches = 0;                  ///< Offloaded parameter chunks brought to the device.
+
+  /// Field by field, for totals over steps and traffic between two readings.
+  EngineCounters& operator+=(const EngineCounters& other);
+  EngineCounters& operator-=(const EngineCounters& other);
 };
+
+inline EngineCounters operator-(EngineCounters a, const EngineCounters& b) { return a -= b; }
 
 /// Where each chunk's state lives (decided at Create from the placement options and budgets).
 struct ChunkPlacement {

@@ -69,6 +69,10 @@ struct PipelineBenchmarkResult {
   uint64_t params = 0;            ///< Parameters of the synthetic model.
 };
 
+/// Each resource timed alone on the bytes and work a step gives it, in pipeline order (the
+/// first phase of RunPipelineBenchmark; no engine step runs). Errors as RunPipelineBenchmark.
+Result<std::vector<ResourceTime>> TimeResourcesAlone(const PipelineBenchmarkOptions& options);
+
 /// Runs the benchmark. Errors: InvalidArgument for bad options; whatever the engine or the NVMe
 /// path reports otherwise.
 Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOptions& options);
