@@ -5,7 +5,8 @@ For optimizer states on host and on NVMe (parameters on the device), trains the 
 a batch small enough that the offload traffic matters, takes the median step time and the
 median model compute per step, then asks `strata plan --measure` (the same machine's rates,
 measured through the engine) for the step time of the matching placements given that compute.
-Prints both and the error; fails beyond 25%.
+Prints both and the error; fails when it is beyond 25% in two tries in a row (a shared disk's
+speed drifts between the run and the measurement).
 Usage: plan_predict_test.py STRATA
 """
 import json
@@ -25,32 +26,36 @@ def run_json(args):
     return json.loads(done.stdout)
 
 
+def measure_and_predict(strata, nvme, states):
+    """One training run at the placement and one plan for it; returns the error."""
+    run = run_json([strata, "train", "--batch", "1", "--seq", "8", "--steps", "40",
+                    "--eval-every", "0", "--chunk-size", CHUNK, "--offload-optimizer", states,
+                    "--offload-params", "device", "--nvme-path", nvme, "--json"])
+    steady = run["steps"][10:]
+    step = statistics.median(s["seconds"] for s in steady)
+    compute = statistics.median(s["compute_seconds"] for s in steady)
+    plan = run_json([strata, "plan", "--params", str(run["model"]["parameters"]), "--gpus", "1",
+                     "--precision", "bf16", "--measure", "--chunk-size", CHUNK, "--nvme-path",
+                     nvme, "--compute-seconds", str(compute), "--json"])
+    row = next(p for p in plan["placements"] if p["name"] == PLACEMENTS[states])
+    predicted = row["prediction"]["step_seconds"]
+    error = predicted / step - 1
+    print(f"states on {states}: measured {step * 1e3:.2f} ms per step "
+          f"(compute {compute * 1e3:.2f} ms), predicted {predicted * 1e3:.2f} ms "
+          f"(bound by {row['prediction']['bound_by']}), error {error:+.1%}", flush=True)
+    return error
+
+
 def main():
     strata = sys.argv[1]
     failures = []
     with tempfile.TemporaryDirectory() as nvme:
-        measured = {}
         for states in PLACEMENTS:
-            run = run_json([strata, "train", "--batch", "1", "--seq", "8", "--steps", "40",
-                            "--eval-every", "0", "--chunk-size", CHUNK, "--offload-optimizer",
-                            states, "--offload-params", "device", "--nvme-path", nvme, "--json"])
-            steady = run["steps"][10:]
-            measured[states] = (statistics.median(s["seconds"] for s in steady),
-                                statistics.median(s["compute_seconds"] for s in steady),
-                                run["model"]["parameters"])
-        for states, (step, compute, params) in measured.items():
-            plan = run_json([strata, "plan", "--params", str(params), "--gpus", "1",
-                             "--precision", "bf16", "--measure", "--chunk-size", CHUNK,
-                             "--nvme-path", nvme, "--compute-seconds", str(compute), "--json"])
-            row = next(p for p in plan["placements"] if p["name"] == PLACEMENTS[states])
-            predicted = row["prediction"]["step_seconds"]
-            error = predicted / step - 1
-            print(f"states on {states}: measured {step * 1e3:.2f} ms per step "
-                  f"(compute {compute * 1e3:.2f} ms), predicted {predicted * 1e3:.2f} ms "
-                  f"(bound by {row['prediction']['bound_by']}), error {error:+.1%}")
-            if abs(error) > TOLERANCE:
+            # A shared disk's speed can change between the run and the plan's measurement; a
+            # model that is wrong is wrong twice.
+            if all(abs(measure_and_predict(strata, nvme, states)) > TOLERANCE for _ in range(2)):
                 failures.append(states)
-    assert not failures, f"prediction off by more than {TOLERANCE:.0%} for {failures}"
+    assert not failures, f"prediction off by more than {TOLERANCE:.0%} twice for {failures}"
 
 
 if __name__ == "__main__":

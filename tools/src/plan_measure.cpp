@@ -7,12 +7,16 @@
 
 #include "copy_bench.h"
 #include "strata/core/bytes.h"
+#include "strata/offload/chunk_layout.h"
 #include "strata/offload/pipeline_benchmark.h"
 
 namespace strata::tools {
 namespace {
 
-/// Enough chunks to reach the engine's steady state, few enough to take seconds.
+/// The rates of the engine's access pattern do not depend on the model's size: a small model
+/// is measured on this much state traffic per direction (short passes on a shared disk are
+/// noise), a large one on at most kMaxMeasuredParams of it.
+constexpr double kMinMeasuredStateBytes = 256.0 * kMiB;
 constexpr double kMaxMeasuredParams = 32.0 * kMiB;
 
 }  // namespace
@@ -42,8 +46,11 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   o.chunk_bytes = s.chunk_bytes;
   o.working_dtype = s.working_dtype;
   const double chunk_params = double(s.chunk_bytes) / DTypeSize(s.working_dtype);
-  o.chunks = int(
-      std::clamp(std::ceil(std::min(s.params, kMaxMeasuredParams) / chunk_params), 4.0, 1024.0));
+  const double chunk_state_bytes = double(offload::ChunkStateBytes(size_t(chunk_params)));
+  o.chunks =
+      int(std::clamp(std::ceil(std::max(std::min(s.params, kMaxMeasuredParams) / chunk_params,
+                                        kMinMeasuredStateBytes / chunk_state_bytes)),
+                     4.0, 1024.0));
   o.forward_ms = 0.0;
   o.backward_ms = 0.0;
   o.copy_gbps = 0.0;
