@@ -117,10 +117,13 @@ class CudaDevice final : public Device {
       info.used_bytes = used_bytes_;
       info.peak_bytes = peak_bytes_;
     }
+    // What Allocate can still hand out: the budget left, or less when the GPU has less free
+    // (other processes, the CUDA context itself).
+    info.free_bytes = budget_ > info.used_bytes ? budget_ - info.used_bytes : 0;
     size_t free_bytes = 0, total_bytes = 0;
     if (cudaSetDevice(index_) == cudaSuccess &&
         cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
-      info.free_bytes = free_bytes;
+      info.free_bytes = std::min<uint64_t>(info.free_bytes, free_bytes);
     }
     return info;
   }

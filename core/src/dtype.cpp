@@ -3,6 +3,7 @@
 #include <bit>
 #include <cassert>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace strata {
@@ -159,6 +160,14 @@ void Bf16ToFp32(std::span<const uint16_t> in, std::span<float> out) {
   assert(in.size() == out.size() && "Bf16ToFp32: out.size() must equal in.size()");
   const size_t n = in.size() < out.size() ? in.size() : out.size();
   for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFp32Bits(in[i]);
+}
+
+void Fp32ToDType(std::span<const float> in, DType dtype, void* out) {
+  switch (dtype) {
+    case DType::kFp32: std::memcpy(out, in.data(), in.size_bytes()); break;
+    case DType::kFp16: Fp32ToFp16(in, {static_cast<uint16_t*>(out), in.size()}); break;
+    case DType::kBf16: Fp32ToBf16(in, {static_cast<uint16_t*>(out), in.size()}); break;
+  }
 }
 
 }  // namespace strata

@@ -168,8 +168,12 @@ class SwapSpace::Impl {
     extents_[id.index] = Extent{};
   }
 
+  uint64_t Checksum(const std::byte* data, size_t bytes) const {
+    return options_.checksums ? XXH3_64bits(data, bytes) : 0;
+  }
+
   void Submit(IoOp op, ExtentId id, std::byte* data, size_t bytes, int registered_buffer,
-              std::function<void(Status)> done) {
+              std::function<void(Status)> done, std::optional<uint64_t> given_checksum) {
     auto owned = std::make_unique<MultiRequest>();
     MultiRequest* multi = owned.get();
     uint64_t expected_checksum = 0;
@@ -210,7 +214,7 @@ class SwapSpace::Impl {
     }
     const bool checksums = options_.checksums;
     if (op == IoOp::kWrite) {
-      const uint64_t checksum = checksums ? XXH3_64bits(data, bytes) : 0;
+      const uint64_t checksum = given_checksum ? *given_checksum : Checksum(data, bytes);
       multi->done = [this, id, bytes, checksum, done = std::move(done)](Status status) {
         if (status.ok()) {
           std::lock_guard lock(mutex_);
@@ -335,15 +339,19 @@ Result<ExtentId> SwapSpace::Allocate(uint64_t bytes) { return impl_->Allocate(by
 void SwapSpace::Free(ExtentId extent) { impl_->Free(extent); }
 
 void SwapSpace::Write(ExtentId extent, const std::byte* data, size_t bytes, int registered_buffer,
-                      std::function<void(Status)> done) {
+                      std::function<void(Status)> done, std::optional<uint64_t> checksum) {
   // The engine only reads from `data` for a write.
   impl_->Submit(IoOp::kWrite, extent, const_cast<std::byte*>(data), bytes, registered_buffer,
-                std::move(done));
+                std::move(done), checksum);
+}
+
+uint64_t SwapSpace::Checksum(const std::byte* data, size_t bytes) const {
+  return impl_->Checksum(data, bytes);
 }
 
 void SwapSpace::Read(ExtentId extent, std::byte* data, int registered_buffer,
                      std::function<void(Status)> done) {
-  impl_->Submit(IoOp::kRead, extent, data, 0, registered_buffer, std::move(done));
+  impl_->Submit(IoOp::kRead, extent, data, 0, registered_buffer, std::move(done), std::nullopt);
 }
 
 namespace {

@@ -12,44 +12,6 @@
 
 namespace strata::offload {
 
-// ---- LoopSemaphore ----
-
-Awaitable<void> LoopSemaphore::Acquire() {
-  return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void()>(
-      [this](auto handler) {
-        auto resume = internal::PostingCallback(std::move(handler));
-        if (count_ > 0) {
-          --count_;
-          resume();
-        } else {
-          waiters_.emplace_back(std::move(resume));
-        }
-      },
-      boost::asio::use_awaitable);
-}
-
-void LoopSemaphore::Release() {
-  if (waiters_.empty()) {
-    ++count_;
-    return;
-  }
-  auto next = std::move(waiters_.front());
-  waiters_.pop_front();
-  next();
-}
-
-Awaitable<StagingBuffer> LoopStagingPool::Acquire() {
-  co_await free_.Acquire();
-  // A unit of free_ is a free buffer, so this cannot fail.
-  co_return std::move(pool_->TryAcquire()).value();
-}
-
-void LoopStagingPool::Release(StagingBuffer& buffer) {
-  if (!buffer.valid()) return;
-  buffer.Reset();
-  free_.Release();
-}
-
 // ---- Placement and budgets ----
 
 namespace {
@@ -60,14 +22,14 @@ uint64_t PhysicalMemoryBytes() {
   return pages > 0 && page_size > 0 ? uint64_t(pages) * uint64_t(page_size) : 0;
 }
 
-/// The device budget the engine may use: what the device has free now, capped by the CUDA
-/// budget option.
-uint64_t DeviceBudgetBytes(const EngineOptions& options, const Device& device) {
-  const uint64_t free = device.memory_info().free_bytes;
-  if (options.device.kind == DeviceKind::kCuda && options.device.cuda_memory_bytes > 0) {
-    return std::min(free, options.device.cuda_memory_bytes);
-  }
-  return free;
+/// The device budget the engine may use: what the device may still hand out. The device's own
+/// budget is the one source of truth (its creator sized it, e.g. from cuda_memory_bytes); the
+/// hardware's free memory only lowers it.
+uint64_t DeviceBudgetBytes(const Device& device) {
+  const DeviceMemoryInfo info = device.memory_info();
+  const uint64_t budget_left =
+      info.budget_bytes > info.used_bytes ? info.budget_bytes - info.used_bytes : 0;
+  return std::min(info.free_bytes, budget_left);
 }
 
 uint64_t HostBudgetBytes(const EngineOptions& options) {
@@ -89,40 +51,36 @@ Engine::Impl::Impl(const EngineOptions& options, Device& device, ChunkLayout lay
       device_(device),
       layout_(std::move(layout)),
       environment_(std::move(environment)),
-      device_budget_(Tier::kDevice, DeviceBudgetBytes(options, device)),
+      device_budget_(Tier::kDevice, DeviceBudgetBytes(device)),
       host_budget_(Tier::kHost, HostBudgetBytes(options)),
-      nvme_budget_(Tier::kNvme, 0),
-      loss_scaler_(options.precision),
-      lr_(options.optimizer.lr) {}
+      nvme_budget_(Tier::kNvme, 0) {}
 
 Engine::Impl::~Impl() {
+  // Journeys of a gated step whose verdict never came (the trainer stopped mid-backward) give up;
+  // everything else started (a step, updates begun during backward, fetches, preloads) ends.
+  boost::asio::post(loop_.executor(), [this] { pipeline_.Cancel(); });
   WaitIdle();
   // Copies queued on the device's streams (even by a Create that failed half-way) read and
   // write buffers freed below.
   device_.Synchronize().IgnoreError();
   // Preloaded states hold staging buffers, which must go back before the pool is destroyed.
-  if (!chunks_.empty()) loop_.Run(DropPreloads());
+  if (!chunks_.empty()) loop_.Run(pipeline_.DropPreloads());
+}
+
+void Engine::Impl::Spawn(Awaitable<void> work) {
+  {
+    std::lock_guard lock(work_mutex_);
+    ++work_running_;
+  }
+  boost::asio::co_spawn(loop_.executor(), std::move(work), [this](std::exception_ptr) {
+    std::lock_guard lock(work_mutex_);
+    if (--work_running_ == 0) work_idle_.notify_all();
+  });
 }
 
 void Engine::Impl::WaitIdle() {
-  for (;;) {
-    {
-      std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] {
-        if (step_running_) return false;
-        for (const Chunk& c : chunks_) {
-          if (c.fetching || c.grads_in_flight) return false;
-        }
-        return true;
-      });
-    }
-    // Updates started during backward may still run though no step was asked for.
-    auto idle = [this]() -> Awaitable<bool> {
-      co_return step_.updates_running == 0 && !step_.committing && preloads_running_ == 0;
-    };
-    if (loop_.Run(idle())) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  std::unique_lock lock(work_mutex_);
+  work_idle_.wait(lock, [&] { return work_running_ == 0; });
 }
 
 Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
@@ -145,14 +103,16 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
         "optimizer states kept on the device (offload_optimizer.device=none or ratio < 1) need "
         "the working parameters on the device too; set placement.params to device");
   }
-  if (wants_device_states && options_.device.kind == DeviceKind::kCuda) {
+  // The device passed decides, whatever options.device says: the CPU must not touch a GPU's
+  // memory.
+  if (wants_device_states && device_.properties().kind == DeviceKind::kCuda) {
     return Unavailable(
         "optimizer steps on a CUDA device are not built yet (they come with the GPU kernels); "
         "place optimizer states on host or nvme with offload_ratio 1");
   }
 
   // --- Where each chunk lives ---
-  chunks_.resize(n_chunks);
+  chunks_ = std::vector<Chunk>(n_chunks);
   uint64_t params_in_host = 0;
   for (size_t i = 0; i < n_chunks; ++i) {
     Chunk& c = chunks_[i];
@@ -378,20 +338,41 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       if (!values.empty())
         std::copy(values.begin(), values.end(), master + layout_.location(p).offset);
     }
-    STRATA_RETURN_IF_ERROR(WriteChunkStates(i, states.data()));
-    STRATA_ASSIGN_OR_RETURN(chunks_[i].released, device_.CreateEvent());
+    STRATA_RETURN_IF_ERROR(WriteNvmeHome(i, states.data(), /*shadow=*/false));
+    STRATA_RETURN_IF_ERROR(WriteMemoryHome(i, states.data()));
   }
   STRATA_ASSIGN_OR_RETURN(compute_marker_, device_.CreateEvent());
+  STRATA_RETURN_IF_ERROR(residency_.Initialize());
 
   STRATA_ASSIGN_OR_RETURN(
       cpu_adam::CpuOptimizer optimizer,
       cpu_adam::CpuOptimizer::Create({.threads = options_.optimizer.cpu_threads}));
   optimizer_.emplace(std::move(optimizer));
   m_.Register(metrics_);
-  m_.loss_scale->Set(loss_scaler_.scale());
+  m_.loss_scale->Set(pipeline_.loss_scale());
   UpdateTierGauges();
-  boost::asio::post(loop_.executor(), [this] { StartPreloads(); });
+  pipeline_.Initialize();
   return Status();
+}
+
+Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
+  if (chunk >= chunks_.size()) {
+    return InvalidArgument("chunk " + std::to_string(chunk) + " does not exist (the engine has " +
+                           std::to_string(chunks_.size()) + ")");
+  }
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "Acquire(" + std::to_string(chunk) + ")"));
+  return residency_.Acquire(chunk);
+}
+
+void Engine::Impl::Release(size_t chunk) {
+  if (chunk < chunks_.size()) residency_.Release(chunk);
+}
+
+Status Engine::Impl::GradsReady(size_t chunk) {
+  if (chunk >= chunks_.size()) {
+    return InvalidArgument("chunk " + std::to_string(chunk) + " does not exist");
+  }
+  return pipeline_.GradsReady(chunk);
 }
 
 // ---- Engine: forwarding ----
@@ -419,13 +400,11 @@ DType Engine::working_dtype() const { return impl_->working_dtype(); }
 Result<ChunkView> Engine::Acquire(size_t chunk) { return impl_->Acquire(chunk); }
 void Engine::Release(size_t chunk) { impl_->Release(chunk); }
 Status Engine::GradsReady(size_t chunk) { return impl_->GradsReady(chunk); }
-std::future<Result<StepReport>> Engine::Step() { return impl_->Step(); }
-double Engine::loss_scale() const {
-  std::lock_guard lock(impl_->mutex_);
-  return impl_->loss_scaler_.scale();
-}
-int64_t Engine::step_count() const { return impl_->step_count_.load(); }
-void Engine::SetLearningRate(double lr) { impl_->lr_.store(lr); }
+std::future<Result<StepReport>> Engine::Step() { return impl_->pipeline_.Step(); }
+double Engine::loss_scale() const { return impl_->pipeline_.loss_scale(); }
+int64_t Engine::step_count() const { return impl_->pipeline_.step_count(); }
+int64_t Engine::iteration_count() const { return impl_->pipeline_.iteration_count(); }
+void Engine::SetLearningRate(double lr) { impl_->pipeline_.SetLearningRate(lr); }
 Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   return impl_->Save(dir, save_options);
 }

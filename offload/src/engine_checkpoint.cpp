@@ -19,28 +19,7 @@ std::string ChunkFileName(size_t chunk) {
   return name;
 }
 
-/// Rounds `numel` fp32 values into `out` as `dtype` (a plain copy for fp32).
-void ToWorkingDtype(const float* values, size_t numel, DType dtype, void* out) {
-  switch (dtype) {
-    case DType::kFp32: std::memcpy(out, values, numel * sizeof(float)); break;
-    case DType::kFp16: Fp32ToFp16({values, numel}, {static_cast<uint16_t*>(out), numel}); break;
-    case DType::kBf16: Fp32ToBf16({values, numel}, {static_cast<uint16_t*>(out), numel}); break;
-  }
-}
-
 }  // namespace
-
-Status Engine::Impl::CheckBetweenSteps(const char* operation) const {
-  std::lock_guard lock(mutex_);
-  if (step_running_) return FailedPrecondition(std::string(operation) + " while a step is running");
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    if (chunks_[i].micro_steps > 0 || chunks_[i].grads_in_flight) {
-      return FailedPrecondition(std::string(operation) + " while chunk " + std::to_string(i) +
-                                " holds gradients of an unfinished step; call Step() first");
-    }
-  }
-  return Status();
-}
 
 Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
   const Chunk& c = chunks_[chunk];
@@ -54,7 +33,33 @@ Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
   return Internal("unknown tier");
 }
 
-Status Engine::Impl::WriteChunkStates(size_t chunk, const std::byte* states) {
+namespace {
+
+/// The chunk's working parameters: its master (the first numel floats of `states`) rounded.
+Result<AlignedBuffer> WorkingParams(const Chunk& c, const std::byte* states, DType dtype) {
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer working,
+                          AlignedBuffer::Allocate(c.working_bytes(DTypeSize(dtype))));
+  Fp32ToDType({reinterpret_cast<const float*>(states), c.numel}, dtype, working.data());
+  return working;
+}
+
+}  // namespace
+
+Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow) {
+  Chunk& c = chunks_[chunk];
+  if (c.placement.optimizer_states == Tier::kNvme) {
+    const nvme::ExtentId extent = shadow ? c.state_shadow() : c.state_extents[c.state_current];
+    STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, states, c.state_bytes()));
+  }
+  if (c.placement.params == Tier::kNvme) {
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, WorkingParams(c, states, working_dtype()));
+    const nvme::ExtentId extent = shadow ? c.param_shadow() : c.param_extents[c.param_current];
+    STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, working.data(), working.size()));
+  }
+  return Status();
+}
+
+Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
   Chunk& c = chunks_[chunk];
   switch (c.placement.optimizer_states) {
     case Tier::kDevice:
@@ -62,23 +67,16 @@ Status Engine::Impl::WriteChunkStates(size_t chunk, const std::byte* states) {
       STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kHostToDevice));
       break;
     case Tier::kHost: std::memcpy(c.host_states.data(), states, c.state_bytes()); break;
-    case Tier::kNvme:
-      STRATA_RETURN_IF_ERROR(
-          swap_->WriteSync(c.state_extents[c.state_current], states, c.state_bytes()));
-      break;
+    case Tier::kNvme: break;
   }
-  const size_t wbytes = c.working_bytes(working_size());
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, AlignedBuffer::Allocate(wbytes));
-  ToWorkingDtype(reinterpret_cast<const float*>(states), c.numel, working_dtype(), working.data());
-  switch (c.placement.params) {
-    case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working.data(), wbytes));
-      return device_.SynchronizeStream(Stream::kHostToDevice);
-    case Tier::kHost: std::memcpy(c.host_params.data(), working.data(), wbytes); return Status();
-    case Tier::kNvme:
-      return swap_->WriteSync(c.param_extents[c.param_current], working.data(), wbytes);
+  if (c.placement.params == Tier::kNvme) return Status();
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, WorkingParams(c, states, working_dtype()));
+  if (c.placement.params == Tier::kHost) {
+    std::memcpy(c.host_params.data(), working.data(), working.size());
+    return Status();
   }
-  return Internal("unknown tier");
+  STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working.data(), working.size()));
+  return device_.SynchronizeStream(Stream::kHostToDevice);
 }
 
 Status Engine::Impl::ReadMasterParameter(size_t parameter, std::span<float> out) {
@@ -91,10 +89,7 @@ Status Engine::Impl::ReadMasterParameter(size_t parameter, std::span<float> out)
                            std::to_string(loc.numel) + " elements; the output holds " +
                            std::to_string(out.size()));
   }
-  {
-    std::lock_guard lock(mutex_);
-    if (step_running_) return FailedPrecondition("ReadMasterParameter while a step is running");
-  }
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(loc.chunk, "ReadMasterParameter"));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
                           AlignedBuffer::Allocate(chunks_[loc.chunk].state_bytes()));
   STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
@@ -104,10 +99,10 @@ Status Engine::Impl::ReadMasterParameter(size_t parameter, std::span<float> out)
 }
 
 Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
-  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("Save"));
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Save"));
   json manifest = internal::NewManifest();
-  const LossScalerState& scaler = loss_scaler_.state();
-  manifest["engine"] = {{"step_count", step_count_.load()},
+  const LossScalerState scaler = pipeline_.scaler_state();
+  manifest["engine"] = {{"step_count", pipeline_.step_count()},
                         {"working_dtype", DTypeName(working_dtype())},
                         {"chunk_bytes", options_.placement.chunk_bytes},
                         {"optimizer", OptimizerTypeName(options_.optimizer.type)},
@@ -197,7 +192,12 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
 }  // namespace
 
 Status Engine::Impl::Load(const std::filesystem::path& dir) {
-  STRATA_RETURN_IF_ERROR(CheckBetweenSteps("Load"));
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Load"));
+  if (std::optional<size_t> held = residency_.FirstAcquired()) {
+    return FailedPrecondition("Load while chunk " + std::to_string(*held) +
+                              " is acquired; Release every chunk first (Load replaces its "
+                              "parameters)");
+  }
   STRATA_ASSIGN_OR_RETURN(internal::CheckpointReader reader, internal::CheckpointReader::Open(dir));
   const json& manifest = reader.manifest();
   LossScalerState scaler;
@@ -219,7 +219,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
     return DataLoss("checkpoint manifest in " + dir.string() + " is missing a field: " + e.what());
   }
 
-  // First verify every file, then apply: a corrupted checkpoint changes nothing.
+  // First verify every file: a corrupted checkpoint changes nothing.
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (digests[i].bytes != chunks_[i].state_bytes()) {
       return DataLoss("checkpoint file " + ChunkFileName(i) + " holds " +
@@ -232,22 +232,48 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
   }
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
                           AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
-  // States read ahead from NVMe are about to be replaced: drop them, and read again after.
-  loop_.Run(DropPreloads());
+  auto read_chunk = [&](size_t i) {
+    return reader.ReadFile(ChunkFileName(i), digests[i],
+                           [&](std::span<const std::byte> piece, uint64_t offset) {
+                             std::memcpy(states.data() + offset, piece.data(), piece.size());
+                             return Status();
+                           });
+  };
+  // Then what lives on NVMe goes into the shadow extents, where a failure half-way (a write
+  // error, a full disk) leaves the current state untouched.
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    STRATA_RETURN_IF_ERROR(reader.ReadFile(
-        ChunkFileName(i), digests[i], [&](std::span<const std::byte> piece, uint64_t offset) {
-          std::memcpy(states.data() + offset, piece.data(), piece.size());
-          return Status();
-        }));
-    STRATA_RETURN_IF_ERROR(WriteChunkStates(i, states.data()));
+    const Chunk& c = chunks_[i];
+    if (c.placement.optimizer_states != Tier::kNvme && c.placement.params != Tier::kNvme) continue;
+    STRATA_RETURN_IF_ERROR(read_chunk(i));
+    STRATA_RETURN_IF_ERROR(WriteNvmeHome(i, states.data(), /*shadow=*/true)
+                               .WithContext("loading chunk " + std::to_string(i)));
   }
-  boost::asio::post(loop_.executor(), [this] { StartPreloads(); });
-  std::lock_guard lock(mutex_);
-  DropOffloadedCopies();
-  loss_scaler_.Restore(scaler);
-  step_count_.store(step_count);
-  m_.loss_scale->Set(loss_scaler_.scale());
+  // Memory tiers are written in place. After the verification above only a disk that fails
+  // between two reads of the same checkpoint can stop this half-way; the engine then says so.
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    Status loaded = read_chunk(i);
+    if (loaded.ok()) loaded = WriteMemoryHome(i, states.data());
+    if (!loaded.ok()) {
+      return loaded.WithContext("loading chunk " + std::to_string(i) +
+                                " into memory after every file was verified; the engine's "
+                                "host and device state is now partly loaded: load again");
+    }
+  }
+  // Everything is in: switch to it on the loop, where fetches and preloads read the current
+  // extents. Device copies of offloaded parameters are stale once the trainer's work on them
+  // has run.
+  STRATA_RETURN_IF_ERROR(residency_.WaitForTrainerUse());
+  auto switch_over = [this]() -> Awaitable<void> {
+    co_await pipeline_.DropPreloads();
+    for (Chunk& c : chunks_) {
+      if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
+      if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
+    }
+    residency_.DropAll();
+    pipeline_.StartPreloads();
+  };
+  loop_.Run(switch_over());
+  pipeline_.Restore(scaler, step_count);
   return Status();
 }
 

@@ -1,25 +1,35 @@
-// Engine::Impl: the state behind the public Engine, shared by engine*.cpp.
+// Engine::Impl: what the engine's parts share, and the parts themselves.
 //
-// Threads: the trainer thread (Acquire, Release, GradsReady, Step, Save, Load), the event loop
-// thread (every coroutine: gradient arrival, chunk updates, fetches, the step's commit), the
-// device's stream threads (host functions), the I/O thread and the optimizer's TBB workers.
-// `mutex_` guards what the trainer and the loop both touch (residency, pins, gradients in
-// flight, micro-step counts); `cv_` signals its changes to a waiting trainer. The step's own
-// bookkeeping (StepState) is touched by the loop thread only.
+// Parts, each with one owner of its state (docs/architecture.md draws them):
+// - Impl (engine.cpp) lays every chunk's storage out at Create and owns the resources the parts
+//   use: the device, budgets, chunk storage, NVMe swap space, staging pools, the optimizer, the
+//   metrics and the event loop.
+// - Residency (residency.h) owns the device copies of offloaded parameters, pins, eviction and
+//   prefetch.
+// - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing,
+//   the per-chunk update journeys and the commit.
+// - Checkpoints (engine_checkpoint.cpp) read and write chunk states between steps.
+//
+// Threads: the trainer thread calls the public methods; the event loop thread runs every
+// coroutine (fetches, landings, journeys, preloads, the commit) and does no hashing and no
+// waiting; TBB workers in `jobs_` run the optimizer, gradient sums and checksums; the device's
+// stream threads run host functions, which only post to the loop; the I/O thread completes NVMe
+// requests. Residency and StepPipeline each guard what the trainer and the loop share with a
+// mutex of their own.
 #pragma once
 
 #include <tbb/task_arena.h>
 
-#include <atomic>
-#include <chrono>
 #include <condition_variable>
-#include <deque>
-#include <limits>
 #include <mutex>
 #include <optional>
 #include <vector>
 
+#include "chunk.h"
 #include "engine_metrics.h"
+#include "loop_sync.h"
+#include "residency.h"
+#include "step_pipeline.h"
 #include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
 #include "strata/core/event_loop.h"
@@ -29,126 +39,8 @@
 #include "strata/nvme/io_engine.h"
 #include "strata/nvme/swap_space.h"
 #include "strata/offload/engine.h"
-#include "strata/offload/loss_scaler.h"
 
 namespace strata::offload {
-
-/// A counting semaphore for coroutines on one event loop. Not thread-safe: every call must come
-/// from the loop thread (which is where coroutines run).
-class LoopSemaphore {
- public:
-  explicit LoopSemaphore(size_t count) : count_(count) {}
-
-  /// Completes when a unit is taken.
-  Awaitable<void> Acquire();
-  /// Returns a unit, resuming the longest waiter if any.
-  void Release();
-
- private:
-  size_t count_;
-  std::deque<std::function<void()>> waiters_;
-};
-
-/// A StagingPool for coroutines on one event loop: Acquire waits, without blocking the loop,
-/// until a buffer is free. Loop thread only, like LoopSemaphore.
-class LoopStagingPool {
- public:
-  explicit LoopStagingPool(std::unique_ptr<StagingPool> pool)
-      : pool_(std::move(pool)), free_(pool_->buffer_count()) {}
-
-  Awaitable<StagingBuffer> Acquire();
-  /// Returns `buffer` (if it holds one) and wakes the longest waiter.
-  void Release(StagingBuffer& buffer);
-  const StagingPool& pool() const { return *pool_; }
-
- private:
-  std::unique_ptr<StagingPool> pool_;
-  LoopSemaphore free_;  // Counts the pool's free buffers.
-};
-
-struct Chunk {
-  size_t numel = 0;
-  ChunkPlacement placement;
-
-  // Device: working parameters and their gradient buffer. Always there for device-home
-  // parameters; for offloaded ones only while resident (then `device_slot` holds the budget).
-  DeviceBuffer params;
-  DeviceBuffer grads;
-  BudgetReservation device_slot;
-  DeviceEvent released;  // Recorded on the compute stream at Release: the trainer's last use.
-  bool resident = false;
-  bool fetching = false;
-  bool stale_fetch = false;  // A step committed while it was fetching: drop what arrives.
-  Status fetch_status;
-  int pins = 0;
-  uint64_t last_use = 0;
-  bool grads_in_flight = false;  // Gradients are being copied out (or accumulated).
-
-  // Host.
-  AlignedBuffer grads_landing;  // The working-dtype gradients copied out of the device.
-  AlignedBuffer grads_sum;      // fp32 sum over micro-steps (gradient_accumulation_steps > 1).
-  AlignedBuffer param_copy;     // New working parameters (device- and host-home parameters).
-  AlignedBuffer host_params;    // Host-home working parameters.
-  AlignedBuffer host_states;    // Host-home optimizer states.
-
-  // Device-home optimizer states (and their fp32 gradient sum for accumulation).
-  DeviceBuffer device_states;
-  DeviceBuffer device_grads_sum;
-
-  // NVMe: current and shadow extents; a step writes the shadow, its commit flips `current`.
-  nvme::ExtentId state_extents[2];
-  nvme::ExtentId param_extents[2];
-  int state_current = 0;
-  int param_current = 0;
-
-  // States read ahead from NVMe for the next update (loop thread). `ready` is released once
-  // the read is done; the update then takes `buffer` over.
-  struct Preload {
-    bool active = false;
-    Status status;
-    StagingBuffer buffer;
-    std::optional<LoopSemaphore> ready;
-  } preload;
-
-  // This step. `micro_steps` counts GradsReady calls (trainer thread, under mutex_);
-  // `micro_steps_landed` counts gradients that reached the host (loop thread).
-  int micro_steps = 0;
-  int micro_steps_landed = 0;
-  cpu_adam::GradientStats stats;
-  Status land_status;    // Failure while summing or measuring the gradients.
-  bool arrived = false;  // Every micro-step landed and stats are in (loop thread).
-  bool updated = false;  // This step's update is done and waits for the commit (loop thread).
-  bool updating = false;
-
-  bool params_offloaded() const { return placement.params != Tier::kDevice; }
-  /// Frees the device copy of offloaded parameters (and gradients) and its budget.
-  void DropDeviceCopy() {
-    params = DeviceBuffer();
-    grads = DeviceBuffer();
-    device_slot.Reset();
-    resident = false;
-  }
-  size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
-  size_t device_slot_bytes(DType working_dtype) const {
-    return ChunkDeviceBytes(numel, working_dtype);
-  }
-  size_t state_bytes() const { return ChunkStateBytes(numel); }
-};
-
-/// The step in progress (loop thread only).
-struct StepState {
-  bool requested = false;  // Step() was called and waits for its future.
-  std::optional<std::promise<Result<StepReport>>> promise;
-  std::chrono::steady_clock::time_point started;
-  size_t chunks_arrived = 0;
-  bool decided = false;  // Gated steps: the global norm/overflow decision is made.
-  bool skip = false;     // fp16 overflow.
-  double grad_scale = 1.0;
-  double grad_norm = 0.0;
-  size_t updates_running = 0;
-  Status error;  // First failure of this attempt.
-  bool committing = false;
-};
 
 class Engine::Impl {
  public:
@@ -159,13 +51,10 @@ class Engine::Impl {
   // engine.cpp: creation and placement.
   Status Initialize(std::span<const ParameterSpec> parameters);
 
-  // engine_params.cpp: parameter residency for forward/backward.
+  // The trainer's calls (range checks here, the work in the parts).
   Result<ChunkView> Acquire(size_t chunk);
   void Release(size_t chunk);
-
-  // engine_step.cpp: gradients and the step pipelines.
   Status GradsReady(size_t chunk);
-  std::future<Result<StepReport>> Step();
 
   // engine_checkpoint.cpp.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options);
@@ -174,58 +63,24 @@ class Engine::Impl {
   /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq) into `out`, which holds
   /// AlignUp(state_bytes, 4 KiB). Between steps only.
   Status ReadChunkStates(size_t chunk, std::byte* out);
-  /// Replaces chunk's optimizer states and working parameters (rounded from the master in
-  /// `states`) in their home tiers. Between steps only.
-  Status WriteChunkStates(size_t chunk, const std::byte* states);
-  /// FailedPrecondition unless the engine is between steps (no step running, no gradients held).
-  Status CheckBetweenSteps(const char* operation) const;
+  /// Writes chunk's optimizer states and working parameters (rounded from the master in
+  /// `states`) where they live on NVMe: into the current extents, or the shadow ones (which a
+  /// commit or Load then flips current).
+  Status WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow);
+  /// The same for what lives in host or device memory.
+  Status WriteMemoryHome(size_t chunk, const std::byte* states);
 
-  // Shared helpers.
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
   DType working_dtype() const { return options_.precision.working_dtype; }
-  /// Blocks until no step is running (the loop has finished the last one).
+
+  /// Starts `work` on the event loop, counted until it finishes (WaitIdle).
+  void Spawn(Awaitable<void> work);
+  /// Blocks until no coroutine started by Spawn is running.
   void WaitIdle();
+  /// Copies the tier budgets' usage into their gauges.
+  void UpdateTierGauges();
 
-  // --- engine_params.cpp internals (mutex_ held) ---
-  Status StartFetch(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock);
-  std::optional<size_t> PickVictim(size_t target, bool demand) const;
-  void Evict(size_t chunk);
-  size_t NextUse(size_t chunk) const;  // Distance in the recorded order; max() = not again.
-  void RecordAccess(size_t chunk);
-  void Prefetch(std::unique_lock<std::mutex>& lock);
-  Awaitable<void> FetchChunk(size_t chunk);
-  /// Drops every device copy of offloaded parameters (stale after a commit).
-  void DropOffloadedCopies();
-
-  // --- engine_step.cpp internals (loop thread) ---
-  Awaitable<void> LandGrads(size_t chunk);
-  /// Adds a micro-step's working-dtype `grads` into the fp32 `sum` (with accumulation) and, on
-  /// the last micro-step, measures what the update will use (any thread but the loop's).
-  Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
-                                                int micro_step, bool last);
-  /// The gradient buffer is free again (any thread); the last micro-step keeps `stats`.
-  void GradsLanded(Chunk& c, bool last, const Result<cpu_adam::GradientStats>& stats);
-  void OnChunkArrived(size_t chunk);
-  void StartUpdate(size_t chunk);
-  Awaitable<Status> UpdateChunk(size_t chunk);
-  Awaitable<Status> UpdateChunkOnDevice(size_t chunk);
-  void MaybeFinish();
-  Awaitable<void> Commit();
-  /// Starts reading the optimizer states of the chunks whose gradients come first in backward
-  /// (the last chunks) into staging buffers, so NVMe works while the next forward runs.
-  void StartPreloads();
-  /// Reads one chunk's states into a staging buffer; `preload.ready` says when they are there.
-  void StartPreload(size_t chunk);
-  Awaitable<void> PreloadStates(size_t chunk);
-  /// Waits for preloads in flight and returns every preloaded buffer (loop thread).
-  Awaitable<void> DropPreloads();
-  void FinishStep(Result<StepReport> result);
-  /// One optimizer step over a chunk's arrays (any thread but the loop's).
-  Status RunOptimizer(float* states, size_t numel, const void* grads, DType grad_dtype,
-                      void* param_copy, double grad_scale, int64_t step);
-  bool gated() const;
-
-  EngineOptions options_;
+  const EngineOptions options_;
   Device& device_;
   ChunkLayout layout_;
   EngineEnvironment environment_;
@@ -238,6 +93,8 @@ class Engine::Impl {
   std::vector<Chunk> chunks_;
   // Host buffers registered for DMA; declared after chunks_ so they are unpinned first.
   std::vector<PinnedHostRegion> pinned_;
+  // A state or parameter home is on NVMe: new values go to shadow extents and the commit flips
+  // them, so that a failed step changes nothing there.
   bool transactional_ = false;
 
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
@@ -246,35 +103,26 @@ class Engine::Impl {
   std::optional<LoopStagingPool> state_staging_;
   std::optional<LoopStagingPool> param_staging_;
   bool state_staging_registered_ = false;  // Its buffers are io_uring fixed buffers.
-  DeviceEvent compute_marker_;
+  DeviceEvent compute_marker_;             // Re-recorded by each GradsReady (trainer thread).
   // Zeros as large as the largest chunk's working gradients: the source that clears a gradient
   // buffer when it is allocated, so the padding between parameters is zero, not garbage.
   AlignedBuffer zeros_;
 
-  LossScaler loss_scaler_;
-  std::atomic<int64_t> step_count_{0};
-  std::atomic<double> lr_;
-
-  // Trainer <-> loop.
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  uint64_t use_tick_ = 0;
-  bool recording_ = true;  // The first step records the order of Acquire calls.
-  std::vector<size_t> order_;
-  size_t order_position_ = 0;
-  bool step_running_ = false;  // Step() called and not yet completed.
-
-  StepState step_;               // Loop thread only.
-  size_t preloads_running_ = 0;  // Loop thread only.
-
   // Metrics: the registry owns them; these point into it (updated from any thread).
   MetricsRegistry metrics_;
   EngineMetrics m_;
-  /// Copies the tier budgets' usage into their gauges.
-  void UpdateTierGauges();
+
+  // The parts. Their coroutines run on loop_ and their jobs in jobs_.
+  Residency residency_{*this};
+  StepPipeline pipeline_{*this, options_};
+
+  // Coroutines started by Spawn and not yet finished.
+  std::mutex work_mutex_;
+  std::condition_variable work_idle_;
+  size_t work_running_ = 0;
 
   // Declared last: destroyed first, so no coroutine outlives what it uses. The arena for
-  // blocking jobs (optimizer steps, gradient sums) keeps them off the loop thread.
+  // blocking jobs (optimizer steps, gradient sums, checksums) keeps them off the loop thread.
   tbb::task_arena jobs_{2};
   EventLoop loop_;
 };

@@ -70,5 +70,18 @@ TEST(CudaDeviceTest, BudgetEnforced) {
   EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
 }
 
+// The engine sizes its budget from free_bytes: on a GPU far larger than the budget it must be
+// the budget left, not what cudaMemGetInfo reports.
+TEST(CudaDeviceTest, FreeBytesIsWhatTheBudgetStillAllows) {
+  auto device = MakeDeviceOrSkip();
+  SKIP_WITHOUT_GPU(device);
+  EXPECT_LE(device->memory_info().free_bytes, uint64_t(256) << 20);
+  auto a = device->Allocate(200 << 20);
+  ASSERT_TRUE(a.ok());
+  const DeviceMemoryInfo info = device->memory_info();
+  EXPECT_EQ(info.budget_bytes, uint64_t(256) << 20);
+  EXPECT_LE(info.free_bytes, info.budget_bytes - info.used_bytes);
+}
+
 }  // namespace
 }  // namespace strata

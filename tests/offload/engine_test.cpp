@@ -12,6 +12,7 @@
 #include <fstream>
 #include <future>
 
+#include "engine_test_support.h"
 #include "strata/core/host_device.h"
 #include "strata/nvme/fault_injection.h"
 #include "support/scratch_dir.h"
@@ -21,67 +22,18 @@ namespace {
 
 using strata::testing::ScratchDir;
 
+using testing::BitEqual;
 using testing::EngineTrainer;
+using testing::kBatch;
+using testing::kLayers;
+using testing::kSlotBytes;
+using testing::kWidth;
+using testing::MakeDevice;
+using testing::MakeOptions;
+using testing::MaxAbsDiff;
+using testing::Placement;
 using testing::ReferenceTrainer;
 using testing::TinyModel;
-
-constexpr int kLayers = 6;
-constexpr int kWidth = 64;
-constexpr int kBatch = 8;
-// One layer (64x64 weight + bias) per chunk: 4160 fp32 elements, padded to 5120.
-constexpr uint64_t kChunkBytes = 20 * 1024;
-constexpr uint64_t kSlotBytes = 2 * 5120 * 4;  // Working params + grads of one fp32 chunk.
-
-struct Placement {
-  const char* name;
-  Tier states;
-  Tier params;
-  double ratio = 1.0;
-  uint64_t device_budget = 64 << 20;
-};
-
-EngineOptions MakeOptions(const Placement& p, const std::string& nvme_path,
-                          DType dtype = DType::kFp32) {
-  EngineOptions o;
-  o.precision.working_dtype = dtype;
-  o.placement.optimizer_states = p.states;
-  o.placement.params = p.params;
-  o.placement.offload_ratio = p.ratio;
-  o.placement.chunk_bytes = kChunkBytes;
-  o.placement.prefetch_depth = 1;
-  o.nvme.paths = {nvme_path};
-  o.optimizer.lr = 3e-3;
-  o.optimizer.cpu_threads = 2;
-  o.host.optimizer_buffer_count = 3;
-  o.host.param_buffer_count = 2;
-  return o;
-}
-
-std::unique_ptr<Device> MakeDevice(uint64_t budget) {
-  return std::move(CreateHostDevice({.memory_budget_bytes = budget})).value();
-}
-
-bool BitEqual(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t p = 0; p < a.size(); ++p) {
-    if (a[p].size() != b[p].size() ||
-        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-double MaxAbsDiff(const std::vector<std::vector<float>>& a,
-                  const std::vector<std::vector<float>>& b) {
-  double worst = 0.0;
-  for (size_t p = 0; p < a.size(); ++p) {
-    for (size_t i = 0; i < a[p].size(); ++i) {
-      worst = std::max(worst, std::abs(double(a[p][i]) - double(b[p][i])));
-    }
-  }
-  return worst;
-}
 
 class EngineEquivalenceTest : public ::testing::TestWithParam<Placement> {};
 

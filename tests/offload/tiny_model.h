@@ -143,6 +143,13 @@ class EngineTrainer {
   /// One optimizer step on micro-batches [step * gas, (step + 1) * gas). `poison` sets the
   /// first gradient element to infinity (an fp16 overflow). Returns the mean micro-step loss.
   Result<StepReport> TrainStep(int step, double* loss, bool poison = false) {
+    STRATA_RETURN_IF_ERROR(ForwardBackward(step, loss, poison));
+    return engine_.Step().get();
+  }
+
+  /// TrainStep up to, not including, Step(): every micro-step's forward, backward and
+  /// GradsReady.
+  Status ForwardBackward(int step, double* loss, bool poison = false) {
     const ChunkLayout& layout = engine_.layout();
     const DType dtype = engine_.working_dtype();
     *loss = 0.0;
@@ -174,7 +181,7 @@ class EngineTrainer {
         engine_.Release(c);
       }
     }
-    return engine_.Step().get();
+    return Status();
   }
 
   std::vector<std::vector<float>> MasterParameters() {
@@ -264,6 +271,8 @@ class ReferenceTrainer {
   }
 
   const std::vector<std::vector<float>>& master() const { return master_; }
+  /// The learning rate of the steps from now on.
+  void SetLearningRate(double lr) { options_.optimizer.lr = lr; }
 
  private:
   const TinyModel& model_;

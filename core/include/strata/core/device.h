@@ -54,7 +54,9 @@ struct DeviceMemoryInfo {
   uint64_t budget_bytes = 0;  ///< What Allocate may hand out in total.
   uint64_t used_bytes = 0;    ///< Currently allocated through this Device.
   uint64_t peak_bytes = 0;    ///< High-water mark of used_bytes since creation.
-  uint64_t free_bytes = 0;    ///< What the hardware reports free (host device: budget - used).
+  /// What Allocate can still hand out: budget - used, or less when the hardware has less free.
+  /// The engine sizes its device budget from this.
+  uint64_t free_bytes = 0;
 };
 
 namespace internal {

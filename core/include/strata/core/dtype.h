@@ -47,5 +47,8 @@ void Fp32ToFp16(std::span<const float> in, std::span<uint16_t> out);
 void Fp16ToFp32(std::span<const uint16_t> in, std::span<float> out);
 void Fp32ToBf16(std::span<const float> in, std::span<uint16_t> out);
 void Bf16ToFp32(std::span<const uint16_t> in, std::span<float> out);
+/// Rounds `in` to `dtype` (nearest even) into `out`, which holds in.size() elements of it; a
+/// plain copy for fp32.
+void Fp32ToDType(std::span<const float> in, DType dtype, void* out);
 
 }  // namespace strata

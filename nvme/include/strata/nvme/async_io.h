@@ -25,14 +25,17 @@ inline Awaitable<Status> AwaitIo(IoEngine& engine, IoRequest& request) {
       boost::asio::use_awaitable);
 }
 
-/// SwapSpace::Write, awaited.
+/// SwapSpace::Write, awaited. Pass `checksum` (SwapSpace::Checksum of the data, computed off the
+/// loop) so that the loop thread does not hash.
 inline Awaitable<Status> AwaitSwapWrite(SwapSpace& swap, ExtentId extent, const std::byte* data,
-                                        size_t bytes, int registered_buffer = -1) {
+                                        size_t bytes, int registered_buffer = -1,
+                                        std::optional<uint64_t> checksum = std::nullopt) {
   return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void(Status)>(
-      [&swap, extent, data, bytes, registered_buffer](auto handler) {
+      [&swap, extent, data, bytes, registered_buffer, checksum](auto handler) {
         auto callback = internal::PostingCallback(std::move(handler));
-        swap.Write(extent, data, bytes, registered_buffer,
-                   [callback](Status status) { callback(std::move(status)); });
+        swap.Write(
+            extent, data, bytes, registered_buffer,
+            [callback](Status status) { callback(std::move(status)); }, checksum);
       },
       boost::asio::use_awaitable);
 }

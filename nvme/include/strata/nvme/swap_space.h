@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,9 +60,13 @@ class SwapSpace {
 
   /// Writes `bytes` from `data` into `extent` (bytes <= the extent's size). `data` must be
   /// aligned to alignment() and hold AlignUp(bytes, alignment()) bytes; the tail beyond
-  /// `bytes` is written as is. `done` runs once with the result.
+  /// `bytes` is written as is. `done` runs once with the result. `checksum`, when given, is
+  /// Checksum(data, bytes) computed by the caller (say, on a worker thread, so that an event
+  /// loop submitting the write does not hash); otherwise Write hashes on the calling thread.
   void Write(ExtentId extent, const std::byte* data, size_t bytes, int registered_buffer,
-             std::function<void(Status)> done);
+             std::function<void(Status)> done, std::optional<uint64_t> checksum = std::nullopt);
+  /// What Write records for `bytes` at `data`: their XXH3, or 0 when checksums are off.
+  uint64_t Checksum(const std::byte* data, size_t bytes) const;
   /// Reads back what the last Write stored (its `bytes`) into `data`, verifying the checksum.
   void Read(ExtentId extent, std::byte* data, int registered_buffer,
             std::function<void(Status)> done);

@@ -79,6 +79,8 @@ struct ChunkView {
 /// What one Step() did.
 struct StepReport {
   int64_t step = 0;         ///< Optimizer steps taken so far (skipped steps do not count).
+  int64_t iteration = 0;    ///< Steps completed so far, skipped ones included (DeepSpeed's
+                            ///< global_steps).
   bool skipped = false;     ///< fp16 overflow: nothing was updated and the scale was lowered.
   double grad_norm = 0.0;   ///< Global L2 norm of the (unscaled) gradients; NaN when skipped.
   double loss_scale = 1.0;  ///< The scale the next backward should use.
@@ -173,6 +175,8 @@ class Engine {
   double loss_scale() const;
   /// Optimizer steps taken (skipped ones do not count).
   int64_t step_count() const;
+  /// Steps completed, skipped ones included: what a loop of N training iterations counts.
+  int64_t iteration_count() const;
   /// Sets the learning rate used from the next step on (for schedules).
   void SetLearningRate(double lr);
 

@@ -38,6 +38,12 @@ class LossScaler {
 
   /// Records one step's outcome and adjusts the scale (dynamic scaling only).
   void Update(bool overflow);
+  /// Whether an overflow now would have to lower a dynamic scale below min_loss_scale (it is
+  /// there and the hysteresis is spent): DeepSpeed ends the run at such an overflow.
+  bool AtMinimumScale() const {
+    return dynamic_ && (hysteresis_ == 1 || state_.hysteresis_left == 1) &&
+           state_.scale <= min_scale_;
+  }
 
   const LossScalerState& state() const { return state_; }
   void Restore(const LossScalerState& state) { state_ = state; }

@@ -1,0 +1,92 @@
+// Chunk: one chunk's storage in every tier, and where it stands in the current step.
+//
+// Storage is laid out once by Engine::Impl::Initialize and never reallocated, except the device
+// copy of offloaded parameters, which Residency owns (residency.h). A chunk's progress through a
+// step is one ChunkPhase; every change goes through Chunk::MoveTo, which checks that the change
+// is one the step allows. Who makes each move is written next to it below.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <optional>
+
+#include "loop_sync.h"
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/device.h"
+#include "strata/core/staging_pool.h"
+#include "strata/cpu_adam/cpu_optimizer.h"
+#include "strata/nvme/swap_space.h"
+#include "strata/offload/engine.h"
+
+namespace strata::offload {
+
+/// Where a chunk is in the current optimizer step.
+enum class ChunkPhase : uint8_t {
+  kIdle,          ///< No gradients of this step declared yet.
+  kAccumulating,  ///< Some micro-steps' gradients declared, not the last (trainer: GradsReady).
+  kLanding,       ///< The last micro-step's gradients declared; they are on their way to the
+                  ///< host and being measured (trainer: GradsReady).
+  kArrived,       ///< Gradients landed and measured; the update has not run, or ran and failed
+                  ///< leaving the chunk's states as they were (loop: the chunk's journey).
+  kUpdating,      ///< Its update runs (loop: the journey, or a retry).
+  kStepped,       ///< An update failed after the optimizer changed host- or device-home states
+                  ///< in place: a retry republishes the parameters and never steps again (loop).
+  kUpdated,       ///< New states and parameters are staged for the commit (loop).
+};
+
+/// "idle", "accumulating", ... for messages.
+const char* ChunkPhaseName(ChunkPhase phase);
+
+struct Chunk {
+  size_t numel = 0;
+  ChunkPlacement placement;
+
+  // Device-home parameters: the working parameters and their gradient buffer, always there.
+  // (Offloaded parameters come and go with Residency.)
+  DeviceBuffer params;
+  DeviceBuffer grads;
+
+  // Host.
+  AlignedBuffer grads_landing;  // The working-dtype gradients copied out of the device.
+  AlignedBuffer grads_sum;      // fp32 sum over micro-steps (gradient_accumulation_steps > 1).
+  AlignedBuffer param_copy;     // New working parameters (device- and host-home parameters).
+  AlignedBuffer host_params;    // Host-home working parameters.
+  AlignedBuffer host_states;    // Host-home optimizer states.
+
+  // Device-home optimizer states (and their fp32 gradient sum for accumulation).
+  DeviceBuffer device_states;
+  DeviceBuffer device_grads_sum;
+
+  // NVMe: current and shadow extents; a step (or a Load) writes the shadow, and the commit
+  // flips `current`.
+  nvme::ExtentId state_extents[2];
+  nvme::ExtentId param_extents[2];
+  int state_current = 0;
+  int param_current = 0;
+  nvme::ExtentId state_shadow() const { return state_extents[1 - state_current]; }
+  nvme::ExtentId param_shadow() const { return param_extents[1 - param_current]; }
+
+  // --- The step (see ChunkPhase). `phase` is written under the step pipeline's mutex and read
+  // from any thread.
+  std::atomic<ChunkPhase> phase{ChunkPhase::kIdle};
+  int micro_steps = 0;  // GradsReady calls this step (trainer thread, pipeline mutex).
+  // Released once per micro-step when its gradients reach the host (loop thread).
+  std::optional<LoopSemaphore> grads_copied;
+  cpu_adam::GradientStats stats;  // Of the summed gradients (loop thread).
+  Status land_status;             // Failure while summing or measuring them (loop thread).
+  bool params_uploaded = false;   // Device-home parameters already carry this step's update.
+
+  /// Moves to `to`, checking that the step allows it; a move it does not allow is a bug in the
+  /// engine and aborts with both phases named.
+  void MoveTo(ChunkPhase to);
+  ChunkPhase phase_now() const { return phase.load(std::memory_order_acquire); }
+
+  bool params_offloaded() const { return placement.params != Tier::kDevice; }
+  size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
+  size_t device_slot_bytes(DType working_dtype) const {
+    return ChunkDeviceBytes(numel, working_dtype);
+  }
+  size_t state_bytes() const { return ChunkStateBytes(numel); }
+};
+
+}  // namespace strata::offload

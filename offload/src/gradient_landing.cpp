@@ -1,0 +1,142 @@
+// The gradient path: GradsReady queues a chunk's gradients off the device behind the trainer's
+// work, and the landing sums micro-steps and measures the last one (squares and finiteness, for
+// clipping and fp16 overflow checks). Landing holds a pin on the chunk's gradient buffer, so the
+// next micro-step's Acquire waits until the buffer is free to overwrite.
+#include <algorithm>
+#include <cstring>
+
+#include "engine_impl.h"
+
+namespace strata::offload {
+namespace {
+
+/// sum[i] (+)= grads[i] for i < numel, grads of `dtype` converted to fp32; `first` overwrites.
+void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* grads, DType dtype,
+                     size_t numel, bool first) {
+  optimizer.ParallelFor(numel, [&](size_t begin, size_t end) {
+    constexpr size_t kPiece = 4096;
+    float converted[kPiece];
+    for (size_t i = begin; i < end; i += kPiece) {
+      const size_t n = std::min(kPiece, end - i);
+      const float* values = converted;
+      switch (dtype) {
+        case DType::kFp32: values = static_cast<const float*>(grads) + i; break;
+        case DType::kFp16:
+          Fp16ToFp32({static_cast<const uint16_t*>(grads) + i, n}, {converted, n});
+          break;
+        case DType::kBf16:
+          Bf16ToFp32({static_cast<const uint16_t*>(grads) + i, n}, {converted, n});
+          break;
+      }
+      if (first) {
+        std::memcpy(sum + i, values, n * sizeof(float));
+      } else {
+        for (size_t k = 0; k < n; ++k) sum[i + k] += values[k];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+Status StepPipeline::GradsReady(size_t chunk) {
+  Engine::Impl& e = engine_;
+  std::lock_guard lock(mutex_);
+  Chunk& c = e.chunks_[chunk];
+  if (step_running_) {
+    return FailedPrecondition("GradsReady(" + std::to_string(chunk) + ") while a step is running");
+  }
+  if (c.micro_steps >= gas_) {
+    return FailedPrecondition("chunk " + std::to_string(chunk) + " already received the " +
+                              "gradients of all " + std::to_string(gas_) +
+                              " micro-steps of this step; call Step() first");
+  }
+  STRATA_ASSIGN_OR_RETURN(ChunkView view, e.residency_.PinGrads(chunk));
+  const int micro_step = c.micro_steps + 1;
+  const bool last = micro_step == gas_;
+  if (Status queued = QueueLanding(chunk, view, micro_step, last); !queued.ok()) {
+    e.residency_.UnpinGrads(chunk);
+    return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
+  }
+  if (!step_open_) {
+    hyper_ = {.lr = next_lr_, .step = step_count_.load() + 1};
+    step_open_ = true;
+  }
+  c.micro_steps = micro_step;
+  MoveTo(c, last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
+  e.Spawn(last ? Journey(chunk, micro_step) : LandMicroStep(chunk, micro_step));
+  return Status();
+}
+
+Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, int micro_step, bool last) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  // Posted to the loop by a stream thread when the gradients are where the landing reads them.
+  auto landed = [&e, &c] {
+    boost::asio::post(e.loop_.executor(), [&c] { c.grads_copied->Release(); });
+  };
+  if (c.placement.optimizer_states == Tier::kDevice) {
+    // The device keeps and updates this chunk: it sums and measures in stream order.
+    return e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, view, micro_step, last,
+                                                           landed] {
+      Result<cpu_adam::GradientStats> stats = SumAndMeasure(
+          static_cast<float*>(c.device_grads_sum.data()), view.grads, c.numel, micro_step, last);
+      if (last) {
+        c.land_status = stats.status();
+        if (stats.ok()) c.stats = *stats;
+      }
+      landed();
+    });
+  }
+  STRATA_RETURN_IF_ERROR(e.device_.RecordEvent(e.compute_marker_, Stream::kCompute));
+  STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kDeviceToHost, e.compute_marker_));
+  STRATA_RETURN_IF_ERROR(e.device_.CopyToHost(c.grads_landing.data(), view.grads,
+                                              c.working_bytes(e.working_size()),
+                                              Stream::kDeviceToHost));
+  Gauge& copying = e.m_.in_flight_of(InFlightKind::kDeviceToHost);
+  copying.Add(1.0);  // Before the copy can land and take it back.
+  Status queued = e.device_.LaunchHostFunction(Stream::kDeviceToHost, [&copying, landed] {
+    copying.Add(-1.0);
+    landed();
+  });
+  if (!queued.ok()) copying.Add(-1.0);
+  return queued;
+}
+
+Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const void* grads,
+                                                            size_t numel, int micro_step,
+                                                            bool last) {
+  cpu_adam::CpuOptimizer& optimizer = *engine_.optimizer_;
+  const DType dtype = engine_.working_dtype();
+  if (gas_ > 1) AccumulateGrads(optimizer, sum, grads, dtype, numel, micro_step == 1);
+  if (!last) return cpu_adam::GradientStats{};
+  return gas_ > 1 ? optimizer.ComputeGradientStats(sum, DType::kFp32, numel)
+                  : optimizer.ComputeGradientStats(grads, dtype, numel);
+}
+
+Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool last) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  co_await c.grads_copied->Acquire();
+  if (c.placement.optimizer_states != Tier::kDevice) {
+    e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
+    auto sum_and_measure = [&] {
+      return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.grads_landing.data(),
+                           c.numel, micro_step, last);
+    };
+    Result<cpu_adam::GradientStats> stats = co_await AwaitJob(e.jobs_, sum_and_measure);
+    if (last) {
+      c.land_status = stats.status();
+      if (stats.ok()) c.stats = *stats;
+    }
+  }
+  // The gradient buffer has been read: backward may write the next micro-step's.
+  e.residency_.UnpinGrads(chunk);
+  co_return last ? c.land_status : Status();
+}
+
+Awaitable<void> StepPipeline::LandMicroStep(size_t chunk, int micro_step) {
+  co_await LandGrads(chunk, micro_step, /*last=*/false);
+}
+
+}  // namespace strata::offload

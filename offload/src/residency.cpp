@@ -1,0 +1,313 @@
+#include "residency.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "engine_impl.h"
+#include "strata/core/bytes.h"
+
+namespace strata::offload {
+
+Status Residency::Initialize() {
+  copies_.resize(engine_.chunks_.size());
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    STRATA_ASSIGN_OR_RETURN(copies_[i].released, engine_.device_.CreateEvent());
+    if (!engine_.chunks_[i].params_offloaded()) copies_[i].state = State::kResident;
+  }
+  return Status();
+}
+
+ChunkView Residency::ViewLocked(size_t chunk) const {
+  const Chunk& c = engine_.chunks_[chunk];
+  const Copy& copy = copies_[chunk];
+  if (!c.params_offloaded()) {
+    return {c.params.data(), c.grads.data(), c.numel, engine_.working_dtype()};
+  }
+  return {copy.params.data(), copy.grads.data(), c.numel, engine_.working_dtype()};
+}
+
+Result<ChunkView> Residency::Acquire(size_t chunk) {
+  std::unique_lock lock(mutex_);
+  Copy& copy = copies_[chunk];
+  const Chunk& c = engine_.chunks_[chunk];
+  ++copy.pins;
+  copy.last_use = ++use_tick_;
+  if (c.params_offloaded()) RecordAccessLocked(chunk);
+  for (bool prefetched = false;;) {
+    if (copy.state == State::kAbsent) {
+      Status started = StartFetchLocked(chunk, /*demand=*/true, lock);
+      if (!started.ok()) {
+        --copy.pins;
+        return started;
+      }
+    }
+    if (c.params_offloaded() && !prefetched) {
+      PrefetchLocked(lock);
+      prefetched = true;
+    }
+    auto ready = [&] { return copy.state != State::kFetching && copy.grad_pins == 0; };
+    if (!ready()) {
+      // The trainer stalls here: on the fetch if one is running, else on the gradient copy.
+      const TrainerWait reason = copy.state != State::kFetching      ? TrainerWait::kDeviceToHost
+                                 : c.placement.params == Tier::kNvme ? TrainerWait::kNvme
+                                                                     : TrainerWait::kHostToDevice;
+      WaitTimer stalled(engine_.m_.stall_of(reason));
+      changed_.wait(lock, ready);
+    }
+    if (copy.state == State::kResident) return ViewLocked(chunk);
+    if (!copy.fetch_status.ok()) {
+      --copy.pins;
+      Status failed = std::exchange(copy.fetch_status, Status());
+      return failed.WithContext("fetching the parameters of chunk " + std::to_string(chunk));
+    }
+    // A fetch from before the last commit landed stale and was dropped: fetch it again.
+  }
+}
+
+void Residency::Release(size_t chunk) {
+  std::lock_guard lock(mutex_);
+  Copy& copy = copies_[chunk];
+  if (copy.pins == 0) return;
+  --copy.pins;
+  // The trainer's device work on this chunk is queued on the compute stream: eviction and the
+  // commit wait for it, so remember where it ends.
+  engine_.device_.RecordEvent(copy.released, Stream::kCompute).IgnoreError();
+  changed_.notify_all();
+}
+
+Result<ChunkView> Residency::PinGrads(size_t chunk) {
+  std::lock_guard lock(mutex_);
+  Copy& copy = copies_[chunk];
+  if (copy.pins == 0) {
+    return FailedPrecondition("GradsReady(" + std::to_string(chunk) +
+                              ") on a chunk that is not acquired; call it before Release");
+  }
+  ++copy.grad_pins;
+  return ViewLocked(chunk);
+}
+
+void Residency::UnpinGrads(size_t chunk) {
+  std::lock_guard lock(mutex_);
+  --copies_[chunk].grad_pins;
+  changed_.notify_all();
+}
+
+std::optional<size_t> Residency::FirstAcquired() const {
+  std::lock_guard lock(mutex_);
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    if (copies_[i].pins > 0) return i;
+  }
+  return std::nullopt;
+}
+
+Status Residency::OrderAfterTrainerUse(Stream stream) {
+  std::lock_guard lock(mutex_);
+  for (const Copy& copy : copies_) {
+    if (copy.state == State::kResident) {
+      STRATA_RETURN_IF_ERROR(engine_.device_.StreamWaitEvent(stream, copy.released));
+    }
+  }
+  return Status();
+}
+
+Result<bool> Residency::OrderAfterTrainerUse(size_t chunk, Stream stream) {
+  std::lock_guard lock(mutex_);
+  const Copy& copy = copies_[chunk];
+  if (copy.pins > 0) return false;  // Its release event is not recorded yet.
+  STRATA_RETURN_IF_ERROR(engine_.device_.StreamWaitEvent(stream, copy.released));
+  return true;
+}
+
+Status Residency::WaitForTrainerUse() {
+  // Only the trainer thread records release events, and it is the caller: they stay put.
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(engine_.device_.SynchronizeEvent(copies_[i].released));
+  }
+  return Status();
+}
+
+void Residency::DropLocked(Copy& copy) {
+  copy.params = DeviceBuffer();
+  copy.grads = DeviceBuffer();
+  copy.slot.Reset();
+  copy.state = State::kAbsent;
+}
+
+void Residency::DropAll() {
+  std::lock_guard lock(mutex_);
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    if (!engine_.chunks_[i].params_offloaded()) continue;
+    Copy& copy = copies_[i];
+    if (copy.state == State::kFetching) copy.stale = true;
+    if (copy.state == State::kResident) DropLocked(copy);
+  }
+  changed_.notify_all();
+}
+
+void Residency::StepCommitted() {
+  std::lock_guard lock(mutex_);
+  recording_ = false;
+  order_position_ = 0;
+}
+
+void Residency::RecordAccessLocked(size_t chunk) {
+  if (recording_) {
+    order_.push_back(chunk);
+    return;
+  }
+  // Follow the recorded order; an access out of order resynchronizes at its next occurrence.
+  for (size_t i = order_position_; i < order_.size(); ++i) {
+    if (order_[i] == chunk) {
+      order_position_ = i + 1;
+      return;
+    }
+  }
+}
+
+size_t Residency::NextUseLocked(size_t chunk) const {
+  for (size_t i = order_position_; i < order_.size(); ++i) {
+    if (order_[i] == chunk) return i - order_position_;
+  }
+  return std::numeric_limits<size_t>::max();
+}
+
+std::optional<size_t> Residency::PickVictimLocked(size_t target, bool demand) const {
+  const bool known_order = !recording_;
+  const size_t target_use = known_order ? NextUseLocked(target) : 0;
+  std::optional<size_t> victim;
+  size_t victim_use = 0;
+  uint64_t victim_tick = std::numeric_limits<uint64_t>::max();
+  for (size_t i = 0; i < copies_.size(); ++i) {
+    const Copy& copy = copies_[i];
+    if (i == target || !engine_.chunks_[i].params_offloaded() || copy.state != State::kResident ||
+        copy.pins > 0 || copy.grad_pins > 0) {
+      continue;
+    }
+    if (known_order) {
+      const size_t use = NextUseLocked(i);
+      // A prefetch never evicts a chunk needed before the one it fetches.
+      if (!demand && use <= target_use) continue;
+      if (!victim || use > victim_use) {
+        victim = i;
+        victim_use = use;
+      }
+    } else if (copy.last_use < victim_tick) {
+      victim = i;
+      victim_tick = copy.last_use;
+    }
+  }
+  return victim;
+}
+
+void Residency::EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock) {
+  Copy& copy = copies_[chunk];
+  copy.state = State::kEvicting;
+  // The trainer's queued work on the chunk must finish before its memory is reused. Wait without
+  // the lock: that work may call into the engine. Nothing else moves an evicting chunk.
+  lock.unlock();
+  engine_.device_.SynchronizeEvent(copy.released).IgnoreError();
+  lock.lock();
+  DropLocked(copy);
+  engine_.m_.evictions->Increment();
+}
+
+Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock) {
+  const Chunk& c = engine_.chunks_[chunk];
+  Copy& copy = copies_[chunk];
+  TierBudget& budget = engine_.device_budget_;
+  const uint64_t bytes = c.device_slot_bytes(engine_.working_dtype());
+  while (!budget.TryReserve(bytes)) {
+    if (std::optional<size_t> victim = PickVictimLocked(chunk, demand)) {
+      EvictLocked(*victim, lock);
+      continue;
+    }
+    if (!demand) return Unavailable("no room to prefetch");
+    // Memory comes back only when a fetch or a gradient copy in flight finishes.
+    const bool can_free = std::any_of(copies_.begin(), copies_.end(), [](const Copy& other) {
+      return other.state == State::kFetching || (other.grad_pins > 0 && other.params.valid());
+    });
+    if (!can_free) {
+      std::string pinned;
+      for (size_t i = 0; i < copies_.size(); ++i) {
+        if (copies_[i].pins > 0 && i != chunk) pinned += " " + std::to_string(i);
+      }
+      return ResourceExhausted("device memory budget of " +
+                               FormatBytes(budget.usage().budget_bytes) + " cannot hold chunk " +
+                               std::to_string(chunk) + " (" + FormatBytes(bytes) + "; " +
+                               FormatBytes(budget.free_bytes()) + " free) while chunks" +
+                               (pinned.empty() ? std::string(" (none)") : pinned) +
+                               " are acquired; release chunks earlier or raise the device budget");
+    }
+    WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kDeviceMemory));
+    changed_.wait(lock);
+  }
+  BudgetReservation slot(&budget, bytes);
+  const size_t wbytes = c.working_bytes(engine_.working_size());
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, engine_.device_.Allocate(wbytes));
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer grads, engine_.device_.Allocate(wbytes));
+  copy.params = std::move(params);
+  copy.grads = std::move(grads);
+  copy.slot = std::move(slot);
+  copy.state = State::kFetching;
+  copy.stale = false;
+  copy.fetch_status = Status();
+  engine_.Spawn(Fetch(chunk));
+  return Status();
+}
+
+void Residency::PrefetchLocked(std::unique_lock<std::mutex>& lock) {
+  const int depth = engine_.options_.placement.prefetch_depth;
+  if (recording_ || depth <= 0) return;
+  int issued = 0;
+  for (size_t i = order_position_; i < order_.size() && issued < depth; ++i) {
+    if (copies_[order_[i]].state == State::kAbsent &&
+        !StartFetchLocked(order_[i], /*demand=*/false, lock).ok()) {
+      return;  // No room: stop here.
+    }
+    ++issued;  // Fetched now, or already there or on its way: it counts toward the depth.
+  }
+}
+
+Awaitable<void> Residency::Fetch(size_t chunk) {
+  Engine::Impl& e = engine_;
+  const Chunk& c = e.chunks_[chunk];
+  Copy& copy = copies_[chunk];  // Its buffers stay put while it is fetching.
+  const size_t bytes = c.working_bytes(e.working_size());
+  Status status;
+  const std::byte* source = c.host_params.data();
+  StagingBuffer staging;  // NVMe-home parameters come up through one.
+  if (c.placement.params == Tier::kNvme) {
+    staging = co_await e.param_staging_->Acquire();
+    {
+      InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
+      status =
+          co_await nvme::AwaitSwapRead(*e.swap_, c.param_extents[c.param_current], staging.data());
+    }
+    if (status.ok()) e.m_.nvme_read_bytes->Increment(double(bytes));
+    source = staging.data();
+  }
+  if (status.ok()) {
+    // The parameters, then a gradient buffer starting at zero (padding included): one wait for
+    // both on the in-order stream, before the staging buffer goes back.
+    InFlightGuard uploading(e.m_.in_flight_of(InFlightKind::kHostToDevice));
+    status = e.device_.CopyToDevice(copy.params.data(), source, bytes);
+    if (status.ok()) status = e.device_.CopyToDevice(copy.grads.data(), e.zeros_.data(), bytes);
+    const Status landed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+    if (status.ok()) status = landed;
+  }
+  if (e.param_staging_) e.param_staging_->Release(staging);
+  if (status.ok()) {
+    e.m_.h2d_bytes->Increment(double(2 * bytes));
+    e.m_.fetches->Increment();
+  }
+  std::lock_guard lock(mutex_);
+  if (status.ok() && !copy.stale) {
+    copy.state = State::kResident;
+  } else {
+    copy.fetch_status = status;
+    DropLocked(copy);
+  }
+  changed_.notify_all();
+}
+
+}  // namespace strata::offload

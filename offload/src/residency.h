@@ -1,0 +1,108 @@
+// Residency: which chunks' working parameters are on the device for forward and backward, and
+// who is using them (ZeRO-3 style parameter offload).
+//
+// It owns the device copies of offloaded parameters and their gradient buffers, the device
+// budget they take, every chunk's pins (the trainer's, and the gradient copies' that read a
+// chunk's gradient buffer), the release events that mark the trainer's last queued use of a
+// chunk, and the access order recorded in the first step, which predicts the next chunks
+// (prefetch) and each chunk's next use (eviction drops the one used furthest in the future,
+// Belady's rule; least recently used until the order is known).
+//
+// Threads: Acquire, Release and PinGrads run on the trainer thread; fetch completions, UnpinGrads
+// and DropAll on the event loop. Its state is guarded by its own mutex, which is never held while
+// waiting for the device, so work queued on a stream may call into the engine.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "strata/core/device.h"
+#include "strata/core/event_loop.h"
+#include "strata/offload/engine.h"
+#include "strata/offload/tier_budget.h"
+
+namespace strata::offload {
+
+class Residency {
+ public:
+  explicit Residency(Engine::Impl& engine) : engine_(engine) {}
+
+  /// Creates every chunk's release event. Call once, after the chunks exist.
+  Status Initialize();
+
+  /// Pins `chunk` for the trainer, makes its working parameters resident on the device and its
+  /// gradient buffer free (the previous micro-step's copy out has read it), blocking until both
+  /// hold, and prefetches the chunks expected next.
+  Result<ChunkView> Acquire(size_t chunk);
+  /// Unpins a chunk acquired earlier and records the end of the trainer's queued work on it.
+  void Release(size_t chunk);
+
+  /// Holds `chunk`'s gradient buffer for a copy that reads it; the chunk must be acquired.
+  /// Returns its device view. FailedPrecondition when the trainer does not hold it.
+  Result<ChunkView> PinGrads(size_t chunk);
+  /// The copy that PinGrads held the buffer for has read it (any thread).
+  void UnpinGrads(size_t chunk);
+
+  /// The lowest chunk the trainer holds, if any.
+  std::optional<size_t> FirstAcquired() const;
+  /// Makes `stream` wait until the trainer's queued work on every resident chunk has run;
+  /// DropAll is safe once that work on `stream` has.
+  Status OrderAfterTrainerUse(Stream stream);
+  /// The same for one chunk, if the trainer has released it (true); false while it holds it.
+  Result<bool> OrderAfterTrainerUse(size_t chunk, Stream stream);
+  /// Blocks until the trainer's queued work on every resident offloaded chunk has run.
+  Status WaitForTrainerUse();
+  /// Drops every device copy of offloaded parameters: a commit or a Load made them stale.
+  /// Fetches in flight land stale and are dropped too. No chunk may be acquired, and the
+  /// trainer's work on them must have run (OrderAfterTrainerUse, WaitForTrainerUse). Loop
+  /// thread.
+  void DropAll();
+  /// A step committed: the first one's access order is now known, and each step replays it.
+  void StepCommitted();
+
+ private:
+  enum class State : uint8_t {
+    kAbsent,    ///< Not on the device.
+    kFetching,  ///< Memory taken; the parameters are on their way (trainer -> loop).
+    kResident,  ///< On the device (loop: fetch landed; always, for device-home chunks).
+    kEvicting,  ///< Chosen as a victim; its memory goes once the trainer's work on it has run.
+  };
+
+  /// What the device holds of one chunk.
+  struct Copy {
+    State state = State::kAbsent;
+    DeviceBuffer params;  // Offloaded chunks only (device-home ones use Chunk::params).
+    DeviceBuffer grads;
+    BudgetReservation slot;
+    DeviceEvent released;  // Recorded at Release: the trainer's last queued use.
+    int pins = 0;          // Trainer.
+    int grad_pins = 0;     // Gradient copies reading the gradient buffer.
+    uint64_t last_use = 0;
+    bool stale = false;  // Dropped while fetching: what arrives is thrown away.
+    Status fetch_status;
+  };
+
+  ChunkView ViewLocked(size_t chunk) const;
+  Status StartFetchLocked(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock);
+  std::optional<size_t> PickVictimLocked(size_t target, bool demand) const;
+  void EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock);
+  void DropLocked(Copy& copy);
+  size_t NextUseLocked(size_t chunk) const;  // Distance in the recorded order; max() = never.
+  void RecordAccessLocked(size_t chunk);
+  void PrefetchLocked(std::unique_lock<std::mutex>& lock);
+  Awaitable<void> Fetch(size_t chunk);
+
+  Engine::Impl& engine_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<Copy> copies_;
+  uint64_t use_tick_ = 0;
+  bool recording_ = true;  // The first step records the order of Acquire calls.
+  std::vector<size_t> order_;
+  size_t order_position_ = 0;
+};
+
+}  // namespace strata::offload

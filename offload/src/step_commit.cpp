@@ -1,0 +1,363 @@
+// The step as a whole: Step() and its refusals, the verdict of a gated step (global norm, fp16
+// overflow), and the commit that makes every chunk's update visible at once.
+#include <cmath>
+
+#include "engine_impl.h"
+
+namespace strata::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+const char* ChunkPhaseName(ChunkPhase phase) {
+  switch (phase) {
+    case ChunkPhase::kIdle: return "idle";
+    case ChunkPhase::kAccumulating: return "accumulating";
+    case ChunkPhase::kLanding: return "landing";
+    case ChunkPhase::kArrived: return "arrived";
+    case ChunkPhase::kUpdating: return "updating";
+    case ChunkPhase::kStepped: return "stepped";
+    case ChunkPhase::kUpdated: return "updated";
+  }
+  return "unknown";
+}
+
+void Chunk::MoveTo(ChunkPhase to) {
+  using P = ChunkPhase;
+  const P from = phase_now();
+  bool allowed = false;
+  switch (to) {
+    case P::kIdle: allowed = from == P::kArrived || from == P::kUpdated; break;  // The commit.
+    case P::kAccumulating: allowed = from == P::kIdle || from == P::kAccumulating; break;
+    case P::kLanding: allowed = from == P::kIdle || from == P::kAccumulating; break;
+    case P::kArrived: allowed = from == P::kLanding || from == P::kUpdating; break;
+    case P::kUpdating: allowed = from == P::kArrived || from == P::kStepped; break;
+    case P::kStepped: allowed = from == P::kUpdating; break;
+    case P::kUpdated:
+      allowed = from == P::kUpdating || from == P::kArrived;  // kArrived: deferred on device.
+      break;
+  }
+  if (!allowed) {
+    std::fprintf(stderr, "strata: internal error: a chunk moved from %s to %s\n",
+                 ChunkPhaseName(from), ChunkPhaseName(to));
+    std::abort();
+  }
+  phase.store(to, std::memory_order_release);
+}
+
+StepPipeline::StepPipeline(Engine::Impl& engine, const EngineOptions& options)
+    : engine_(engine),
+      options_(options),
+      gas_(options.optimizer.gradient_accumulation_steps),
+      next_lr_(options.optimizer.lr),
+      loss_scaler_(options.precision) {}
+
+void StepPipeline::Initialize() {
+  for (Chunk& c : engine_.chunks_) c.grads_copied.emplace(0);
+  preloads_.resize(engine_.chunks_.size());
+  boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });
+}
+
+void StepPipeline::MoveTo(Chunk& chunk, ChunkPhase to) { chunk.MoveTo(to); }
+
+bool StepPipeline::gated() const {
+  return options_.optimizer.gradient_clipping > 0.0 || loss_scaler_.checks_overflow();
+}
+
+double StepPipeline::loss_scale() const {
+  std::lock_guard lock(mutex_);
+  return loss_scaler_.scale();
+}
+
+int64_t StepPipeline::iteration_count() const {
+  std::lock_guard lock(mutex_);
+  return loss_scaler_.state().iteration;
+}
+
+void StepPipeline::SetLearningRate(double lr) {
+  std::lock_guard lock(mutex_);
+  next_lr_ = lr;
+}
+
+LossScalerState StepPipeline::scaler_state() const {
+  std::lock_guard lock(mutex_);
+  return loss_scaler_.state();
+}
+
+void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count) {
+  std::lock_guard lock(mutex_);
+  loss_scaler_.Restore(scaler);
+  step_count_.store(step_count);
+  engine_.m_.loss_scale->Set(loss_scaler_.scale());
+}
+
+Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation) const {
+  std::lock_guard lock(mutex_);
+  if (step_running_) {
+    return FailedPrecondition(operation + " while a step is running; wait for Step() to complete");
+  }
+  const ChunkPhase phase = engine_.chunks_[chunk].phase_now();
+  if (phase != ChunkPhase::kIdle && phase != ChunkPhase::kAccumulating && !attempt_failed_) {
+    return FailedPrecondition(
+        operation + ": chunk " + std::to_string(chunk) +
+        " received its last gradients of this step, so its update may be running; read it "
+        "after Step() completes");
+  }
+  return Status();
+}
+
+Status StepPipeline::CheckBetweenSteps(const std::string& operation) const {
+  std::lock_guard lock(mutex_);
+  if (step_running_) return FailedPrecondition(operation + " while a step is running");
+  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    if (engine_.chunks_[i].micro_steps > 0) {
+      return FailedPrecondition(operation + " while chunk " + std::to_string(i) +
+                                " holds gradients of an unfinished step; call Step() first");
+    }
+  }
+  return Status();
+}
+
+std::future<Result<StepReport>> StepPipeline::Step() {
+  std::promise<Result<StepReport>> promise;
+  std::future<Result<StepReport>> future = promise.get_future();
+  {
+    std::lock_guard lock(mutex_);
+    Status refused;
+    if (step_running_) refused = FailedPrecondition("Step() while the previous step is running");
+    const std::vector<Chunk>& chunks = engine_.chunks_;
+    for (size_t i = 0; i < chunks.size() && refused.ok(); ++i) {
+      if (chunks[i].micro_steps != gas_) {
+        refused = FailedPrecondition(
+            "chunk " + std::to_string(i) + " received the gradients of " +
+            std::to_string(chunks[i].micro_steps) + " of " + std::to_string(gas_) +
+            " micro-steps; call GradsReady for every chunk in every micro-step before Step()");
+      }
+    }
+    if (refused.ok()) {
+      if (std::optional<size_t> held = engine_.residency_.FirstAcquired()) {
+        refused = FailedPrecondition(
+            "Step() while chunk " + std::to_string(*held) +
+            " is acquired; Release every chunk first (the step replaces its parameters)");
+      }
+    }
+    if (!refused.ok()) {
+      promise.set_value(refused);
+      return future;
+    }
+    step_running_ = true;
+  }
+  boost::asio::post(engine_.loop_.executor(), [this, promise = std::move(promise)]() mutable {
+    {
+      std::lock_guard lock(mutex_);
+      attempt_failed_ = false;
+    }
+    step_.requested = true;
+    step_.promise.emplace(std::move(promise));
+    step_.started = Clock::now();
+    // A retry after a failed attempt finishes what that attempt left (see step_pipeline.h).
+    if (!step_.skip && (!gated() || step_.decided)) {
+      for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+        const ChunkPhase phase = engine_.chunks_[i].phase_now();
+        if (phase == ChunkPhase::kArrived || phase == ChunkPhase::kStepped) {
+          auto retry = [](StepPipeline* self, size_t chunk) -> Awaitable<void> {
+            co_await self->Update(chunk);
+            self->MaybeFinish();
+          };
+          engine_.Spawn(retry(this, i));
+        }
+      }
+    }
+    MaybeFinish();
+  });
+  return future;
+}
+
+void StepPipeline::Arrive(size_t chunk) {
+  Chunk& c = engine_.chunks_[chunk];
+  {
+    std::lock_guard lock(mutex_);
+    MoveTo(c, ChunkPhase::kArrived);
+  }
+  ++step_.arrived;
+  if (!c.land_status.ok() && step_.error.ok()) {
+    step_.error =
+        c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk));
+  }
+  if (gated() && step_.arrived == engine_.chunks_.size()) Decide();
+}
+
+void StepPipeline::Decide() {
+  // Every norm is in. Sums go in chunk order so results are reproducible.
+  double totals[2] = {0.0, 0.0};  // Sum of squares, count of non-finite chunks.
+  for (const Chunk& each : engine_.chunks_) {
+    if (each.stats.all_finite) {
+      totals[0] += each.stats.sum_of_squares;
+    } else {
+      totals[1] += 1.0;
+    }
+  }
+  Status reduced = engine_.environment_.communicator->AllReduceSum(totals);
+  if (!reduced.ok() && step_.error.ok()) step_.error = reduced;
+  const double scale = loss_scale();
+  step_.decided = true;
+  step_.skip = loss_scaler_.checks_overflow() && totals[1] > 0.0;
+  step_.grad_norm = step_.skip ? std::nan("") : std::sqrt(totals[0]) / scale;
+  double clip = 1.0;
+  const double max_norm = options_.optimizer.gradient_clipping;
+  if (!step_.skip && max_norm > 0.0) {
+    // DeepSpeed's and torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when < 1.
+    clip = std::min(1.0, max_norm / (step_.grad_norm + 1e-6));
+  }
+  step_.grad_scale = clip / scale;
+  gate_.Open();
+}
+
+void StepPipeline::Cancel() {
+  step_.cancelled = true;
+  gate_.Open();
+}
+
+void StepPipeline::MaybeFinish() {
+  if (!step_.requested || step_.committing || step_.updates_running > 0) return;
+  const std::vector<Chunk>& chunks = engine_.chunks_;
+  for (const Chunk& c : chunks) {
+    if (c.phase_now() == ChunkPhase::kLanding) return;  // Gradients still landing.
+  }
+  if (!step_.error.ok()) {
+    FinishStep(std::exchange(step_.error, Status()), /*completed=*/false);
+    return;
+  }
+  if (gated() && !step_.decided) return;
+  if (!step_.skip) {
+    for (const Chunk& c : chunks) {
+      const bool deferred = c.placement.optimizer_states == Tier::kDevice &&
+                            engine_.transactional_ && c.phase_now() == ChunkPhase::kArrived;
+      if (c.phase_now() != ChunkPhase::kUpdated && !deferred) return;  // A journey is on its way.
+    }
+  }
+  step_.committing = true;
+  engine_.Spawn(Commit());
+}
+
+Awaitable<void> StepPipeline::Commit() {
+  Engine::Impl& e = engine_;
+  std::vector<Chunk>& chunks = e.chunks_;
+  const bool skipped = step_.skip;
+  Status status;
+  if (!skipped && !step_.committed) {
+    // Transactional steps update the device's share only now, when nothing else can fail.
+    for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
+      if (chunks[i].phase_now() != ChunkPhase::kArrived) continue;
+      status = co_await UpdateOnDevice(i);
+      if (status.ok()) {
+        std::lock_guard lock(mutex_);
+        MoveTo(chunks[i], ChunkPhase::kUpdated);
+      }
+    }
+    if (!status.ok()) {
+      FinishStep(status.WithContext("updating the device's share of the optimizer states"),
+                 /*completed=*/false);
+      co_return;
+    }
+    // The point of no return: the shadows become current, host-home parameters swap.
+    for (Chunk& c : chunks) {
+      if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
+      if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
+      if (c.placement.params == Tier::kHost) std::swap(c.host_params, c.param_copy);
+    }
+    step_.committed = true;
+  }
+  // Device-home parameters not uploaded yet go up behind the trainer's last use of every chunk;
+  // one wait covers them, and that use, before stale device copies are dropped.
+  status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
+  for (size_t i = 0; i < chunks.size() && status.ok() && !skipped; ++i) {
+    Chunk& c = chunks[i];
+    if (c.placement.params != Tier::kDevice || c.params_uploaded) continue;
+    const size_t wbytes = c.working_bytes(e.working_size());
+    status = e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
+    if (status.ok()) e.m_.h2d_bytes->Increment(double(wbytes));
+  }
+  const Status landed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  if (status.ok()) status = landed;
+  if (!status.ok()) {
+    // The step is committed on the host side; a retry uploads again.
+    FinishStep(status.WithContext("uploading the step's new parameters to the device"),
+               /*completed=*/false);
+    co_return;
+  }
+  if (!skipped) e.residency_.DropAll();
+
+  double norm = step_.grad_norm;
+  if (!gated()) {
+    double sum = 0.0;
+    for (const Chunk& c : chunks) sum += c.stats.sum_of_squares;
+    norm = std::sqrt(sum);
+  }
+  bool stuck = false;
+  {
+    std::lock_guard lock(mutex_);
+    stuck = skipped && loss_scaler_.AtMinimumScale();
+    loss_scaler_.Update(skipped);
+    if (!skipped) step_count_.fetch_add(1);
+    for (Chunk& c : chunks) {
+      MoveTo(c, ChunkPhase::kIdle);
+      c.micro_steps = 0;
+      c.stats = {};
+      c.land_status = Status();
+      c.params_uploaded = false;
+    }
+    step_open_ = false;
+  }
+  e.m_.steps->Increment(skipped ? 0.0 : 1.0);
+  e.m_.skipped_steps->Increment(skipped ? 1.0 : 0.0);
+  e.m_.loss_scale->Set(loss_scale());
+  e.residency_.StepCommitted();
+  StartPreloads();  // The next step's first states, read while its forward runs.
+  const double seconds = std::chrono::duration<double>(Clock::now() - step_.started).count();
+  e.m_.step_seconds->Set(seconds);
+  if (stuck) {
+    FinishStep(FailedPrecondition(
+                   "fp16 gradients overflowed with the loss scale already at its minimum (" +
+                   std::to_string(options_.precision.min_loss_scale) +
+                   "), so it cannot be lowered further (DeepSpeed stops here too); the step was "
+                   "skipped. Lower the learning rate, clip gradients, use bf16, or lower "
+                   "min_loss_scale"),
+               /*completed=*/true);
+    co_return;
+  }
+  const LossScalerState scaler = scaler_state();
+  FinishStep(StepReport{.step = step_count_.load(),
+                        .iteration = scaler.iteration,
+                        .skipped = skipped,
+                        .grad_norm = norm,
+                        .loss_scale = scaler.scale,
+                        .seconds = seconds},
+             /*completed=*/true);
+}
+
+void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
+  std::promise<Result<StepReport>> promise = std::move(*step_.promise);
+  // The trainer cannot start the next forward before the step completes: all of it is a stall.
+  engine_.m_.stall_of(TrainerWait::kStep)
+      .Increment(std::chrono::duration<double>(Clock::now() - step_.started).count());
+  if (completed) {
+    if (result.ok()) engine_.m_.UpdateRates();
+    step_ = StepState{};
+    gate_.Reset();
+  } else {
+    step_.promise.reset();
+    step_.requested = false;
+    step_.committing = false;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    step_running_ = false;
+    attempt_failed_ = !completed;
+  }
+  promise.set_value(std::move(result));
+}
+
+}  // namespace strata::offload

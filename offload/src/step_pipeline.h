@@ -1,0 +1,166 @@
+// StepPipeline: a step from the gradients of backward to the commit that makes it visible.
+//
+// Each chunk's journey is one coroutine on the event loop (update_journey.cpp), started by the
+// GradsReady of its last micro-step:
+//
+//   co_await grads_copied                      // D2H behind the trainer's work (or the device
+//                                              // sums them in stream order)
+//   stats = co_await AwaitJob(sum_and_measure) // micro-step sum, squares, finiteness (TBB)
+//   co_await gate                              // gated steps: the global norm / overflow verdict
+//   states = co_await preload                  // NVMe -> staging buffer, read ahead
+//   co_await AwaitJob(optimizer + checksums)   // cpu_adam on TBB, new working params rounded
+//   co_await AwaitSwapWrite(shadow extents)    // write-behind; the commit flips them current
+//   queue the h2d copy of the parameters       // now, or at the commit when it must wait
+//
+// Journeys of different chunks overlap each other and the trainer's backward, bounded by the
+// staging buffers. The commit (step_commit.cpp) runs once every chunk is updated: it flips the
+// shadow extents (the point of no return), uploads what is still to upload, drops stale device
+// copies, and completes Step()'s future. Earlier micro-steps only land and sum
+// (gradient_landing.cpp).
+//
+// Retries: a failed step leaves each chunk in a phase that says what is left to do
+// (chunk.h): kArrived chunks are updated again from states that did not change, kStepped
+// chunks only republish their parameters, kUpdated chunks wait for the commit, and a commit
+// that failed after its flip only uploads again. So Step() after a failure finishes the same
+// step exactly once, in every placement.
+//
+// Threads: GradsReady, Step and the accessors run on the trainer thread (or any thread, for the
+// accessors) and take `mutex_`; everything else runs on the loop thread. `mutex_` guards the
+// phases' writes, the micro-step counts, the hyper-parameter snapshot, the loss scaler and
+// whether a step is running. The loop-only state (StepState, preloads) needs no lock.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "chunk.h"
+#include "loop_sync.h"
+#include "strata/offload/engine.h"
+#include "strata/offload/loss_scaler.h"
+
+namespace strata::offload {
+
+/// What one step's updates use, fixed at the step's first GradsReady so that every chunk of the
+/// step is updated alike, however early its update starts.
+struct StepHyperParams {
+  double lr = 0.0;
+  int64_t step = 0;  ///< The optimizer step number these updates make (1 for the first).
+};
+
+class StepPipeline {
+ public:
+  StepPipeline(Engine::Impl& engine, const EngineOptions& options);
+
+  /// Creates the per-chunk signals and starts the first preloads. Once, after the chunks exist.
+  void Initialize();
+
+  // --- Trainer thread ---
+  Status GradsReady(size_t chunk);
+  std::future<Result<StepReport>> Step();
+  /// FailedPrecondition naming `chunk` when a step is running or the chunk's update may be
+  /// (from its last GradsReady until the step completes): its parameters and master may change.
+  Status CheckReadable(size_t chunk, const std::string& operation) const;
+  /// FailedPrecondition unless between steps: no step running and no gradients held.
+  Status CheckBetweenSteps(const std::string& operation) const;
+
+  // --- Any thread ---
+  double loss_scale() const;
+  int64_t step_count() const { return step_count_.load(); }
+  int64_t iteration_count() const;
+  /// The learning rate of the steps whose first GradsReady comes after this call.
+  void SetLearningRate(double lr);
+  LossScalerState scaler_state() const;
+  /// Between steps: what Load restores.
+  void Restore(const LossScalerState& scaler, int64_t step_count);
+
+  // --- Loop thread ---
+  /// Reads ahead the optimizer states of the chunks whose gradients come first in backward
+  /// (the last chunks), so NVMe works while the next forward runs.
+  void StartPreloads();
+  /// Waits for preloads in flight and returns every preloaded buffer.
+  Awaitable<void> DropPreloads();
+  /// Shutdown: journeys waiting for a verdict that will never come give up.
+  void Cancel();
+
+ private:
+  /// The step in progress (loop thread only).
+  struct StepState {
+    bool requested = false;  // Step() was called and waits for its future.
+    std::optional<std::promise<Result<StepReport>>> promise;
+    std::chrono::steady_clock::time_point started;
+    size_t arrived = 0;    // Chunks whose gradients have landed.
+    bool decided = false;  // Gated steps: the global norm/overflow verdict is in.
+    bool skip = false;     // fp16 overflow.
+    double grad_scale = 1.0;
+    double grad_norm = 0.0;
+    size_t updates_running = 0;
+    Status error;  // First failure of this attempt.
+    bool committing = false;
+    bool committed = false;  // The commit flipped the shadows: a retry only uploads again.
+    bool cancelled = false;
+  };
+
+  /// An NVMe-home chunk's states read ahead into a staging buffer (loop thread).
+  struct Preload {
+    bool active = false;
+    Status status;
+    StagingBuffer buffer;
+    std::optional<LoopSemaphore> ready;  // Released once the read is done.
+  };
+
+  bool gated() const;
+  void MoveTo(Chunk& chunk, ChunkPhase to);  // Under mutex_.
+
+  // gradient_landing.cpp
+  Status QueueLanding(size_t chunk, const ChunkView& view, int micro_step, bool last);
+  Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
+                                                int micro_step, bool last);
+  Awaitable<void> LandMicroStep(size_t chunk, int micro_step);
+  Awaitable<Status> LandGrads(size_t chunk, int micro_step, bool last);
+
+  // update_journey.cpp
+  Awaitable<void> Journey(size_t chunk, int micro_step);
+  Awaitable<void> Update(size_t chunk);
+  /// Sets `stepped` when the chunk's home states hold this step's update (even if a later
+  /// stage failed), which decides the phase a failure leaves it in.
+  Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool& stepped);
+  /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
+  Status UploadEarly(size_t chunk);
+  Awaitable<Status> UpdateOnDevice(size_t chunk);
+  Status RunOptimizer(float* states, size_t numel, const void* grads, DType grad_dtype,
+                      void* param_copy, double grad_scale) const;
+  void StartPreload(size_t chunk);
+  Awaitable<void> PreloadStates(size_t chunk);
+
+  // step_commit.cpp
+  void Arrive(size_t chunk);
+  void Decide();
+  void MaybeFinish();
+  Awaitable<void> Commit();
+  void FinishStep(Result<StepReport> result, bool completed);
+
+  Engine::Impl& engine_;
+  const EngineOptions& options_;
+  const int gas_;  // gradient_accumulation_steps
+
+  mutable std::mutex mutex_;
+  bool step_running_ = false;  // Step() called and not yet completed.
+  bool step_open_ = false;     // This step's first GradsReady came: hyper_ holds its snapshot.
+  // The last attempt failed and Step() has not been called again: no update runs or starts
+  // (written on the loop under mutex_).
+  bool attempt_failed_ = false;
+  StepHyperParams hyper_;
+  double next_lr_;
+  LossScaler loss_scaler_;
+  std::atomic<int64_t> step_count_{0};
+
+  StepState step_;  // Loop thread only, like what follows.
+  LoopLatch gate_;  // Opens when a gated step's verdict is in.
+  std::vector<Preload> preloads_;
+};
+
+}  // namespace strata::offload

@@ -1,0 +1,306 @@
+// A chunk's journey through a step, from its last micro-step's gradients to "staged for the
+// commit": land, wait for the gate, read the states, step them, write them back, and send the
+// new working parameters toward the device. See step_pipeline.h for the picture.
+#include <chrono>
+#include <cstring>
+
+#include "engine_impl.h"
+
+namespace strata::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// AdamW's and Adam's hyper-parameters, which have the same fields, from the options.
+template <typename HyperParams>
+HyperParams AdamFamily(const OptimizerOptions& o, double lr, int64_t step, double grad_scale) {
+  return {.lr = lr,
+          .beta1 = o.beta1,
+          .beta2 = o.beta2,
+          .eps = o.eps,
+          .weight_decay = o.weight_decay,
+          .bias_correction = o.bias_correction,
+          .step = step,
+          .grad_scale = grad_scale};
+}
+
+}  // namespace
+
+Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
+  co_await LandGrads(chunk, micro_step, /*last=*/true);
+  Arrive(chunk);
+  if (gated()) co_await gate_.Wait();
+  if (!step_.skip && !step_.cancelled) co_await Update(chunk);
+  MaybeFinish();
+}
+
+Awaitable<void> StepPipeline::Update(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  const ChunkPhase from = c.phase_now();
+  // Only one update per chunk at a time, and only where one is left to do (a retry may race
+  // the journey resumed by the gate: whoever comes first updates).
+  if (from != ChunkPhase::kArrived && from != ChunkPhase::kStepped) co_return;
+  // This attempt failed already, or failed and ended: Step() again retries.
+  if (!step_.error.ok() || attempt_failed_) co_return;
+  const bool on_device = c.placement.optimizer_states == Tier::kDevice;
+  // Transactional steps update device-kept states only at the commit, when nothing can fail.
+  if (on_device && e.transactional_) co_return;
+  {
+    std::lock_guard lock(mutex_);
+    MoveTo(c, ChunkPhase::kUpdating);
+  }
+  ++step_.updates_running;
+  Status status;
+  bool stepped = false;
+  if (on_device) {
+    status = co_await UpdateOnDevice(chunk);
+  } else {
+    status = co_await UpdateOnHost(chunk, /*republish=*/from == ChunkPhase::kStepped, stepped);
+  }
+  --step_.updates_running;
+  {
+    std::lock_guard lock(mutex_);
+    MoveTo(c, status.ok() ? ChunkPhase::kUpdated
+              : stepped   ? ChunkPhase::kStepped
+                          : ChunkPhase::kArrived);
+  }
+  if (!status.ok() && step_.error.ok()) {
+    step_.error = status.WithContext("updating chunk " + std::to_string(chunk));
+  }
+}
+
+Status StepPipeline::RunOptimizer(float* states, size_t numel, const void* grads, DType grad_dtype,
+                                  void* param_copy, double grad_scale) const {
+  const OptimizerOptions& o = options_.optimizer;
+  const double lr = hyper_.lr;
+  const int64_t step = hyper_.step;
+  const DType wdtype = engine_.working_dtype();
+  cpu_adam::CpuOptimizer& optimizer = *engine_.optimizer_;
+  const cpu_adam::StepBuffers buffers{
+      .numel = numel,
+      .params = states,
+      .grads = grads,
+      .grad_dtype = grad_dtype,
+      .exp_avg = states + numel,
+      .exp_avg_sq = states + 2 * numel,
+      .param_copy = wdtype == DType::kFp32 ? nullptr : param_copy,
+      .param_copy_dtype = wdtype == DType::kFp32 ? DType::kBf16 : wdtype};
+  Status status;
+  switch (o.type) {
+    case OptimizerType::kAdamW:
+      status =
+          optimizer.Step(AdamFamily<cpu_adam::AdamWHyperParams>(o, lr, step, grad_scale), buffers);
+      break;
+    case OptimizerType::kAdam:
+      status =
+          optimizer.Step(AdamFamily<cpu_adam::AdamHyperParams>(o, lr, step, grad_scale), buffers);
+      break;
+    case OptimizerType::kAdagrad:
+      status = optimizer.Step(cpu_adam::AdagradHyperParams{.lr = lr,
+                                                           .weight_decay = o.weight_decay,
+                                                           .eps = o.eps,
+                                                           .step = step,
+                                                           .grad_scale = grad_scale},
+                              buffers);
+      break;
+    case OptimizerType::kLion:
+      status = optimizer.Step(cpu_adam::LionHyperParams{.lr = lr,
+                                                        .beta1 = o.beta1,
+                                                        .beta2 = o.beta2,
+                                                        .weight_decay = o.weight_decay,
+                                                        .grad_scale = grad_scale},
+                              buffers);
+      break;
+  }
+  if (status.ok() && wdtype == DType::kFp32 && param_copy != nullptr) {
+    std::memcpy(param_copy, states, numel * sizeof(float));
+  }
+  return status;
+}
+
+Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool& stepped) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  EngineMetrics& m = e.m_;
+  const size_t wbytes = c.working_bytes(e.working_size());
+  const bool nvme_states = c.placement.optimizer_states == Tier::kNvme;
+  const bool nvme_params = c.placement.params == Tier::kNvme;
+  const double grad_scale = step_.grad_scale;
+  Status status;
+  stepped = republish;
+
+  StagingBuffer state_buffer;
+  float* states = reinterpret_cast<float*>(c.host_states.data());
+  if (nvme_states) {
+    Preload& preload = preloads_[chunk];
+    if (!preload.active) StartPreload(chunk);
+    {
+      WaitTimer waiting(m.wait_of(UpdateWait::kNvmeRead));
+      co_await preload.ready->Acquire();
+    }
+    status = preload.status;
+    state_buffer = std::move(preload.buffer);
+    preload = {};
+    states = reinterpret_cast<float*>(state_buffer.data());
+  }
+  StagingBuffer param_buffer;
+  void* param_copy = c.param_copy.data();
+  if (status.ok() && nvme_params) {
+    {
+      WaitTimer waiting(m.wait_of(UpdateWait::kStagingBuffer));
+      param_buffer = co_await e.param_staging_->Acquire();
+    }
+    param_copy = param_buffer.data();
+  }
+  // The optimizer, then the checksums of what goes to NVMe: both on TBB, off the loop.
+  uint64_t state_checksum = 0;
+  uint64_t param_checksum = 0;
+  if (status.ok()) {
+    const void* grads = gas_ > 1 ? c.grads_sum.data() : c.grads_landing.data();
+    const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
+    auto update = [&] {
+      Status s;
+      if (republish) {
+        // The states already hold this step: only the working parameters are made again.
+        Fp32ToDType({states, c.numel}, e.working_dtype(), param_copy);
+      } else {
+        const auto start = Clock::now();
+        s = RunOptimizer(states, c.numel, grads, grad_dtype, param_copy, grad_scale);
+        m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      if (s.ok() && nvme_states) {
+        state_checksum = e.swap_->Checksum(state_buffer.data(), c.state_bytes());
+      }
+      if (s.ok() && nvme_params) param_checksum = e.swap_->Checksum(param_buffer.data(), wbytes);
+      return s;
+    };
+    {
+      OptimizerBusyGuard updating(m);
+      WaitTimer waiting(m.wait_of(UpdateWait::kCpuOptimizer));
+      status = co_await AwaitJob(e.jobs_, update);
+    }
+    if (status.ok() && !republish) m.optimizer_params->Increment(double(c.numel));
+    // Host-home states were stepped in place: from here on a failure must not step them again.
+    stepped = !nvme_states && (republish || status.ok());
+  }
+  // Write-behind into the shadow extents; the commit makes them current.
+  std::optional<InFlightGuard> writing;
+  std::optional<WaitTimer> write_time;
+  if (status.ok() && (nvme_states || nvme_params)) {
+    writing.emplace(m.in_flight_of(InFlightKind::kNvmeWrite));
+    write_time.emplace(m.wait_of(UpdateWait::kNvmeWrite));
+  }
+  if (status.ok() && nvme_states) {
+    const int registered = e.state_staging_registered_ ? int(state_buffer.index()) : -1;
+    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.state_shadow(), state_buffer.data(),
+                                           c.state_bytes(), registered, state_checksum);
+    if (status.ok()) m.nvme_write_bytes->Increment(double(c.state_bytes()));
+  }
+  if (status.ok() && nvme_params) {
+    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.param_shadow(), param_buffer.data(), wbytes,
+                                           -1, param_checksum);
+    if (status.ok()) m.nvme_write_bytes->Increment(double(wbytes));
+  }
+  writing.reset();
+  write_time.reset();
+  if (e.state_staging_) e.state_staging_->Release(state_buffer);
+  if (e.param_staging_) e.param_staging_->Release(param_buffer);
+  if (status.ok()) status = UploadEarly(chunk);
+  co_return status;
+}
+
+Status StepPipeline::UploadEarly(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  // Nothing can fail after the update in a step that is not transactional, so device-home
+  // parameters go up at once, behind the trainer's last use of them; the commit uploads those
+  // the trainer still holds, and every upload of a transactional step.
+  if (e.transactional_ || c.placement.params != Tier::kDevice || c.params_uploaded) {
+    return Status();
+  }
+  STRATA_ASSIGN_OR_RETURN(const bool released,
+                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+  if (!released) return Status();
+  const size_t wbytes = c.working_bytes(e.working_size());
+  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
+  e.m_.h2d_bytes->Increment(double(wbytes));
+  c.params_uploaded = true;
+  return Status();
+}
+
+Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  const void* grads = gas_ > 1 ? c.device_grads_sum.data() : c.grads.data();
+  const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
+  const double grad_scale = step_.grad_scale;
+  auto result = std::make_shared<Status>();
+  Status queued = e.device_.LaunchHostFunction(
+      Stream::kCompute, [this, &c, grads, grad_dtype, grad_scale, result] {
+        *result = RunOptimizer(static_cast<float*>(c.device_states.data()), c.numel, grads,
+                               grad_dtype, c.params.data(), grad_scale);
+      });
+  if (!queued.ok()) co_return queued;
+  Status done = co_await AwaitStream(e.device_, Stream::kCompute);
+  if (!done.ok()) co_return done;
+  if (result->ok()) {
+    e.m_.device_optimizer_params->Increment(double(c.numel));
+    c.params_uploaded = true;  // The kernel wrote the device's parameters itself.
+  }
+  co_return *result;
+}
+
+void StepPipeline::StartPreloads() {
+  if (!engine_.state_staging_) return;
+  // Leave one staging buffer for a chunk that arrives out of the expected order.
+  const int depth = std::max(1, options_.host.optimizer_buffer_count - 1);
+  int started = 0;
+  for (size_t i = preloads_.size(); i-- > 0 && started < depth;) {
+    if (engine_.chunks_[i].placement.optimizer_states != Tier::kNvme || preloads_[i].active) {
+      continue;
+    }
+    StartPreload(i);
+    ++started;
+  }
+}
+
+void StepPipeline::StartPreload(size_t chunk) {
+  Preload& preload = preloads_[chunk];
+  preload.active = true;
+  preload.ready.emplace(0);
+  engine_.Spawn(PreloadStates(chunk));
+}
+
+Awaitable<void> StepPipeline::PreloadStates(size_t chunk) {
+  Engine::Impl& e = engine_;
+  const Chunk& c = e.chunks_[chunk];
+  Preload& preload = preloads_[chunk];
+  StagingBuffer buffer = co_await e.state_staging_->Acquire();
+  const int registered = e.state_staging_registered_ ? int(buffer.index()) : -1;
+  Status status;
+  {
+    InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
+    status = co_await nvme::AwaitSwapRead(*e.swap_, c.state_extents[c.state_current], buffer.data(),
+                                          registered);
+  }
+  if (status.ok()) {
+    e.m_.nvme_read_bytes->Increment(double(c.state_bytes()));
+    preload.buffer = std::move(buffer);
+  } else {
+    e.state_staging_->Release(buffer);
+  }
+  preload.status = status;
+  preload.ready->Release();
+}
+
+Awaitable<void> StepPipeline::DropPreloads() {
+  for (Preload& preload : preloads_) {
+    if (!preload.active) continue;
+    co_await preload.ready->Acquire();
+    engine_.state_staging_->Release(preload.buffer);
+    preload = {};
+  }
+}
+
+}  // namespace strata::offload

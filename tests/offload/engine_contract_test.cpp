@@ -1,0 +1,506 @@
+// The engine's contract on the paths a straight training loop does not take: views held across
+// Step or Load, retries after failures at every stage, reads while updates run, hyper-parameters
+// changed mid-step, readers on other threads, devices that are not what the options say, and
+// fp16 runs that cannot make progress.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "engine_test_support.h"
+#include "strata/nvme/fault_injection.h"
+#include "support/scratch_dir.h"
+#include "tiny_model.h"
+#include "wrapped_device.h"
+
+namespace strata::offload {
+namespace {
+
+using strata::testing::ScratchDir;
+using testing::BitEqual;
+using testing::EngineTrainer;
+using testing::kBatch;
+using testing::kLayers;
+using testing::kSlotBytes;
+using testing::kWidth;
+using testing::MakeDevice;
+using testing::MakeOptions;
+using testing::MaxAbsDiff;
+using testing::ReferenceTrainer;
+using testing::TinyModel;
+using testing::WrappedDevice;
+using namespace std::chrono_literals;
+
+/// An environment whose NVMe backend obeys `plan`.
+EngineEnvironment FaultyNvme(const std::shared_ptr<nvme::FaultPlan>& plan) {
+  EngineEnvironment environment;
+  environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+    return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+  };
+  return environment;
+}
+
+std::unique_ptr<Engine> MakeEngine(const EngineOptions& options, Device& device,
+                                   const TinyModel& model, EngineEnvironment environment = {}) {
+  const auto specs = model.Specs();
+  auto engine = Engine::Create(options, device, specs, std::move(environment));
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+/// Backward over every chunk without writing gradients, leaving `keep` acquired (its view is
+/// returned).
+Result<ChunkView> BackwardKeeping(Engine& engine, size_t keep) {
+  ChunkView kept;
+  for (size_t c = engine.chunk_count(); c-- > 0;) {
+    STRATA_ASSIGN_OR_RETURN(ChunkView view, engine.Acquire(c));
+    STRATA_RETURN_IF_ERROR(engine.GradsReady(c));
+    if (c == keep) {
+      kept = view;
+    } else {
+      engine.Release(c);
+    }
+  }
+  return kept;
+}
+
+bool Mentions(const Status& status, const std::string& text) {
+  return status.message().find(text) != std::string::npos;
+}
+
+// Defect 1: a view held across Step() or Load() would dangle once the commit drops offloaded
+// copies. Both refuse, naming the chunk.
+TEST(EngineContractTest, StepAndLoadRefuseWhileAChunkIsAcquired) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
+  auto device = MakeDevice(2 * kSlotBytes);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok());
+
+  ASSERT_TRUE(BackwardKeeping(*engine, 0).ok());
+  Result<StepReport> refused = engine->Step().get();
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition)
+      << refused.status().ToString();
+  EXPECT_TRUE(Mentions(refused.status(), "chunk 0")) << refused.status().ToString();
+  engine->Release(0);
+  Result<StepReport> stepped = engine->Step().get();
+  ASSERT_TRUE(stepped.ok()) << stepped.status().ToString();
+  EXPECT_EQ(stepped->step, 2);
+
+  ASSERT_TRUE(engine->Acquire(2).ok());
+  Status load = engine->Load(dir.path() / "ckpt");
+  EXPECT_EQ(load.code(), StatusCode::kFailedPrecondition) << load.ToString();
+  EXPECT_TRUE(Mentions(load, "chunk 2")) << load.ToString();
+  EXPECT_EQ(engine->step_count(), 2);
+  engine->Release(2);
+  ASSERT_TRUE(engine->Load(dir.path() / "ckpt").ok());
+  EXPECT_EQ(engine->step_count(), 1);
+}
+
+// Defect 1: a chunk released with device work still queued on it must not be freed by the
+// step's commit before that work has run (AddressSanitizer sees the read of freed memory).
+TEST(EngineContractTest, TheCommitWaitsForTheTrainersLastUseOfAChunk) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
+  auto device = MakeDevice(2 * kSlotBytes);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+
+  Result<ChunkView> view = BackwardKeeping(*engine, 0);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  const size_t bytes = view->numel * sizeof(float);
+  std::vector<std::byte> expected(bytes), seen(bytes);
+  std::memcpy(expected.data(), view->params, bytes);
+  // The trainer's last kernel on chunk 0, still queued when Step() is called.
+  ASSERT_TRUE(device
+                  ->LaunchHostFunction(Stream::kCompute,
+                                       [&, params = view->params] {
+                                         std::this_thread::sleep_for(100ms);
+                                         std::memcpy(seen.data(), params, bytes);
+                                       })
+                  .ok());
+  engine->Release(0);
+  Result<StepReport> stepped = engine->Step().get();
+  ASSERT_TRUE(stepped.ok()) << stepped.status().ToString();
+  ASSERT_TRUE(device->SynchronizeStream(Stream::kCompute).ok());
+  EXPECT_EQ(std::memcmp(seen.data(), expected.data(), bytes), 0);
+}
+
+// Defect 2: a step that fails after some chunks' optimizer ran is retried without stepping
+// those chunks twice, in every placement, whatever failed.
+struct RetryCase {
+  const char* name;
+  Tier states;
+  Tier params;
+  uint64_t device_budget;
+  bool nvme_write_fails;  // Else a host-to-device copy fails.
+};
+
+class RetriedStepTest : public ::testing::TestWithParam<RetryCase> {};
+
+TEST_P(RetriedStepTest, AppliesTheOptimizerOnce) {
+  const RetryCase& c = GetParam();
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options =
+      MakeOptions({c.name, c.states, c.params, 1.0, c.device_budget}, dir.path());
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  auto inner = MakeDevice(c.device_budget);
+  WrappedDevice device(*inner);
+  auto engine = MakeEngine(options, device, model, FaultyNvme(plan));
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  double loss = 0.0;
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    reference.TrainStep(step);
+  }
+
+  // The third chunk's write or upload fails; the first two have been stepped by then. Updates
+  // start during backward, so the fault is armed before it.
+  if (c.nvme_write_fails) {
+    plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .skip = 2, .error = EIO});
+  } else {
+    device.FailCopiesToDevice(/*skip=*/2);
+  }
+  ASSERT_TRUE(trainer.ForwardBackward(2, &loss).ok());
+  Result<StepReport> failed = engine->Step().get();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().ToString();
+  EXPECT_EQ(plan->fired() + device.failed_copies(), 1);
+  EXPECT_EQ(engine->step_count(), 2);
+
+  Result<StepReport> retried = engine->Step().get();
+  ASSERT_TRUE(retried.ok()) << retried.status().ToString();
+  EXPECT_EQ(retried->step, 3);
+  reference.TrainStep(2);
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()))
+      << "max |diff| " << MaxAbsDiff(trainer.MasterParameters(), reference.master());
+  // The parameters the device got are the new ones: the next losses agree.
+  for (int step = 3; step < 5; ++step) {
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    EXPECT_EQ(loss, reference.TrainStep(step)) << "step " << step;
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, RetriedStepTest,
+    ::testing::Values(RetryCase{"states_host_params_nvme_write", Tier::kHost, Tier::kNvme,
+                                3 * kSlotBytes, true},
+                      RetryCase{"states_host_upload", Tier::kHost, Tier::kDevice, 64 << 20, false},
+                      RetryCase{"states_nvme_upload", Tier::kNvme, Tier::kDevice, 64 << 20, false},
+                      RetryCase{"states_nvme_write", Tier::kNvme, Tier::kDevice, 64 << 20, true}),
+    [](const ::testing::TestParamInfo<RetryCase>& param) { return param.param.name; });
+
+// Defect 3: the device passed decides what runs where, not options.device.kind.
+TEST(EngineContractTest, ACudaDeviceIsTreatedAsOneWhateverTheOptionsSay) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  auto inner = MakeDevice(64 << 20);
+  WrappedDevice cuda(*inner);
+  cuda.ReportKind(DeviceKind::kCuda);
+  const auto specs = model.Specs();
+  for (double ratio : {1.0, 0.5}) {
+    EngineOptions options = MakeOptions({"device", Tier::kDevice, Tier::kDevice}, dir.path());
+    if (ratio < 1.0)
+      options = MakeOptions({"ratio", Tier::kHost, Tier::kDevice, ratio}, dir.path());
+    ASSERT_EQ(options.device.kind, DeviceKind::kHost);
+    auto engine = Engine::Create(options, cuda, specs);
+    ASSERT_FALSE(engine.ok()) << "ratio " << ratio;
+    EXPECT_EQ(engine.status().code(), StatusCode::kUnavailable) << engine.status().ToString();
+    EXPECT_TRUE(Mentions(engine.status(), "CUDA")) << engine.status().ToString();
+  }
+}
+
+// Defect 4: the engine budgets what the device may still hand out, not what its hardware has
+// free, so a fetch evicts instead of failing in Allocate.
+TEST(EngineContractTest, TheDeviceBudgetIsTheDevicesOwn) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options =
+      MakeOptions({"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes}, dir.path());
+  auto inner = MakeDevice(2 * kSlotBytes);
+  WrappedDevice device(*inner);
+  device.ReportHardwareFree(uint64_t(64) << 30);
+  auto engine = MakeEngine(options, device, model);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->tier_usage(Tier::kDevice).budget_bytes, 2 * kSlotBytes);
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  for (int step = 0; step < 3; ++step) {
+    double loss = 0.0;
+    Result<StepReport> report = trainer.TrainStep(step, &loss);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_EQ(loss, reference.TrainStep(step));
+  }
+  EXPECT_GT(engine->counters().evictions, 0u);
+}
+
+// Defect 5: Load writes NVMe-home state into the shadow extents and switches only when every
+// chunk is in, so an I/O error half-way leaves the engine as it was.
+TEST(EngineContractTest, ALoadThatFailsHalfWayChangesNothing) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options =
+      MakeOptions({"nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes}, dir.path());
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  auto device = MakeDevice(3 * kSlotBytes);
+  auto engine = MakeEngine(options, *device, model, FaultyNvme(plan));
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  double loss = 0.0;
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    reference.TrainStep(step);
+  }
+  ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok());
+  ASSERT_TRUE(trainer.TrainStep(2, &loss).ok());  // The reference stays at the checkpoint.
+  const auto before = trainer.MasterParameters();
+
+  plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .skip = 4, .error = EIO});
+  Status failed = engine->Load(dir.path() / "ckpt");
+  EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.ToString();
+  EXPECT_EQ(plan->fired(), 1);
+  EXPECT_EQ(engine->step_count(), 3);
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), before)) << "a failed load changed state";
+
+  ASSERT_TRUE(engine->Load(dir.path() / "ckpt").ok());
+  EXPECT_EQ(engine->step_count(), 2);
+  for (int step = 2; step < 5; ++step) {
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    EXPECT_EQ(loss, reference.TrainStep(step)) << "step " << step;
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+}
+
+// Defect 6: from its last GradsReady to the step's completion a chunk may be mid-update; reads
+// of its parameters or master are refused rather than racing the update.
+TEST(EngineContractTest, AChunkWhoseUpdateMayRunCannotBeRead) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  ASSERT_TRUE(trainer.ForwardBackward(1, &loss).ok());
+
+  Result<ChunkView> view = engine->Acquire(kLayers - 1);
+  EXPECT_EQ(view.status().code(), StatusCode::kFailedPrecondition) << view.status().ToString();
+  EXPECT_TRUE(Mentions(view.status(), "chunk " + std::to_string(kLayers - 1)))
+      << view.status().ToString();
+  std::vector<float> master(engine->layout().location(0).numel);
+  Status read = engine->ReadMasterParameter(0, master);
+  EXPECT_EQ(read.code(), StatusCode::kFailedPrecondition) << read.ToString();
+
+  ASSERT_TRUE(engine->Step().get().ok());
+  ASSERT_TRUE(engine->Acquire(kLayers - 1).ok());
+  engine->Release(kLayers - 1);
+  EXPECT_TRUE(engine->ReadMasterParameter(0, master).ok());
+}
+
+// Defect 7: what a monitoring thread reads while steps run (ThreadSanitizer checks the rest).
+TEST(EngineContractTest, LossScaleAndMetricsCanBeReadWhileStepsRun) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options =
+      MakeOptions({"fp16", Tier::kNvme, Tier::kDevice}, dir.path(), DType::kFp16);
+  options.precision.hysteresis = 1;
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  std::atomic<bool> done{false};
+  std::atomic<int> odd_scales{0};
+  std::atomic<int> reads{0};
+  std::thread reader([&] {
+    while (!done.load()) {
+      const double scale = engine->loss_scale();
+      if (scale != 65536.0 && scale != 32768.0) ++odd_scales;
+      const std::string page = engine->metrics().RenderPrometheus();
+      if (page.find("strata_loss_scale") == std::string::npos) ++odd_scales;
+      (void)engine->step_count();
+      (void)engine->counters();
+      (void)engine->tier_usage(Tier::kHost);
+      ++reads;
+    }
+  });
+  EngineTrainer trainer(*engine, model);
+  for (int step = 0; step < 6; ++step) {
+    double loss = 0.0;
+    Result<StepReport> report = trainer.TrainStep(step, &loss, /*poison=*/step == 3);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_EQ(report->skipped, step == 3);
+  }
+  done = true;
+  reader.join();
+  EXPECT_GT(reads.load(), 0);
+  EXPECT_EQ(odd_scales.load(), 0);
+  EXPECT_EQ(engine->loss_scale(), 32768.0);
+}
+
+// Defect 8: a step's hyper-parameters are fixed at its first GradsReady; a learning rate set
+// after backward (as a scheduler stepped before optimizer.step() would) applies to the next
+// step, for every chunk alike, however far their updates have got.
+TEST(EngineContractTest, ALearningRateSetAfterBackwardAppliesFromTheNextStep) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+  // Slow state reads keep the later chunks' updates from starting before SetLearningRate.
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  plan->Add({.kind = nvme::FaultKind::kDelay, .op = nvme::IoOp::kRead, .times = -1, .delay = 20ms});
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model, FaultyNvme(plan));
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  reference.TrainStep(0);
+
+  ASSERT_TRUE(trainer.ForwardBackward(1, &loss).ok());
+  engine->SetLearningRate(3e-2);
+  ASSERT_TRUE(engine->Step().get().ok());
+  reference.TrainStep(1);  // Still at the old rate.
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()))
+      << "max |diff| " << MaxAbsDiff(trainer.MasterParameters(), reference.master());
+
+  reference.SetLearningRate(3e-2);
+  ASSERT_TRUE(trainer.TrainStep(2, &loss).ok());
+  EXPECT_EQ(loss, reference.TrainStep(2));
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+}
+
+// Defect 9: eviction waits for the trainer's queued work on its victim without holding the
+// engine's lock, so that work may call into the engine (here: loss_scale()).
+TEST(EngineContractTest, EvictionWaitsForTheTrainersWorkWithoutHoldingTheEngine) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
+  auto device = MakeDevice(2 * kSlotBytes);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());  // Records the order: prefetch evicts now.
+
+  auto forward = std::async(std::launch::async, [&]() -> Status {
+    for (size_t c = 0; c < engine->chunk_count(); ++c) {
+      STRATA_RETURN_IF_ERROR(engine->Acquire(c).status());
+      STRATA_RETURN_IF_ERROR(device->LaunchHostFunction(Stream::kCompute, [&] {
+        std::this_thread::sleep_for(20ms);
+        (void)engine->loss_scale();
+      }));
+      engine->Release(c);
+    }
+    return device->SynchronizeStream(Stream::kCompute);
+  });
+  if (forward.wait_for(30s) != std::future_status::ready) {
+    std::fprintf(stderr, "deadlock: eviction waits for work that waits for the engine\n");
+    std::_Exit(1);
+  }
+  ASSERT_TRUE(forward.get().ok());
+  EXPECT_GT(engine->counters().evictions, 0u);
+  ASSERT_TRUE(trainer.TrainStep(1, &loss).ok());
+}
+
+// Defect 9: a fetch uploads the parameters and a zeroed gradient buffer; both are counted.
+TEST(EngineContractTest, FetchesCountEveryByteTheyUpload) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
+  auto device = MakeDevice(2 * kSlotBytes);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+  const EngineCounters counters = engine->counters();
+  const uint64_t chunk_bytes = engine->layout().chunk(0).numel * sizeof(float);
+  EXPECT_GT(counters.fetches, 0u);
+  // Host-home parameters reach the device only through fetches.
+  EXPECT_EQ(counters.host_to_device_bytes, counters.fetches * 2 * chunk_bytes);
+}
+
+// Defect 9: destroying an engine whose updates were started by backward waits for them (under
+// AddressSanitizer, a state read landing in a freed staging buffer would be caught), and for
+// the gated journeys that wait for a verdict that never comes.
+TEST(EngineContractTest, DestroyingAnEngineMidStepWaitsForItsWork) {
+  for (double clipping : {0.0, 1.0}) {
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+    options.optimizer.gradient_clipping = clipping;
+    auto plan = std::make_shared<nvme::FaultPlan>();
+    plan->Add(
+        {.kind = nvme::FaultKind::kDelay, .op = nvme::IoOp::kRead, .times = -1, .delay = 10ms});
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model, FaultyNvme(plan));
+    ASSERT_NE(engine, nullptr);
+    // Backward of half the chunks only: with clipping, their journeys wait for the rest.
+    for (size_t c = engine->chunk_count(); c-- > engine->chunk_count() / 2;) {
+      ASSERT_TRUE(engine->Acquire(c).ok());
+      ASSERT_TRUE(engine->GradsReady(c).ok());
+      engine->Release(c);
+    }
+    engine.reset();
+    EXPECT_EQ(device->memory_info().used_bytes, 0u) << "clipping " << clipping;
+  }
+}
+
+// Defect 10: a dynamic scale at its minimum that still overflows ends the step with an error
+// (DeepSpeed raises "Current loss scale already at minimum"); the iteration still counts.
+TEST(EngineContractTest, AnOverflowAtTheMinimumLossScaleIsAnError) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options =
+      MakeOptions({"fp16", Tier::kHost, Tier::kDevice}, dir.path(), DType::kFp16);
+  options.precision.initial_scale_power = 1;  // 2, then 1 = the minimum.
+  options.precision.hysteresis = 1;
+  options.precision.min_loss_scale = 1.0;
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  Result<StepReport> first = trainer.TrainStep(0, &loss, /*poison=*/true);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(first->skipped);
+  EXPECT_EQ(first->iteration, 1);
+  EXPECT_EQ(engine->loss_scale(), 1.0);
+
+  Result<StepReport> stuck = trainer.TrainStep(1, &loss, /*poison=*/true);
+  ASSERT_FALSE(stuck.ok());
+  EXPECT_EQ(stuck.status().code(), StatusCode::kFailedPrecondition) << stuck.status().ToString();
+  EXPECT_TRUE(Mentions(stuck.status(), "minimum")) << stuck.status().ToString();
+  EXPECT_EQ(engine->iteration_count(), 2);
+  EXPECT_EQ(engine->step_count(), 0);
+
+  // The overflowing gradients are gone: the trainer may go on with clean ones.
+  Result<StepReport> clean = trainer.TrainStep(2, &loss);
+  ASSERT_TRUE(clean.ok()) << clean.status().ToString();
+  EXPECT_FALSE(clean->skipped);
+  EXPECT_EQ(clean->step, 1);
+  EXPECT_EQ(clean->iteration, 3);
+}
+
+}  // namespace
+}  // namespace strata::offload

@@ -1,0 +1,74 @@
+// What the engine tests share: the tiny model's chunking, placements, options and comparisons.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/core/host_device.h"
+#include "strata/offload/engine.h"
+
+namespace strata::offload::testing {
+
+constexpr int kLayers = 6;
+constexpr int kWidth = 64;
+constexpr int kBatch = 8;
+// One layer (64x64 weight + bias) per chunk: 4160 fp32 elements, padded to 5120.
+constexpr uint64_t kChunkBytes = 20 * 1024;
+constexpr uint64_t kSlotBytes = 2 * 5120 * 4;  // Working params + grads of one fp32 chunk.
+
+struct Placement {
+  const char* name;
+  Tier states;
+  Tier params;
+  double ratio = 1.0;
+  uint64_t device_budget = 64 << 20;
+};
+
+inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_path,
+                                 DType dtype = DType::kFp32) {
+  EngineOptions o;
+  o.precision.working_dtype = dtype;
+  o.placement.optimizer_states = p.states;
+  o.placement.params = p.params;
+  o.placement.offload_ratio = p.ratio;
+  o.placement.chunk_bytes = kChunkBytes;
+  o.placement.prefetch_depth = 1;
+  o.nvme.paths = {nvme_path};
+  o.optimizer.lr = 3e-3;
+  o.optimizer.cpu_threads = 2;
+  o.host.optimizer_buffer_count = 3;
+  o.host.param_buffer_count = 2;
+  return o;
+}
+
+inline std::unique_ptr<Device> MakeDevice(uint64_t budget) {
+  return std::move(CreateHostDevice({.memory_budget_bytes = budget})).value();
+}
+
+inline bool BitEqual(const std::vector<std::vector<float>>& a,
+                     const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t p = 0; p < a.size(); ++p) {
+    if (a[p].size() != b[p].size() ||
+        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+inline double MaxAbsDiff(const std::vector<std::vector<float>>& a,
+                         const std::vector<std::vector<float>>& b) {
+  double worst = 0.0;
+  for (size_t p = 0; p < a.size(); ++p) {
+    for (size_t i = 0; i < a[p].size(); ++i) {
+      worst = std::max(worst, std::abs(double(a[p][i]) - double(b[p][i])));
+    }
+  }
+  return worst;
+}
+
+}  // namespace strata::offload::testing
