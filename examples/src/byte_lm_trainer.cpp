@@ -257,7 +257,9 @@ Result<double> ByteLmTrainer::RunMicroBatch(const std::vector<uint8_t>& tokens, 
 Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
   const auto start = Clock::now();
   const offload::EngineCounters before = engine_->counters();
-  const int64_t step = engine_->step_count() + 1;
+  // Each iteration has a batch of its own, skipped (fp16 overflow) ones included, as a data
+  // loader that advances every iteration gives.
+  const int64_t step = engine_->iteration_count() + 1;
   const int micro_steps = micro_steps_;
   TrainStepRecord record;
   std::vector<uint8_t> tokens;
@@ -270,6 +272,7 @@ Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
   }
   STRATA_ASSIGN_OR_RETURN(offload::StepReport report, engine_->Step().get());
   record.step = report.step;
+  record.iteration = report.iteration;
   record.skipped = report.skipped;
   record.seconds = SecondsSince(start);
   record.tokens_per_second = double(settings_.batch) * settings_.seq * micro_steps / record.seconds;

@@ -329,6 +329,25 @@ TEST(CliTest, TrainTakesADeepSpeedConfig) {
   EXPECT_EQ(nlohmann::json::parse(r.out)["placement"]["optimizer_states"], "nvme");
 }
 
+// A fixed fp16 loss scale far too high overflows every step: each is skipped, and the run still
+// ends after --steps iterations, as DeepSpeed's would (it used to loop for ever).
+TEST(CliTest, TrainEndsWhenEveryFp16StepOverflows) {
+  const std::string config = WriteTemp("ds_fp16_overflow.json", R"({
+    "train_batch_size": 16,
+    "fp16": {"enabled": true, "loss_scale": 1e6},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})");
+  auto r = RunCli(TinyTrain("--steps 3 --json --config " + config), /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["steps"].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(j["steps"][i]["skipped"].get<bool>()) << i;
+    EXPECT_EQ(j["steps"][i]["step"].get<int>(), 0) << i;
+    EXPECT_EQ(j["steps"][i]["iteration"].get<int>(), int(i) + 1) << i;
+  }
+  EXPECT_EQ(j["summary"]["skipped_steps"].get<int>(), 3);
+}
+
 TEST(CliTest, TrainResumesFromACheckpointWithTheSameLosses) {
   const std::string checkpoint = ::testing::TempDir() + "strata-cli-ckpt";
   auto straight = RunCli(TinyTrain("--steps 8 --json"), /*merge_stderr=*/false);

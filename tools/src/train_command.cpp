@@ -3,6 +3,7 @@
 // folder, parameters offloaded to host memory, and a device budget a fraction of the model.
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -192,6 +193,7 @@ ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
   ordered_json steps = ordered_json::array();
   for (const TrainStepRecord& r : s.records) {
     steps.push_back({{"step", r.step},
+                     {"iteration", r.iteration},
                      {"loss", r.loss},
                      {"skipped", r.skipped},
                      {"seconds", r.seconds},
@@ -204,7 +206,10 @@ ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
   }
   j["steps"] = std::move(steps);
   const RunTotals t = Totals(s.records);
+  const size_t skipped = size_t(std::count_if(s.records.begin(), s.records.end(),
+                                              [](const TrainStepRecord& r) { return r.skipped; }));
   j["summary"] = {{"steps", s.records.size()},
+                  {"skipped_steps", skipped},
                   {"train_seconds", t.step_seconds},
                   {"compute_seconds", t.compute_seconds},
                   {"optimizer_seconds", t.moved.optimizer_seconds},
@@ -253,6 +258,12 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   moved("host -> nvme", total.nvme_write_bytes);
   std::printf("\nTime per resource\n");
   std::printf("  %-34s %10.2f s\n", "steps (wall)", step_time);
+  const auto skipped = std::count_if(s.records.begin(), s.records.end(),
+                                     [](const TrainStepRecord& r) { return r.skipped; });
+  if (skipped > 0) {
+    std::printf("  %-34s %10lld of %zu\n", "steps skipped (fp16 overflow)",
+                static_cast<long long>(skipped), s.records.size());
+  }
   std::printf("  %-34s %10.2f s\n", "model forward/backward", t.compute_seconds);
   std::printf("  %-34s %10.2f s\n", "CPU optimizer (busy)", total.optimizer_seconds);
   std::printf("  %-34s %10.2f\n", "step time / slowest resource", t.StepOverSlowest());
@@ -376,7 +387,9 @@ int Train(const TrainFlags& f) {
         std::string(TierName(options->placement.params)).c_str(), static_cast<long long>(f.steps),
         settings.batch, settings.seq);
   }
-  while (engine.step_count() < f.steps) {
+  // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
+  // whose every step overflows (a fixed loss scale far too high) still ends.
+  while (engine.iteration_count() < f.steps) {
     auto record = (*trainer)->TrainStep();
     if (!record.ok()) return Fail(kExitFailure, record.status().message());
     summary.records.push_back(*record);
@@ -395,7 +408,7 @@ int Train(const TrainFlags& f) {
                   FormatBytes(r.counters.nvme_write_bytes).c_str());
       std::fflush(stdout);
     }
-    const bool last = engine.step_count() >= f.steps;
+    const bool last = engine.iteration_count() >= f.steps;
     if (!f.checkpoint.empty() &&
         (last || (f.checkpoint_every > 0 && r.step % f.checkpoint_every == 0 && !r.skipped))) {
       if (Status s = engine.Save(f.checkpoint); !s.ok()) {
@@ -434,7 +447,9 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddInt("layers", &f.layers, "residual blocks (overrides the model's)");
   flags.AddInt("width", &f.width, "model width, a multiple of 8 (overrides the model's)");
   flags.AddInt("context", &f.context, "bytes of context per position (overrides the model's)");
-  flags.AddInt("steps", &f.steps, "total optimizer steps, counting resumed ones (default 150)");
+  flags.AddInt("steps", &f.steps,
+               "total iterations, counting resumed ones and fp16 steps skipped for overflow, "
+               "as DeepSpeed does (default 150)");
   flags.AddInt("batch", &f.batch, "sequences per micro-batch (default 8)");
   flags.AddInt("seq", &f.seq, "bytes predicted per sequence (default 128)");
   flags.AddDouble("lr", &f.lr, "learning rate (default 2e-3)");

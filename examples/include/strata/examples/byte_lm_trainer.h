@@ -55,6 +55,7 @@ struct TrainSettings {
 /// One optimizer step as the trainer saw it.
 struct TrainStepRecord {
   int64_t step = 0;              ///< Optimizer step number after it (skipped steps repeat it).
+  int64_t iteration = 0;         ///< Iteration number after it, skipped steps included.
   double loss = 0.0;             ///< Mean training loss over its micro-batches, nats per byte.
   bool skipped = false;          ///< fp16 overflow.
   double seconds = 0.0;          ///< Wall time of the whole step.
