@@ -248,8 +248,10 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
     STRATA_RETURN_IF_ERROR(WriteNvmeHome(i, states.data(), /*shadow=*/true)
                                .WithContext("loading chunk " + std::to_string(i)));
   }
-  // Memory tiers are written in place. After the verification above only a disk that fails
+  // Memory tiers are written in place, once fetches (which read host-home parameters) and
+  // preloads in flight are done. After the verification above only a disk that fails
   // between two reads of the same checkpoint can stop this half-way; the engine then says so.
+  WaitIdle();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     Status loaded = read_chunk(i);
     if (loaded.ok()) loaded = WriteMemoryHome(i, states.data());

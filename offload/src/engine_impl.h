@@ -116,6 +116,7 @@ class Engine::Impl {
   Residency residency_{*this};
   StepPipeline pipeline_{*this, options_};
 
+  JobCounter jobs_in_flight_;  // Every AwaitJob of the parts counts here.
   // Coroutines started by Spawn and not yet finished.
   std::mutex work_mutex_;
   std::condition_variable work_idle_;

@@ -124,7 +124,8 @@ Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool las
       return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.grads_landing.data(),
                            c.numel, micro_step, last);
     };
-    Result<cpu_adam::GradientStats> stats = co_await AwaitJob(e.jobs_, sum_and_measure);
+    Result<cpu_adam::GradientStats> stats =
+        co_await AwaitJob(e.jobs_, sum_and_measure, &e.jobs_in_flight_);
     if (last) {
       c.land_status = stats.status();
       if (stats.ok()) c.stats = *stats;

@@ -178,7 +178,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool&
     {
       OptimizerBusyGuard updating(m);
       WaitTimer waiting(m.wait_of(UpdateWait::kCpuOptimizer));
-      status = co_await AwaitJob(e.jobs_, update);
+      status = co_await AwaitJob(e.jobs_, update, &e.jobs_in_flight_);
     }
     if (status.ok() && !republish) m.optimizer_params->Increment(double(c.numel));
     // Host-home states were stepped in place: from here on a failure must not step them again.

@@ -13,6 +13,7 @@
 
 #include <tbb/task_arena.h>
 
+#include <atomic>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -91,27 +92,48 @@ inline Awaitable<Status> AwaitStream(Device& device, Stream stream) {
       boost::asio::use_awaitable);
 }
 
+/// Counts jobs started by AwaitJob that have not finished, the post of their result included,
+/// so that an owner can wait for them before the loop they post to is destroyed (a post racing
+/// the destruction of its io_context is undefined behaviour).
+class JobCounter {
+ public:
+  void Started() { count_.fetch_add(1); }
+  void Finished() {
+    if (count_.fetch_sub(1) == 1) count_.notify_all();
+  }
+  /// Blocks until every job started so far has finished.
+  void WaitForAll() const {
+    for (size_t n = count_.load(); n != 0; n = count_.load()) count_.wait(n);
+  }
+
+ private:
+  std::atomic<size_t> count_{0};
+};
+
 /// Runs `job` in `arena` (a TBB thread, never the loop thread) and resumes with its result.
-/// `job` must not block on I/O or on the loop.
+/// `job` must not block on I/O or on the loop. `counter`, when given, counts the job until its
+/// thread is done with it.
 ///
 /// GCC 12 hazard: a lambda with non-trivially destructible captures written inline in a
 /// co_await expression is destroyed twice (a compiler bug; a shared_ptr capture then frees
 /// early). Name the job first: `auto job = [state] {...}; co_await AwaitJob(arena,
 /// std::move(job));`. Lambdas capturing only references or trivial values are unaffected.
 template <typename Job, typename R = std::invoke_result_t<Job&>>
-Awaitable<R> AwaitJob(tbb::task_arena& arena, Job job) {
+Awaitable<R> AwaitJob(tbb::task_arena& arena, Job job, JobCounter* counter = nullptr) {
   using Signature = typename internal::CompletionSignature<R>::type;
   return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, Signature>(
-      [&arena, job = std::move(job)](auto handler) mutable {
+      [&arena, counter, job = std::move(job)](auto handler) mutable {
         auto callback = internal::PostingCallback(std::move(handler));
+        if (counter != nullptr) counter->Started();
         // TBB calls enqueued functors as const; the job itself may be stateful.
-        arena.enqueue([job = std::make_shared<Job>(std::move(job)), callback] {
+        arena.enqueue([job = std::make_shared<Job>(std::move(job)), callback, counter] {
           if constexpr (std::is_void_v<R>) {
             (*job)();
             callback();
           } else {
             callback((*job)());
           }
+          if (counter != nullptr) counter->Finished();
         });
       },
       boost::asio::use_awaitable);
