@@ -197,6 +197,15 @@ class CudaDevice final : public Device {
     return Status();
   }
 
+  Status RecordEventOnNativeStream(DeviceEvent& event, void* native_stream) override {
+    if (native_stream == nullptr) return InvalidArgument("cuda: null native stream");
+    STRATA_ASSIGN_OR_RETURN(void* native, NativeEvent(event));
+    STRATA_CUDA_CHECK(cudaSetDevice(index_));
+    STRATA_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(native),
+                                      static_cast<cudaStream_t>(native_stream)));
+    return Status();
+  }
+
   Status StreamWaitEvent(Stream stream, const DeviceEvent& event) override {
     STRATA_ASSIGN_OR_RETURN(void* native, NativeEvent(event));
     STRATA_CUDA_CHECK(cudaSetDevice(index_));

@@ -149,18 +149,14 @@ class HostDevice final : public Device {
   Status RecordEvent(DeviceEvent& event, Stream stream) override {
     STRATA_RETURN_IF_ERROR(CheckStream(stream));
     STRATA_ASSIGN_OR_RETURN(HostEventPtr state, StateOf(event));
-    uint64_t sequence;
-    {
-      std::lock_guard lock(state->mutex);
-      sequence = ++state->recorded;
-    }
-    Worker(stream).Enqueue([state, sequence] {
-      {
-        std::lock_guard lock(state->mutex);
-        state->completed = std::max(state->completed, sequence);
-      }
-      state->completed_cv.notify_all();
-    });
+    Worker(stream).Enqueue(Completion(state));
+    return Status();
+  }
+
+  Status RecordEventOnNativeStream(DeviceEvent& event, void* native_stream) override {
+    if (native_stream == nullptr) return InvalidArgument("host device: null native stream");
+    STRATA_ASSIGN_OR_RETURN(HostEventPtr state, StateOf(event));
+    static_cast<HostStream*>(native_stream)->Enqueue(Completion(state));
     return Status();
   }
 
@@ -243,6 +239,23 @@ class HostDevice final : public Device {
 
   StreamWorker& Worker(Stream stream) { return workers_[static_cast<size_t>(stream)]; }
 
+  /// Moves `state`'s marker to a new record and returns the work that completes it, to queue
+  /// where the record is made.
+  static HostFunction Completion(const HostEventPtr& state) {
+    uint64_t sequence;
+    {
+      std::lock_guard lock(state->mutex);
+      sequence = ++state->recorded;
+    }
+    return [state, sequence] {
+      {
+        std::lock_guard lock(state->mutex);
+        state->completed = std::max(state->completed, sequence);
+      }
+      state->completed_cv.notify_all();
+    };
+  }
+
   Result<HostEventPtr> StateOf(const DeviceEvent& event) const {
     STRATA_ASSIGN_OR_RETURN(void* native, NativeEvent(event));
     return *static_cast<HostEventPtr*>(native);
@@ -280,6 +293,13 @@ class HostDevice final : public Device {
 };
 
 }  // namespace
+
+class HostStream::Worker : public StreamWorker {};
+
+HostStream::HostStream() : worker_(std::make_unique<Worker>()) {}
+HostStream::~HostStream() = default;
+void HostStream::Enqueue(HostFunction work) { worker_->Enqueue(std::move(work)); }
+void HostStream::Synchronize() { worker_->Drain(); }
 
 Result<std::unique_ptr<Device>> CreateHostDevice(const HostDeviceOptions& options) {
   if (!(options.copy_bytes_per_second >= 0)) {

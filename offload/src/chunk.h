@@ -75,6 +75,10 @@ struct Chunk {
   cpu_adam::GradientStats stats;  // Of the summed gradients (loop thread).
   Status land_status;             // Failure while summing or measuring them (loop thread).
   bool params_uploaded = false;   // Device-home parameters already carry this step's update.
+  // Optimizer updates this chunk has had (its bias correction's step). A chunk that gets no
+  // gradients in a step (an unused expert) is not updated and does not count it, as torch
+  // skips a parameter whose .grad is None. Written by the commit and Load.
+  int64_t steps_taken = 0;
 
   /// Moves to `to`, checking that the step allows it; a move it does not allow is a bug in the
   /// engine and aborts with both phases named.

@@ -1,6 +1,7 @@
 #include "strata/offload/chunk_layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <unordered_set>
 
 #include "strata/core/aligned_buffer.h"
@@ -31,12 +32,16 @@ Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters
 
   ChunkLayout layout;
   std::unordered_set<std::string_view> seen;
-  ChunkInfo open;  // The chunk being filled.
+  ChunkInfo open;                      // The chunk being filled.
+  std::vector<ChunkSegment> segments;  // Of the open chunk.
   auto close = [&] {
     open.numel = AlignUp(open.used_numel, kChunkAlignment);
     layout.max_chunk_numel_ = std::max(layout.max_chunk_numel_, open.numel);
     layout.total_numel_ += open.numel;
     layout.chunks_.push_back(open);
+    segments.back().end = open.numel;
+    layout.segments_.push_back(std::move(segments));
+    segments.clear();
     open = ChunkInfo{.first_parameter = layout.locations_.size()};
   };
 
@@ -58,10 +63,23 @@ Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters
                              " elements but " + std::to_string(p.initial_values.size()) +
                              " initial values");
     }
+    if (p.weight_decay && !(*p.weight_decay >= 0.0 && std::isfinite(*p.weight_decay))) {
+      return InvalidArgument("parameter '" + p.name + "' has weight decay " +
+                             std::to_string(*p.weight_decay) + "; it must be finite and >= 0");
+    }
+    if (!(p.lr_scale > 0.0 && std::isfinite(p.lr_scale))) {
+      return InvalidArgument("parameter '" + p.name + "' has learning-rate scale " +
+                             std::to_string(p.lr_scale) + "; it must be finite and > 0");
+    }
     size_t offset = AlignUp(open.used_numel, kParameterAlignment);
     if (open.parameter_count > 0 && offset + numel > target_numel) {
       close();
       offset = 0;
+    }
+    if (segments.empty() || segments.back().weight_decay != p.weight_decay ||
+        segments.back().lr_scale != p.lr_scale) {
+      if (!segments.empty()) segments.back().end = offset;
+      segments.push_back({.begin = offset, .weight_decay = p.weight_decay, .lr_scale = p.lr_scale});
     }
     layout.locations_.push_back({layout.chunks_.size(), offset, numel});
     layout.names_.push_back(p.name);

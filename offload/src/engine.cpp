@@ -370,15 +370,20 @@ Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
   return residency_.Acquire(chunk);
 }
 
-void Engine::Impl::Release(size_t chunk) {
-  if (chunk < chunks_.size()) residency_.Release(chunk);
+void Engine::Impl::Release(size_t chunk, TrainerStream stream) {
+  if (chunk < chunks_.size()) residency_.Release(chunk, stream);
 }
 
-Status Engine::Impl::GradsReady(size_t chunk) {
+Status Engine::Impl::GradsReady(size_t chunk, TrainerStream stream) {
   if (chunk >= chunks_.size()) {
     return InvalidArgument("chunk " + std::to_string(chunk) + " does not exist");
   }
-  return pipeline_.GradsReady(chunk);
+  return pipeline_.GradsReady(chunk, stream);
+}
+
+Status Engine::Impl::RecordTrainerEvent(DeviceEvent& event, TrainerStream stream) {
+  if (stream.native == nullptr) return device_.RecordEvent(event, Stream::kCompute);
+  return device_.RecordEventOnNativeStream(event, stream.native);
 }
 
 // ---- Engine: forwarding ----
@@ -404,8 +409,10 @@ const ChunkPlacement& Engine::placement(size_t chunk) const {
 }
 DType Engine::working_dtype() const { return impl_->working_dtype(); }
 Result<ChunkView> Engine::Acquire(size_t chunk) { return impl_->Acquire(chunk); }
-void Engine::Release(size_t chunk) { impl_->Release(chunk); }
-Status Engine::GradsReady(size_t chunk) { return impl_->GradsReady(chunk); }
+void Engine::Release(size_t chunk, TrainerStream stream) { impl_->Release(chunk, stream); }
+Status Engine::GradsReady(size_t chunk, TrainerStream stream) {
+  return impl_->GradsReady(chunk, stream);
+}
 std::future<Result<StepReport>> Engine::Step() { return impl_->pipeline_.Step(); }
 double Engine::loss_scale() const { return impl_->pipeline_.loss_scale(); }
 int64_t Engine::step_count() const { return impl_->pipeline_.step_count(); }
@@ -416,7 +423,14 @@ Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_op
 }
 Status Engine::Load(const std::filesystem::path& dir) { return impl_->Load(dir); }
 Status Engine::ReadMasterParameter(size_t parameter, std::span<float> out) {
-  return impl_->ReadMasterParameter(parameter, out);
+  return impl_->ReadParameterState(parameter, ParameterState::kMaster, out);
+}
+Status Engine::ReadParameterState(size_t parameter, ParameterState state, std::span<float> out) {
+  return impl_->ReadParameterState(parameter, state, out);
+}
+Status Engine::WriteParameterState(size_t parameter, ParameterState state,
+                                   std::span<const float> values) {
+  return impl_->WriteParameterState(parameter, state, values);
 }
 
 TierUsage Engine::tier_usage(Tier tier) const {

@@ -4,6 +4,7 @@
 // through checkpoint_files.h, which makes the whole directory appear atomically.
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "checkpoint_files.h"
 #include "engine_impl.h"
@@ -79,22 +80,73 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
   return device_.SynchronizeStream(Stream::kHostToDevice);
 }
 
-Status Engine::Impl::ReadMasterParameter(size_t parameter, std::span<float> out) {
-  if (parameter >= layout_.parameter_count()) {
+namespace {
+
+/// InvalidArgument unless `parameter` exists and `size` is its element count.
+Status CheckParameter(const ChunkLayout& layout, size_t parameter, size_t size) {
+  if (parameter >= layout.parameter_count()) {
     return InvalidArgument("parameter " + std::to_string(parameter) + " does not exist");
   }
-  const ParameterLocation& loc = layout_.location(parameter);
-  if (out.size() != loc.numel) {
-    return InvalidArgument("parameter '" + layout_.name(parameter) + "' has " +
-                           std::to_string(loc.numel) + " elements; the output holds " +
-                           std::to_string(out.size()));
+  const size_t numel = layout.location(parameter).numel;
+  if (size != numel) {
+    return InvalidArgument("parameter '" + layout.name(parameter) + "' has " +
+                           std::to_string(numel) + " elements; the buffer holds " +
+                           std::to_string(size));
   }
-  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(loc.chunk, "ReadMasterParameter"));
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
-                          AlignedBuffer::Allocate(chunks_[loc.chunk].state_bytes()));
+  return Status();
+}
+
+}  // namespace
+
+Status Engine::Impl::ReadParameterState(size_t parameter, ParameterState state,
+                                        std::span<float> out) {
+  STRATA_RETURN_IF_ERROR(CheckParameter(layout_, parameter, out.size()));
+  const ParameterLocation& loc = layout_.location(parameter);
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(loc.chunk, "reading a parameter's state"));
+  const Chunk& c = chunks_[loc.chunk];
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
   STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
-  const float* master = reinterpret_cast<const float*>(states.data()) + loc.offset;
-  std::copy(master, master + loc.numel, out.begin());
+  const float* values =
+      reinterpret_cast<const float*>(states.data()) + size_t(state) * c.numel + loc.offset;
+  std::copy(values, values + loc.numel, out.begin());
+  return Status();
+}
+
+Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
+                                         std::span<const float> values) {
+  STRATA_RETURN_IF_ERROR(CheckParameter(layout_, parameter, values.size()));
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("WriteParameterState"));
+  if (std::optional<size_t> held = residency_.FirstAcquired()) {
+    return FailedPrecondition("WriteParameterState while chunk " + std::to_string(*held) +
+                              " is acquired; Release every chunk first");
+  }
+  const ParameterLocation& loc = layout_.location(parameter);
+  const Chunk& c = chunks_[loc.chunk];
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
+  STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
+  std::copy(values.begin(), values.end(),
+            reinterpret_cast<float*>(states.data()) + size_t(state) * c.numel + loc.offset);
+  STRATA_RETURN_IF_ERROR(WriteNvmeHome(loc.chunk, states.data(), /*shadow=*/true));
+  WaitIdle();  // A fetch in flight may be reading host-home parameters.
+  STRATA_RETURN_IF_ERROR(WriteMemoryHome(loc.chunk, states.data()));
+  return SwitchToNewState({loc.chunk});
+}
+
+Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
+  // Device copies of offloaded parameters are stale once the trainer's work on them has run;
+  // fetches and preloads read the current extents, so the switch happens on the loop.
+  STRATA_RETURN_IF_ERROR(residency_.WaitForTrainerUse());
+  auto switch_over = [this, &chunks]() -> Awaitable<void> {
+    co_await pipeline_.DropPreloads();
+    for (size_t i : chunks) {
+      Chunk& c = chunks_[i];
+      if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
+      if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
+    }
+    residency_.DropAll();
+    pipeline_.StartPreloads();
+  };
+  loop_.Run(switch_over());
   return Status();
 }
 
@@ -135,6 +187,7 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
     STRATA_ASSIGN_OR_RETURN(internal::FileDigest digest, sink.Finish());
     chunks.push_back({{"file", name},
                       {"numel", chunks_[i].numel},
+                      {"steps", chunks_[i].steps_taken},
                       {"bytes", digest.bytes},
                       {"xxh3", digest.xxh3}});
     if (save_options.on_chunk_saved) save_options.on_chunk_saved(i + 1, chunks_.size());
@@ -203,6 +256,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
   LossScalerState scaler;
   int64_t step_count = 0;
   std::vector<internal::FileDigest> digests;
+  std::vector<int64_t> chunk_steps;
   try {
     STRATA_RETURN_IF_ERROR(CheckLayoutMatches(manifest, layout_));
     const json& engine = manifest.at("engine");
@@ -214,6 +268,8 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
               .hysteresis_left = s.at("hysteresis_left").get<int>()};
     for (const json& chunk : manifest.at("chunks")) {
       digests.push_back({chunk.at("bytes").get<uint64_t>(), chunk.at("xxh3").get<uint64_t>()});
+      // Checkpoints from before per-chunk step counts: every chunk took every step.
+      chunk_steps.push_back(chunk.value("steps", step_count));
     }
   } catch (const json::exception& e) {
     return DataLoss("checkpoint manifest in " + dir.string() + " is missing a field: " + e.what());
@@ -261,21 +317,11 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
                                 "host and device state is now partly loaded: load again");
     }
   }
-  // Everything is in: switch to it on the loop, where fetches and preloads read the current
-  // extents. Device copies of offloaded parameters are stale once the trainer's work on them
-  // has run.
-  STRATA_RETURN_IF_ERROR(residency_.WaitForTrainerUse());
-  auto switch_over = [this]() -> Awaitable<void> {
-    co_await pipeline_.DropPreloads();
-    for (Chunk& c : chunks_) {
-      if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
-      if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
-    }
-    residency_.DropAll();
-    pipeline_.StartPreloads();
-  };
-  loop_.Run(switch_over());
-  pipeline_.Restore(scaler, step_count);
+  // Everything is in: switch to it.
+  std::vector<size_t> all(chunks_.size());
+  std::iota(all.begin(), all.end(), size_t(0));
+  STRATA_RETURN_IF_ERROR(SwitchToNewState(all));
+  pipeline_.Restore(scaler, step_count, chunk_steps);
   return Status();
 }
 

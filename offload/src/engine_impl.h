@@ -53,13 +53,16 @@ class Engine::Impl {
 
   // The trainer's calls (range checks here, the work in the parts).
   Result<ChunkView> Acquire(size_t chunk);
-  void Release(size_t chunk);
-  Status GradsReady(size_t chunk);
+  void Release(size_t chunk, TrainerStream stream);
+  Status GradsReady(size_t chunk, TrainerStream stream);
+  /// Records `event` at the end of the trainer's work so far on `stream`.
+  Status RecordTrainerEvent(DeviceEvent& event, TrainerStream stream);
 
   // engine_checkpoint.cpp.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options);
   Status Load(const std::filesystem::path& dir);
-  Status ReadMasterParameter(size_t parameter, std::span<float> out);
+  Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
+  Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
   /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq) into `out`, which holds
   /// AlignUp(state_bytes, 4 KiB). Between steps only.
   Status ReadChunkStates(size_t chunk, std::byte* out);
@@ -69,6 +72,10 @@ class Engine::Impl {
   Status WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow);
   /// The same for what lives in host or device memory.
   Status WriteMemoryHome(size_t chunk, const std::byte* states);
+  /// After new state went to the shadow extents of `chunks` (WriteNvmeHome) and memory: makes
+  /// the shadows current, drops device copies and preloads made stale, and reads ahead again.
+  /// Trainer thread, between steps.
+  Status SwitchToNewState(const std::vector<size_t>& chunks);
 
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
   DType working_dtype() const { return options_.precision.working_dtype; }

@@ -39,7 +39,7 @@ void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* 
 
 }  // namespace
 
-Status StepPipeline::GradsReady(size_t chunk) {
+Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   Engine::Impl& e = engine_;
   std::lock_guard lock(mutex_);
   Chunk& c = e.chunks_[chunk];
@@ -54,12 +54,12 @@ Status StepPipeline::GradsReady(size_t chunk) {
   STRATA_ASSIGN_OR_RETURN(ChunkView view, e.residency_.PinGrads(chunk));
   const int micro_step = c.micro_steps + 1;
   const bool last = micro_step == gas_;
-  if (Status queued = QueueLanding(chunk, view, micro_step, last); !queued.ok()) {
+  if (Status queued = QueueLanding(chunk, view, stream, micro_step, last); !queued.ok()) {
     e.residency_.UnpinGrads(chunk);
     return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
   }
   if (!step_open_) {
-    hyper_ = {.lr = next_lr_, .step = step_count_.load() + 1};
+    hyper_ = {.lr = next_lr_};
     step_open_ = true;
   }
   c.micro_steps = micro_step;
@@ -68,14 +68,20 @@ Status StepPipeline::GradsReady(size_t chunk) {
   return Status();
 }
 
-Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, int micro_step, bool last) {
+Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream,
+                                  int micro_step, bool last) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   // Posted to the loop by a stream thread when the gradients are where the landing reads them.
   auto landed = [&e, &c] {
     boost::asio::post(e.loop_.executor(), [&c] { c.grads_copied->Release(); });
   };
+  // Everything below runs after the trainer's work so far on its stream: backward.
+  STRATA_RETURN_IF_ERROR(e.RecordTrainerEvent(e.compute_marker_, stream));
   if (c.placement.optimizer_states == Tier::kDevice) {
+    if (stream.native != nullptr) {
+      STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kCompute, e.compute_marker_));
+    }
     // The device keeps and updates this chunk: it sums and measures in stream order.
     return e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, view, micro_step, last,
                                                            landed] {
@@ -88,7 +94,6 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, int micro
       landed();
     });
   }
-  STRATA_RETURN_IF_ERROR(e.device_.RecordEvent(e.compute_marker_, Stream::kCompute));
   STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kDeviceToHost, e.compute_marker_));
   STRATA_RETURN_IF_ERROR(e.device_.CopyToHost(c.grads_landing.data(), view.grads,
                                               c.working_bytes(e.working_size()),

@@ -64,14 +64,14 @@ Result<ChunkView> Residency::Acquire(size_t chunk) {
   }
 }
 
-void Residency::Release(size_t chunk) {
+void Residency::Release(size_t chunk, TrainerStream stream) {
   std::lock_guard lock(mutex_);
   Copy& copy = copies_[chunk];
   if (copy.pins == 0) return;
   --copy.pins;
-  // The trainer's device work on this chunk is queued on the compute stream: eviction and the
-  // commit wait for it, so remember where it ends.
-  engine_.device_.RecordEvent(copy.released, Stream::kCompute).IgnoreError();
+  // The trainer's device work on this chunk is queued on its stream: eviction and the commit
+  // wait for it, so remember where it ends.
+  engine_.RecordTrainerEvent(copy.released, stream).IgnoreError();
   changed_.notify_all();
 }
 

@@ -37,8 +37,9 @@ class Residency {
   /// gradient buffer free (the previous micro-step's copy out has read it), blocking until both
   /// hold, and prefetches the chunks expected next.
   Result<ChunkView> Acquire(size_t chunk);
-  /// Unpins a chunk acquired earlier and records the end of the trainer's queued work on it.
-  void Release(size_t chunk);
+  /// Unpins a chunk acquired earlier and records the end of the trainer's queued work on it
+  /// (on `stream`).
+  void Release(size_t chunk, TrainerStream stream);
 
   /// Holds `chunk`'s gradient buffer for a copy that reads it; the chunk must be acquired.
   /// Returns its device view. FailedPrecondition when the trainer does not hold it.

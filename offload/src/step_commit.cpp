@@ -1,5 +1,6 @@
 // The step as a whole: Step() and its refusals, the verdict of a gated step (global norm, fp16
 // overflow), and the commit that makes every chunk's update visible at once.
+#include <algorithm>
 #include <cmath>
 
 #include "engine_impl.h"
@@ -86,10 +87,14 @@ LossScalerState StepPipeline::scaler_state() const {
   return loss_scaler_.state();
 }
 
-void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count) {
+void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count,
+                           const std::vector<int64_t>& chunk_steps) {
   std::lock_guard lock(mutex_);
   loss_scaler_.Restore(scaler);
   step_count_.store(step_count);
+  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    engine_.chunks_[i].steps_taken = chunk_steps[i];
+  }
   engine_.m_.loss_scale->Set(loss_scaler_.scale());
 }
 
@@ -127,14 +132,23 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     std::lock_guard lock(mutex_);
     Status refused;
     if (step_running_) refused = FailedPrecondition("Step() while the previous step is running");
+    // A chunk gets gradients in every micro-step or in none (it is not updated this step).
     const std::vector<Chunk>& chunks = engine_.chunks_;
     for (size_t i = 0; i < chunks.size() && refused.ok(); ++i) {
-      if (chunks[i].micro_steps != gas_) {
+      if (chunks[i].micro_steps != gas_ && chunks[i].micro_steps != 0) {
         refused = FailedPrecondition(
             "chunk " + std::to_string(i) + " received the gradients of " +
             std::to_string(chunks[i].micro_steps) + " of " + std::to_string(gas_) +
-            " micro-steps; call GradsReady for every chunk in every micro-step before Step()");
+            " micro-steps; call GradsReady for a chunk in every micro-step of a step, or in "
+            "none (then it is not updated)");
       }
+    }
+    if (refused.ok() && std::all_of(chunks.begin(), chunks.end(),
+                                    [](const Chunk& c) { return c.micro_steps == 0; })) {
+      // Some chunks may sit a step out, but a step without any gradients is a trainer's bug.
+      refused =
+          FailedPrecondition("Step() before any GradsReady: no chunk (chunk 0 to " +
+                             std::to_string(chunks.size() - 1) + ") received gradients this step");
     }
     if (refused.ok()) {
       if (std::optional<size_t> held = engine_.residency_.FirstAcquired()) {
@@ -157,6 +171,10 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     step_.requested = true;
     step_.promise.emplace(std::move(promise));
     step_.started = Clock::now();
+    step_.used = 0;
+    for (const Chunk& c : engine_.chunks_) step_.used += c.micro_steps > 0 ? 1 : 0;
+    // Chunks without gradients this step are known now: a gated step may be decided.
+    if (gated() && !step_.decided && AllArrived()) Decide();
     // A retry after a failed attempt finishes what that attempt left (see step_pipeline.h).
     if (!step_.skip && (!gated() || step_.decided)) {
       for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
@@ -186,13 +204,19 @@ void StepPipeline::Arrive(size_t chunk) {
     step_.error =
         c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk));
   }
-  if (gated() && step_.arrived == engine_.chunks_.size()) Decide();
+  if (gated() && !step_.decided && AllArrived()) Decide();
+}
+
+bool StepPipeline::AllArrived() const {
+  return step_.arrived == engine_.chunks_.size() ||
+         (step_.requested && step_.arrived == step_.used);
 }
 
 void StepPipeline::Decide() {
   // Every norm is in. Sums go in chunk order so results are reproducible.
   double totals[2] = {0.0, 0.0};  // Sum of squares, count of non-finite chunks.
   for (const Chunk& each : engine_.chunks_) {
+    if (each.micro_steps == 0) continue;  // No gradients this step.
     if (each.stats.all_finite) {
       totals[0] += each.stats.sum_of_squares;
     } else {
@@ -226,13 +250,14 @@ void StepPipeline::MaybeFinish() {
   for (const Chunk& c : chunks) {
     if (c.phase_now() == ChunkPhase::kLanding) return;  // Gradients still landing.
   }
+  if (gated() && !step_.decided) return;
   if (!step_.error.ok()) {
     FinishStep(std::exchange(step_.error, Status()), /*completed=*/false);
     return;
   }
-  if (gated() && !step_.decided) return;
   if (!step_.skip) {
     for (const Chunk& c : chunks) {
+      if (c.micro_steps == 0) continue;  // Not updated this step.
       const bool deferred = c.placement.optimizer_states == Tier::kDevice &&
                             engine_.transactional_ && c.phase_now() == ChunkPhase::kArrived;
       if (c.phase_now() != ChunkPhase::kUpdated && !deferred) return;  // A journey is on its way.
@@ -250,7 +275,7 @@ Awaitable<void> StepPipeline::Commit() {
   if (!skipped && !step_.committed) {
     // Transactional steps update the device's share only now, when nothing else can fail.
     for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
-      if (chunks[i].phase_now() != ChunkPhase::kArrived) continue;
+      if (chunks[i].micro_steps == 0 || chunks[i].phase_now() != ChunkPhase::kArrived) continue;
       status = co_await UpdateOnDevice(i);
       if (status.ok()) {
         std::lock_guard lock(mutex_);
@@ -264,6 +289,7 @@ Awaitable<void> StepPipeline::Commit() {
     }
     // The point of no return: the shadows become current, host-home parameters swap.
     for (Chunk& c : chunks) {
+      if (c.micro_steps == 0) continue;  // Not updated: its current state stays.
       if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
       if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
       if (c.placement.params == Tier::kHost) std::swap(c.host_params, c.param_copy);
@@ -275,7 +301,7 @@ Awaitable<void> StepPipeline::Commit() {
   status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
   for (size_t i = 0; i < chunks.size() && status.ok() && !skipped; ++i) {
     Chunk& c = chunks[i];
-    if (c.placement.params != Tier::kDevice || c.params_uploaded) continue;
+    if (c.placement.params != Tier::kDevice || c.params_uploaded || c.micro_steps == 0) continue;
     const size_t wbytes = c.working_bytes(e.working_size());
     status = e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
     if (status.ok()) e.m_.h2d_bytes->Increment(double(wbytes));
@@ -303,6 +329,8 @@ Awaitable<void> StepPipeline::Commit() {
     loss_scaler_.Update(skipped);
     if (!skipped) step_count_.fetch_add(1);
     for (Chunk& c : chunks) {
+      if (c.micro_steps == 0) continue;  // Had no part in this step.
+      if (!skipped) ++c.steps_taken;
       MoveTo(c, ChunkPhase::kIdle);
       c.micro_steps = 0;
       c.stats = {};

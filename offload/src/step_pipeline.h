@@ -48,7 +48,6 @@ namespace strata::offload {
 /// step is updated alike, however early its update starts.
 struct StepHyperParams {
   double lr = 0.0;
-  int64_t step = 0;  ///< The optimizer step number these updates make (1 for the first).
 };
 
 class StepPipeline {
@@ -59,7 +58,7 @@ class StepPipeline {
   void Initialize();
 
   // --- Trainer thread ---
-  Status GradsReady(size_t chunk);
+  Status GradsReady(size_t chunk, TrainerStream stream);
   std::future<Result<StepReport>> Step();
   /// FailedPrecondition naming `chunk` when a step is running or the chunk's update may be
   /// (from its last GradsReady until the step completes): its parameters and master may change.
@@ -74,8 +73,9 @@ class StepPipeline {
   /// The learning rate of the steps whose first GradsReady comes after this call.
   void SetLearningRate(double lr);
   LossScalerState scaler_state() const;
-  /// Between steps: what Load restores.
-  void Restore(const LossScalerState& scaler, int64_t step_count);
+  /// Between steps: what Load restores (`chunk_steps`: each chunk's updates so far).
+  void Restore(const LossScalerState& scaler, int64_t step_count,
+               const std::vector<int64_t>& chunk_steps);
 
   // --- Loop thread ---
   /// Reads ahead the optimizer states of the chunks whose gradients come first in backward
@@ -93,6 +93,7 @@ class StepPipeline {
     std::optional<std::promise<Result<StepReport>>> promise;
     std::chrono::steady_clock::time_point started;
     size_t arrived = 0;    // Chunks whose gradients have landed.
+    size_t used = 0;       // Chunks with gradients this step, known once Step() is called.
     bool decided = false;  // Gated steps: the global norm/overflow verdict is in.
     bool skip = false;     // fp16 overflow.
     double grad_scale = 1.0;
@@ -116,7 +117,8 @@ class StepPipeline {
   void MoveTo(Chunk& chunk, ChunkPhase to);  // Under mutex_.
 
   // gradient_landing.cpp
-  Status QueueLanding(size_t chunk, const ChunkView& view, int micro_step, bool last);
+  Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
+                      bool last);
   Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
                                                 int micro_step, bool last);
   Awaitable<void> LandMicroStep(size_t chunk, int micro_step);
@@ -131,13 +133,19 @@ class StepPipeline {
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
   Status UploadEarly(size_t chunk);
   Awaitable<Status> UpdateOnDevice(size_t chunk);
-  Status RunOptimizer(float* states, size_t numel, const void* grads, DType grad_dtype,
+  /// One optimizer step over chunk's states (master | exp_avg | exp_avg_sq at `states`), with
+  /// this step's hyper-parameters and each parameter group's settings (any thread but the
+  /// loop's).
+  Status RunOptimizer(size_t chunk, float* states, const void* grads, DType grad_dtype,
                       void* param_copy, double grad_scale) const;
   void StartPreload(size_t chunk);
   Awaitable<void> PreloadStates(size_t chunk);
 
   // step_commit.cpp
   void Arrive(size_t chunk);
+  /// Whether every chunk that has gradients this step has landed them: the verdict of a gated
+  /// step can be made.
+  bool AllArrived() const;
   void Decide();
   void MaybeFinish();
   Awaitable<void> Commit();

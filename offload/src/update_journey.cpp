@@ -13,15 +13,45 @@ using Clock = std::chrono::steady_clock;
 
 /// AdamW's and Adam's hyper-parameters, which have the same fields, from the options.
 template <typename HyperParams>
-HyperParams AdamFamily(const OptimizerOptions& o, double lr, int64_t step, double grad_scale) {
+HyperParams AdamFamily(const OptimizerOptions& o, double lr, double weight_decay, int64_t step,
+                       double grad_scale) {
   return {.lr = lr,
           .beta1 = o.beta1,
           .beta2 = o.beta2,
           .eps = o.eps,
-          .weight_decay = o.weight_decay,
+          .weight_decay = weight_decay,
           .bias_correction = o.bias_correction,
           .step = step,
           .grad_scale = grad_scale};
+}
+
+/// One optimizer step of `o.type` over `buffers`.
+Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, double lr,
+                double weight_decay, int64_t step, double grad_scale,
+                const cpu_adam::StepBuffers& buffers) {
+  switch (o.type) {
+    case OptimizerType::kAdamW:
+      return optimizer.Step(
+          AdamFamily<cpu_adam::AdamWHyperParams>(o, lr, weight_decay, step, grad_scale), buffers);
+    case OptimizerType::kAdam:
+      return optimizer.Step(
+          AdamFamily<cpu_adam::AdamHyperParams>(o, lr, weight_decay, step, grad_scale), buffers);
+    case OptimizerType::kAdagrad:
+      return optimizer.Step(cpu_adam::AdagradHyperParams{.lr = lr,
+                                                         .weight_decay = weight_decay,
+                                                         .eps = o.eps,
+                                                         .step = step,
+                                                         .grad_scale = grad_scale},
+                            buffers);
+    case OptimizerType::kLion:
+      return optimizer.Step(cpu_adam::LionHyperParams{.lr = lr,
+                                                      .beta1 = o.beta1,
+                                                      .beta2 = o.beta2,
+                                                      .weight_decay = weight_decay,
+                                                      .grad_scale = grad_scale},
+                            buffers);
+  }
+  return Internal("unknown optimizer type");
 }
 
 }  // namespace
@@ -70,53 +100,33 @@ Awaitable<void> StepPipeline::Update(size_t chunk) {
   }
 }
 
-Status StepPipeline::RunOptimizer(float* states, size_t numel, const void* grads, DType grad_dtype,
+Status StepPipeline::RunOptimizer(size_t chunk, float* states, const void* grads, DType grad_dtype,
                                   void* param_copy, double grad_scale) const {
   const OptimizerOptions& o = options_.optimizer;
-  const double lr = hyper_.lr;
-  const int64_t step = hyper_.step;
+  const size_t numel = engine_.chunks_[chunk].numel;
   const DType wdtype = engine_.working_dtype();
-  cpu_adam::CpuOptimizer& optimizer = *engine_.optimizer_;
-  const cpu_adam::StepBuffers buffers{
-      .numel = numel,
-      .params = states,
-      .grads = grads,
-      .grad_dtype = grad_dtype,
-      .exp_avg = states + numel,
-      .exp_avg_sq = states + 2 * numel,
-      .param_copy = wdtype == DType::kFp32 ? nullptr : param_copy,
-      .param_copy_dtype = wdtype == DType::kFp32 ? DType::kBf16 : wdtype};
-  Status status;
-  switch (o.type) {
-    case OptimizerType::kAdamW:
-      status =
-          optimizer.Step(AdamFamily<cpu_adam::AdamWHyperParams>(o, lr, step, grad_scale), buffers);
-      break;
-    case OptimizerType::kAdam:
-      status =
-          optimizer.Step(AdamFamily<cpu_adam::AdamHyperParams>(o, lr, step, grad_scale), buffers);
-      break;
-    case OptimizerType::kAdagrad:
-      status = optimizer.Step(cpu_adam::AdagradHyperParams{.lr = lr,
-                                                           .weight_decay = o.weight_decay,
-                                                           .eps = o.eps,
-                                                           .step = step,
-                                                           .grad_scale = grad_scale},
-                              buffers);
-      break;
-    case OptimizerType::kLion:
-      status = optimizer.Step(cpu_adam::LionHyperParams{.lr = lr,
-                                                        .beta1 = o.beta1,
-                                                        .beta2 = o.beta2,
-                                                        .weight_decay = o.weight_decay,
-                                                        .grad_scale = grad_scale},
-                              buffers);
-      break;
+  const bool copy_out = wdtype != DType::kFp32 && param_copy != nullptr;
+  // One call per run of parameters that share their group settings (one run in most models).
+  for (const ChunkSegment& segment : engine_.layout_.segments(chunk)) {
+    const size_t begin = segment.begin;
+    const cpu_adam::StepBuffers buffers{
+        .numel = segment.end - begin,
+        .params = states + begin,
+        .grads = static_cast<const std::byte*>(grads) + begin * DTypeSize(grad_dtype),
+        .grad_dtype = grad_dtype,
+        .exp_avg = states + numel + begin,
+        .exp_avg_sq = states + 2 * numel + begin,
+        .param_copy =
+            copy_out ? static_cast<std::byte*>(param_copy) + begin * DTypeSize(wdtype) : nullptr,
+        .param_copy_dtype = copy_out ? wdtype : DType::kBf16};
+    STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
+                                    segment.weight_decay.value_or(o.weight_decay),
+                                    engine_.chunks_[chunk].steps_taken + 1, grad_scale, buffers));
   }
-  if (status.ok() && wdtype == DType::kFp32 && param_copy != nullptr) {
+  if (wdtype == DType::kFp32 && param_copy != nullptr) {
     std::memcpy(param_copy, states, numel * sizeof(float));
   }
-  return status;
+  return Status();
 }
 
 Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool& stepped) {
@@ -166,7 +176,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool&
         Fp32ToDType({states, c.numel}, e.working_dtype(), param_copy);
       } else {
         const auto start = Clock::now();
-        s = RunOptimizer(states, c.numel, grads, grad_dtype, param_copy, grad_scale);
+        s = RunOptimizer(chunk, states, grads, grad_dtype, param_copy, grad_scale);
         m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
       }
       if (s.ok() && nvme_states) {
@@ -237,8 +247,8 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
   const double grad_scale = step_.grad_scale;
   auto result = std::make_shared<Status>();
   Status queued = e.device_.LaunchHostFunction(
-      Stream::kCompute, [this, &c, grads, grad_dtype, grad_scale, result] {
-        *result = RunOptimizer(static_cast<float*>(c.device_states.data()), c.numel, grads,
+      Stream::kCompute, [this, &c, chunk, grads, grad_dtype, grad_scale, result] {
+        *result = RunOptimizer(chunk, static_cast<float*>(c.device_states.data()), grads,
                                grad_dtype, c.params.data(), grad_scale);
       });
   if (!queued.ok()) co_return queued;

@@ -3,13 +3,17 @@
 // with the same function in the same order, so any difference between them is the engine's.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "strata/core/dtype.h"
+#include "strata/core/host_device.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
 #include "strata/offload/engine.h"
 
@@ -36,9 +40,31 @@ class TinyModel {
   size_t parameter_count() const { return names_.size(); }
   const std::vector<std::vector<float>>& initial_values() const { return init_; }
 
+  /// Parameter groups as LLM recipes set them: biases without weight decay, weights at
+  /// `weight_lr_scale` times the learning rate.
+  void UseParameterGroups(double weight_lr_scale) {
+    weight_decay_.assign(names_.size(), std::nullopt);
+    lr_scale_.assign(names_.size(), 1.0);
+    for (size_t p = 0; p < names_.size(); ++p) {
+      if (p % 2 == 1) weight_decay_[p] = 0.0;  // Biases.
+      if (p % 2 == 0) lr_scale_[p] = weight_lr_scale;
+    }
+  }
+  /// Parameter p's weight decay (unset = the optimizer's) and learning-rate scale.
+  std::optional<double> weight_decay(size_t p) const {
+    return weight_decay_.empty() ? std::nullopt : weight_decay_[p];
+  }
+  double lr_scale(size_t p) const { return lr_scale_.empty() ? 1.0 : lr_scale_[p]; }
+
   std::vector<ParameterSpec> Specs() const {
     std::vector<ParameterSpec> specs;
-    for (size_t p = 0; p < names_.size(); ++p) specs.push_back({names_[p], shapes_[p], init_[p]});
+    for (size_t p = 0; p < names_.size(); ++p) {
+      specs.push_back({.name = names_[p],
+                       .shape = shapes_[p],
+                       .initial_values = init_[p],
+                       .weight_decay = weight_decay(p),
+                       .lr_scale = lr_scale(p)});
+    }
     return specs;
   }
 
@@ -109,6 +135,8 @@ class TinyModel {
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<std::vector<float>> init_;
+  std::vector<std::optional<double>> weight_decay_;  // Empty: no groups.
+  std::vector<double> lr_scale_;
 };
 
 /// Rounds fp32 values through `dtype` (identity for fp32).
@@ -140,6 +168,15 @@ class EngineTrainer {
   EngineTrainer(Engine& engine, const TinyModel& model, int gradient_accumulation_steps = 1)
       : engine_(engine), model_(model), gas_(gradient_accumulation_steps) {}
 
+  /// Backward from now on writes gradients with work queued on `stream` after `delay` (an
+  /// outside trainer's stream), and names it to GradsReady and Release.
+  void UseTrainerStream(HostStream* stream, std::chrono::milliseconds delay) {
+    stream_ = stream;
+    delay_ = delay;
+  }
+  /// Chunks whose gradients backward does not produce (an unused expert): no GradsReady.
+  void SetUnusedChunks(std::vector<bool> unused) { unused_ = std::move(unused); }
+
   /// One optimizer step on micro-batches [step * gas, (step + 1) * gas). `poison` sets the
   /// first gradient element to infinity (an fp16 overflow). Returns the mean micro-step loss.
   Result<StepReport> TrainStep(int step, double* loss, bool poison = false) {
@@ -170,15 +207,25 @@ class EngineTrainer {
       const float scale = float(engine_.loss_scale());
       if (poison) grads[0][0] = std::numeric_limits<float>::infinity();
       for (size_t c = layout.chunk_count(); c-- > 0;) {
+        if (c < unused_.size() && unused_[c]) continue;
         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
-        ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
-          std::vector<float> scaled = grads[p];
-          for (float& g : scaled) g *= scale;
-          StoreAs(dtype, scaled.data(), loc.numel,
-                  static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype));
-        });
-        STRATA_RETURN_IF_ERROR(engine_.GradsReady(c));
-        engine_.Release(c);
+        auto write_grads = [this, c, view, dtype, scale, grads] {
+          if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
+          ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
+            std::vector<float> scaled = grads[p];
+            for (float& g : scaled) g *= scale;
+            StoreAs(dtype, scaled.data(), loc.numel,
+                    static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype));
+          });
+        };
+        if (stream_ != nullptr) {
+          stream_->Enqueue(write_grads);
+        } else {
+          write_grads();
+        }
+        const TrainerStream on{stream_ != nullptr ? stream_->native() : nullptr};
+        STRATA_RETURN_IF_ERROR(engine_.GradsReady(c, on));
+        engine_.Release(c, on);
       }
     }
     return Status();
@@ -206,6 +253,9 @@ class EngineTrainer {
   Engine& engine_;
   const TinyModel& model_;
   int gas_;
+  HostStream* stream_ = nullptr;
+  std::chrono::milliseconds delay_{0};
+  std::vector<bool> unused_;
 };
 
 /// The same training with a plain in-memory AdamW (the cpu_adam kernel per parameter).
@@ -221,7 +271,10 @@ class ReferenceTrainer {
   }
 
   /// Mirrors EngineTrainer::TrainStep; `skip` drops the step as an fp16 overflow would.
-  double TrainStep(int step, bool skip = false) {
+  /// Parameters marked in `unused` get no gradients: they are left out of the norm and not
+  /// updated, and their own step counts stand still (torch skips a parameter without .grad).
+  double TrainStep(int step, bool skip = false, const std::vector<bool>& unused = {}) {
+    auto is_unused = [&](size_t p) { return p < unused.size() && unused[p]; };
     const DType dtype = options_.precision.working_dtype;
     const int gas = options_.optimizer.gradient_accumulation_steps;
     double loss = 0.0;
@@ -244,33 +297,39 @@ class ReferenceTrainer {
     double clip = 1.0;
     if (options_.optimizer.gradient_clipping > 0.0) {
       double sq = 0.0;
-      for (const auto& g : sum) {
-        for (float x : g) sq += double(x) * x;
+      for (size_t p = 0; p < sum.size(); ++p) {
+        if (is_unused(p)) continue;
+        for (float x : sum[p]) sq += double(x) * x;
       }
       clip = std::min(1.0, options_.optimizer.gradient_clipping / (std::sqrt(sq) + 1e-6));
     }
-    ++steps_;
     const OptimizerOptions& o = options_.optimizer;
     for (size_t p = 0; p < master_.size(); ++p) {
-      Status s = optimizer_->Step(cpu_adam::AdamWHyperParams{.lr = o.lr,
-                                                             .beta1 = o.beta1,
-                                                             .beta2 = o.beta2,
-                                                             .eps = o.eps,
-                                                             .weight_decay = o.weight_decay,
-                                                             .bias_correction = o.bias_correction,
-                                                             .step = steps_,
-                                                             .grad_scale = clip},
-                                  cpu_adam::StepBuffers{.numel = master_[p].size(),
-                                                        .params = master_[p].data(),
-                                                        .grads = sum[p].data(),
-                                                        .exp_avg = m_[p].data(),
-                                                        .exp_avg_sq = v_[p].data()});
+      if (is_unused(p)) continue;
+      ++steps_[p];
+      Status s = optimizer_->Step(
+          cpu_adam::AdamWHyperParams{
+              .lr = o.lr * model_.lr_scale(p),
+              .beta1 = o.beta1,
+              .beta2 = o.beta2,
+              .eps = o.eps,
+              .weight_decay = model_.weight_decay(p).value_or(o.weight_decay),
+              .bias_correction = o.bias_correction,
+              .step = steps_[p],
+              .grad_scale = clip},
+          cpu_adam::StepBuffers{.numel = master_[p].size(),
+                                .params = master_[p].data(),
+                                .grads = sum[p].data(),
+                                .exp_avg = m_[p].data(),
+                                .exp_avg_sq = v_[p].data()});
       if (!s.ok()) std::abort();
     }
     return loss;
   }
 
   const std::vector<std::vector<float>>& master() const { return master_; }
+  const std::vector<std::vector<float>>& exp_avg() const { return m_; }
+  const std::vector<std::vector<float>>& exp_avg_sq() const { return v_; }
   /// The learning rate of the steps from now on.
   void SetLearningRate(double lr) { options_.optimizer.lr = lr; }
 
@@ -279,7 +338,7 @@ class ReferenceTrainer {
   EngineOptions options_;
   std::vector<std::vector<float>> master_, m_, v_;
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
-  int64_t steps_ = 0;
+  std::vector<int64_t> steps_ = std::vector<int64_t>(model_.parameter_count(), 0);
 };
 
 }  // namespace strata::offload::testing

@@ -51,6 +51,9 @@ class WrappedDevice final : public Device {
   Status RecordEvent(DeviceEvent& event, Stream stream) override {
     return inner_.RecordEvent(event, stream);
   }
+  Status RecordEventOnNativeStream(DeviceEvent& event, void* native_stream) override {
+    return inner_.RecordEventOnNativeStream(event, native_stream);
+  }
   Status StreamWaitEvent(Stream stream, const DeviceEvent& event) override {
     return inner_.StreamWaitEvent(stream, event);
   }

@@ -165,6 +165,13 @@ class Device {
   virtual Result<DeviceEvent> CreateEvent() = 0;
   /// Records `event` on `stream` (moves its marker to the current end of the stream).
   virtual Status RecordEvent(DeviceEvent& event, Stream stream) = 0;
+  /// Records `event` at the current end of a stream this device did not create but that runs
+  /// on it: an outside trainer's (a cudaStream_t on CUDA, HostStream::native() on HostDevice).
+  /// The device's own streams can then wait for work queued there. Unavailable where the
+  /// device cannot.
+  virtual Status RecordEventOnNativeStream(DeviceEvent& /*event*/, void* /*native_stream*/) {
+    return Unavailable("this device cannot order its streams after an outside stream");
+  }
   /// Makes later work on `stream` wait until `event` (as last recorded) has completed. Does not
   /// block the caller. An event never recorded is already complete.
   virtual Status StreamWaitEvent(Stream stream, const DeviceEvent& event) = 0;

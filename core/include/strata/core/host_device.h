@@ -23,4 +23,26 @@ struct HostDeviceOptions {
 /// Creates a HostDevice; InvalidArgument for a negative copy bandwidth.
 Result<std::unique_ptr<Device>> CreateHostDevice(const HostDeviceOptions& options = {});
 
+/// An in-order queue of host work outside any HostDevice's own streams: what an outside
+/// trainer's stream (PyTorch's current stream, say) is on a GPU. native() is the handle a
+/// HostDevice takes as a native stream (Device::RecordEventOnNativeStream). Destruction runs
+/// what is queued first. Thread-safe.
+class HostStream {
+ public:
+  HostStream();
+  ~HostStream();
+  HostStream(const HostStream&) = delete;
+  HostStream& operator=(const HostStream&) = delete;
+
+  /// Queues `work`; it runs after everything queued before it.
+  void Enqueue(HostFunction work);
+  /// Blocks until everything queued so far has run.
+  void Synchronize();
+  void* native() { return this; }
+
+ private:
+  class Worker;
+  std::unique_ptr<Worker> worker_;
+};
+
 }  // namespace strata

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,6 +48,13 @@ struct ParameterSpec {
   /// Initial values in fp32, row-major, one per element; empty = zeros. Only read by
   /// Engine::Create, which copies them.
   std::span<const float> initial_values;
+  /// Its parameter group (torch.optim's param_groups; DeepSpeed takes them from the model):
+  /// the weight decay of this parameter, unset = the optimizer's. 0 for biases and norms, as
+  /// LLM recipes do. >= 0.
+  std::optional<double> weight_decay;
+  /// Its learning rate is the engine's (SetLearningRate, the schedule) times this: a group's lr
+  /// relative to the base. > 0.
+  double lr_scale = 1.0;
 
   /// Product of the dimensions.
   size_t numel() const;
@@ -68,6 +76,15 @@ struct ChunkInfo {
   size_t parameter_count = 0;
 };
 
+/// A run of a chunk's elements [begin, end) whose parameters share their group settings, so
+/// one optimizer call updates them all (padding goes with the parameter before it).
+struct ChunkSegment {
+  size_t begin = 0;
+  size_t end = 0;
+  std::optional<double> weight_decay;  ///< Unset = the optimizer's.
+  double lr_scale = 1.0;
+};
+
 /// The packing of a model into chunks. Immutable after Build; safe to share across threads.
 class ChunkLayout {
  public:
@@ -85,6 +102,9 @@ class ChunkLayout {
   const ParameterLocation& location(size_t parameter) const { return locations_[parameter]; }
   const std::string& name(size_t parameter) const { return names_[parameter]; }
   const std::vector<int64_t>& shape(size_t parameter) const { return shapes_[parameter]; }
+  /// The chunk's elements in runs of equal group settings, covering [0, numel) in order: one
+  /// run unless its parameters were registered with different settings.
+  const std::vector<ChunkSegment>& segments(size_t chunk) const { return segments_[chunk]; }
   /// Largest chunk, in elements.
   size_t max_chunk_numel() const { return max_chunk_numel_; }
   /// Sum of all chunks' elements (with padding).
@@ -97,6 +117,7 @@ class ChunkLayout {
   std::vector<ParameterLocation> locations_;
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;
+  std::vector<std::vector<ChunkSegment>> segments_;
   size_t max_chunk_numel_ = 0;
   size_t total_numel_ = 0;
   size_t parameter_numel_ = 0;

@@ -76,6 +76,15 @@ struct ChunkView {
   DType dtype = DType::kFp32;
 };
 
+/// A stream of an outside trainer (one that owns its compute, like PyTorch) on which it queued
+/// the work that the engine must order its own after. Default: the device's Stream::kCompute,
+/// where a trainer that runs its kernels through the engine's Device queues them.
+struct TrainerStream {
+  /// The trainer's native stream: a cudaStream_t on CUDA (torch.cuda.current_stream()
+  /// .cuda_stream), HostStream::native() on HostDevice. Null = Stream::kCompute.
+  void* native = nullptr;
+};
+
 /// What one Step() did.
 struct StepReport {
   int64_t step = 0;         ///< Optimizer steps taken so far (skipped steps do not count).
@@ -110,6 +119,13 @@ inline EngineCounters operator-(EngineCounters a, const EngineCounters& b) { ret
 struct ChunkPlacement {
   Tier params = Tier::kDevice;          ///< Home of its working parameters between uses.
   Tier optimizer_states = Tier::kHost;  ///< Home of its fp32 master parameters and moments.
+};
+
+/// One of a parameter's optimizer states, as torch.optim's state_dict names them.
+enum class ParameterState : int {
+  kMaster = 0,    ///< The fp32 master value of the parameter.
+  kExpAvg = 1,    ///< First moment ("exp_avg"; Lion's momentum).
+  kExpAvgSq = 2,  ///< Second moment ("exp_avg_sq"; Adagrad's sum of squares).
 };
 
 /// Options of Save that do not belong in EngineOptions.
@@ -151,18 +167,29 @@ class Engine {
 
   /// Makes `chunk`'s working parameters resident on the device and its gradient buffer free for
   /// backward, blocking until both hold, and prefetches the chunks expected next (from the order
-  /// recorded during the first step). Pins the chunk until Release. Device work of the trainer
-  /// that uses the view must be queued on Stream::kCompute. ResourceExhausted when the device
-  /// budget cannot hold the chunk even after evicting every unpinned chunk.
+  /// recorded during the first step). Pins the chunk until Release. The view's memory stays
+  /// put while the chunk is acquired (a trainer's tensors may view it). ResourceExhausted when
+  /// the device budget cannot hold the chunk even after evicting every unpinned chunk;
+  /// FailedPrecondition from the chunk's last GradsReady of a step until the step completes
+  /// (its update may be running).
   Result<ChunkView> Acquire(size_t chunk);
-  /// Unpins a chunk acquired earlier (it may be evicted from now on).
-  void Release(size_t chunk);
+  /// Unpins a chunk acquired earlier (it may be evicted from now on). The trainer's work on it
+  /// so far, queued on `stream`, finishes before its memory is reused or overwritten.
+  void Release(size_t chunk, TrainerStream stream = {});
 
-  /// Declares that backward has written `chunk`'s gradients (by work queued on Stream::kCompute
-  /// so far). The engine copies them to the host, and on the last micro-step of an optimizer
-  /// step may start the chunk's update at once. The chunk must be acquired. FailedPrecondition
-  /// when the chunk already received every micro-step's gradients for this step.
-  Status GradsReady(size_t chunk);
+  /// Declares that backward has written `chunk`'s gradients by work queued on `stream` so far.
+  /// The engine copies them to the host behind that work, and on the last micro-step of an
+  /// optimizer step may start the chunk's update at once. The chunk must be acquired.
+  ///
+  /// Gradient semantics: the engine reads view.grads as this micro-step's gradients and sums
+  /// micro-steps itself. A fetched chunk's gradient buffer starts at zero; a device-home
+  /// chunk's holds what the trainer last wrote. So a trainer whose autograd accumulates into
+  /// view.grads (PyTorch's .grad) must zero it before each micro-step's backward, as
+  /// optimizer.zero_grad() does, or micro-steps are counted twice.
+  ///
+  /// FailedPrecondition when the chunk already received every micro-step's gradients for this
+  /// step, or is not acquired.
+  Status GradsReady(size_t chunk, TrainerStream stream = {});
 
   /// Finishes the optimizer step: completes when every chunk is updated (or the step was
   /// skipped for fp16 overflow) and its working parameters are where the next forward needs them.
@@ -177,7 +204,10 @@ class Engine {
   int64_t step_count() const;
   /// Steps completed, skipped ones included: what a loop of N training iterations counts.
   int64_t iteration_count() const;
-  /// Sets the learning rate used from the next step on (for schedules).
+  /// Sets the learning rate (the base that each parameter's lr_scale multiplies) of the steps
+  /// whose first GradsReady comes after this call: a step's hyper-parameters are fixed at its
+  /// first GradsReady, so every chunk of a step is updated alike even though updates start
+  /// during backward. A scheduler stepped after Step() (torch's order) sets the next step's.
   void SetLearningRate(double lr);
 
   /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
@@ -191,6 +221,15 @@ class Engine {
   /// Copies the current fp32 master value of `parameter` (registration index) into `out`
   /// (numel floats). For tests, evaluation and export; blocks on NVMe reads.
   Status ReadMasterParameter(size_t parameter, std::span<float> out);
+  /// Copies one of `parameter`'s optimizer states into `out` (numel floats), from whichever
+  /// tier holds it: for a state_dict and export to other formats. Blocks on NVMe reads.
+  /// FailedPrecondition while the parameter's chunk may be mid-update (see Acquire).
+  Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
+  /// Replaces one of `parameter`'s optimizer states with `values` (numel floats): for
+  /// load_state_dict and import. Replacing the master also replaces the working parameters
+  /// (rounded to the working dtype). Between steps only, with no chunk acquired; all or
+  /// nothing (NVMe-home state goes through the shadow extents).
+  Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
 
   TierUsage tier_usage(Tier tier) const;
   EngineCounters counters() const;
