@@ -75,6 +75,8 @@ struct Chunk {
   cpu_adam::GradientStats stats;  // Of the summed gradients (loop thread).
   Status land_status;             // Failure while summing or measuring them (loop thread).
   bool params_uploaded = false;   // Device-home parameters already carry this step's update.
+  // A device-kept chunk whose update is the commit's to make (loop thread).
+  bool update_at_commit = false;
   // Optimizer updates this chunk has had (its bias correction's step). A chunk that gets no
   // gradients in a step (an unused expert) is not updated and does not count it, as torch
   // skips a parameter whose .grad is None. Written by the commit and Load.

@@ -62,6 +62,10 @@ Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool s
 
 Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
   Chunk& c = chunks_[chunk];
+  // Everything that can fail before the first byte changes.
+  Result<AlignedBuffer> working = AlignedBuffer();
+  if (c.placement.params != Tier::kNvme) working = WorkingParams(c, states, working_dtype());
+  STRATA_RETURN_IF_ERROR(working.status());
   switch (c.placement.optimizer_states) {
     case Tier::kDevice:
       STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.device_states.data(), states, c.state_bytes()));
@@ -71,12 +75,11 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
     case Tier::kNvme: break;
   }
   if (c.placement.params == Tier::kNvme) return Status();
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, WorkingParams(c, states, working_dtype()));
   if (c.placement.params == Tier::kHost) {
-    std::memcpy(c.host_params.data(), working.data(), working.size());
+    std::memcpy(c.host_params.data(), working->data(), working->size());
     return Status();
   }
-  STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working.data(), working.size()));
+  STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working->data(), working->size()));
   return device_.SynchronizeStream(Stream::kHostToDevice);
 }
 
@@ -127,15 +130,20 @@ Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
   std::copy(values.begin(), values.end(),
             reinterpret_cast<float*>(states.data()) + size_t(state) * c.numel + loc.offset);
   STRATA_RETURN_IF_ERROR(WriteNvmeHome(loc.chunk, states.data(), /*shadow=*/true));
-  WaitIdle();  // A fetch in flight may be reading host-home parameters.
+  STRATA_RETURN_IF_ERROR(WaitForQuietMemory());
   STRATA_RETURN_IF_ERROR(WriteMemoryHome(loc.chunk, states.data()));
   return SwitchToNewState({loc.chunk});
 }
 
+Status Engine::Impl::WaitForQuietMemory() {
+  WaitIdle();  // Fetches in flight read host-home parameters.
+  return residency_.WaitForTrainerUse();
+}
+
 Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
-  // Device copies of offloaded parameters are stale once the trainer's work on them has run;
-  // fetches and preloads read the current extents, so the switch happens on the loop.
-  STRATA_RETURN_IF_ERROR(residency_.WaitForTrainerUse());
+  // Device copies of offloaded parameters are stale (the trainer's work on them has run, see
+  // WaitForQuietMemory); fetches and preloads read the current extents, so the switch happens on
+  // the loop.
   auto switch_over = [this, &chunks]() -> Awaitable<void> {
     co_await pipeline_.DropPreloads();
     for (size_t i : chunks) {
@@ -307,7 +315,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
   // Memory tiers are written in place, once fetches (which read host-home parameters) and
   // preloads in flight are done. After the verification above only a disk that fails
   // between two reads of the same checkpoint can stop this half-way; the engine then says so.
-  WaitIdle();
+  STRATA_RETURN_IF_ERROR(WaitForQuietMemory());
   for (size_t i = 0; i < chunks_.size(); ++i) {
     Status loaded = read_chunk(i);
     if (loaded.ok()) loaded = WriteMemoryHome(i, states.data());

@@ -72,9 +72,12 @@ class Engine::Impl {
   Status WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow);
   /// The same for what lives in host or device memory.
   Status WriteMemoryHome(size_t chunk, const std::byte* states);
-  /// After new state went to the shadow extents of `chunks` (WriteNvmeHome) and memory: makes
-  /// the shadows current, drops device copies and preloads made stale, and reads ahead again.
-  /// Trainer thread, between steps.
+  /// Blocks until nothing reads or writes what WriteMemoryHome replaces: no fetch in flight, and
+  /// the trainer's queued device work on every chunk has run. Trainer thread, between steps.
+  Status WaitForQuietMemory();
+  /// After new state went to the shadow extents of `chunks` (WriteNvmeHome) and memory (after
+  /// WaitForQuietMemory): makes the shadows current, drops device copies and preloads made
+  /// stale, and reads ahead again. Trainer thread, between steps.
   Status SwitchToNewState(const std::vector<size_t>& chunks);
 
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }

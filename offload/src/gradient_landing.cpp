@@ -46,6 +46,11 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   if (step_running_) {
     return FailedPrecondition("GradsReady(" + std::to_string(chunk) + ") while a step is running");
   }
+  if (attempt_failed_) {
+    // The failed step's verdict (norm, overflow) is made without this chunk.
+    return FailedPrecondition("GradsReady(" + std::to_string(chunk) +
+                              ") after a failed step; call Step() again to retry it first");
+  }
   if (c.micro_steps >= gas_) {
     return FailedPrecondition("chunk " + std::to_string(chunk) + " already received the " +
                               "gradients of all " + std::to_string(gas_) +
@@ -55,6 +60,8 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   const int micro_step = c.micro_steps + 1;
   const bool last = micro_step == gas_;
   if (Status queued = QueueLanding(chunk, view, stream, micro_step, last); !queued.ok()) {
+    // A copy queued before the refusal may still be reading the gradient buffer.
+    e.device_.SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
     e.residency_.UnpinGrads(chunk);
     return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
   }

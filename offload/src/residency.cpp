@@ -5,6 +5,7 @@
 
 #include "engine_impl.h"
 #include "strata/core/bytes.h"
+#include "strata/core/log.h"
 
 namespace strata::offload {
 
@@ -23,7 +24,7 @@ ChunkView Residency::ViewLocked(size_t chunk) const {
   if (!c.params_offloaded()) {
     return {c.params.data(), c.grads.data(), c.numel, engine_.working_dtype()};
   }
-  return {copy.params.data(), copy.grads.data(), c.numel, engine_.working_dtype()};
+  return {copy.memory.params.data(), copy.memory.grads.data(), c.numel, engine_.working_dtype()};
 }
 
 Result<ChunkView> Residency::Acquire(size_t chunk) {
@@ -32,6 +33,7 @@ Result<ChunkView> Residency::Acquire(size_t chunk) {
   const Chunk& c = engine_.chunks_[chunk];
   ++copy.pins;
   copy.last_use = ++use_tick_;
+  copy.grads_declared = false;
   if (c.params_offloaded()) RecordAccessLocked(chunk);
   for (bool prefetched = false;;) {
     if (copy.state == State::kAbsent) {
@@ -70,8 +72,14 @@ void Residency::Release(size_t chunk, TrainerStream stream) {
   if (copy.pins == 0) return;
   --copy.pins;
   // The trainer's device work on this chunk is queued on its stream: eviction and the commit
-  // wait for it, so remember where it ends.
-  engine_.RecordTrainerEvent(copy.released, stream).IgnoreError();
+  // wait for it, so remember where it ends. If the device cannot mark it there, wait for it
+  // here: slow, but nothing is freed or overwritten under the trainer's feet.
+  if (Status recorded = engine_.RecordTrainerEvent(copy.released, stream); !recorded.ok()) {
+    Log(LogLevel::kWarning, "Release(" + std::to_string(chunk) +
+                                "): cannot record the end of the trainer's work (" +
+                                recorded.ToString() + "); waiting for the device instead");
+    engine_.device_.Synchronize().IgnoreError();
+  }
   changed_.notify_all();
 }
 
@@ -82,6 +90,14 @@ Result<ChunkView> Residency::PinGrads(size_t chunk) {
     return FailedPrecondition("GradsReady(" + std::to_string(chunk) +
                               ") on a chunk that is not acquired; call it before Release");
   }
+  if (copy.grads_declared) {
+    // The previous micro-step's gradients may still be copying out of the buffer that the
+    // next backward writes: only Acquire waits for that.
+    return FailedPrecondition("GradsReady(" + std::to_string(chunk) +
+                              ") twice under one Acquire; acquire the chunk again before each "
+                              "micro-step's backward");
+  }
+  copy.grads_declared = true;
   ++copy.grad_pins;
   return ViewLocked(chunk);
 }
@@ -126,21 +142,24 @@ Status Residency::WaitForTrainerUse() {
   return Status();
 }
 
-void Residency::DropLocked(Copy& copy) {
-  copy.params = DeviceBuffer();
-  copy.grads = DeviceBuffer();
-  copy.slot.Reset();
+Residency::Memory Residency::DropLocked(Copy& copy) {
   copy.state = State::kAbsent;
+  return std::exchange(copy.memory, Memory());
 }
 
 void Residency::DropAll() {
-  std::lock_guard lock(mutex_);
-  for (size_t i = 0; i < copies_.size(); ++i) {
-    if (!engine_.chunks_[i].params_offloaded()) continue;
-    Copy& copy = copies_[i];
-    if (copy.state == State::kFetching) copy.stale = true;
-    if (copy.state == State::kResident) DropLocked(copy);
+  std::vector<Memory> dropped;
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < copies_.size(); ++i) {
+      if (!engine_.chunks_[i].params_offloaded()) continue;
+      Copy& copy = copies_[i];
+      if (copy.state == State::kFetching) copy.stale = true;
+      if (copy.state == State::kResident) dropped.push_back(DropLocked(copy));
+    }
   }
+  dropped.clear();  // Freed without the lock.
+  std::lock_guard lock(mutex_);
   changed_.notify_all();
 }
 
@@ -202,12 +221,15 @@ std::optional<size_t> Residency::PickVictimLocked(size_t target, bool demand) co
 void Residency::EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock) {
   Copy& copy = copies_[chunk];
   copy.state = State::kEvicting;
-  // The trainer's queued work on the chunk must finish before its memory is reused. Wait without
-  // the lock: that work may call into the engine. Nothing else moves an evicting chunk.
+  Memory memory = std::exchange(copy.memory, Memory());
+  // The trainer's queued work on the chunk must finish before its memory is reused. Wait, and
+  // free, without the lock: that work may call into the engine. Nothing else moves an evicting
+  // chunk.
   lock.unlock();
   engine_.device_.SynchronizeEvent(copy.released).IgnoreError();
+  memory = Memory();
   lock.lock();
-  DropLocked(copy);
+  copy.state = State::kAbsent;
   engine_.m_.evictions->Increment();
 }
 
@@ -224,7 +246,8 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
     if (!demand) return Unavailable("no room to prefetch");
     // Memory comes back only when a fetch or a gradient copy in flight finishes.
     const bool can_free = std::any_of(copies_.begin(), copies_.end(), [](const Copy& other) {
-      return other.state == State::kFetching || (other.grad_pins > 0 && other.params.valid());
+      return other.state == State::kFetching ||
+             (other.grad_pins > 0 && other.memory.params.valid());
     });
     if (!can_free) {
       std::string pinned;
@@ -245,9 +268,7 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
   const size_t wbytes = c.working_bytes(engine_.working_size());
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, engine_.device_.Allocate(wbytes));
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer grads, engine_.device_.Allocate(wbytes));
-  copy.params = std::move(params);
-  copy.grads = std::move(grads);
-  copy.slot = std::move(slot);
+  copy.memory = {.slot = std::move(slot), .params = std::move(params), .grads = std::move(grads)};
   copy.state = State::kFetching;
   copy.stale = false;
   copy.fetch_status = Status();
@@ -290,8 +311,10 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
     // The parameters, then a gradient buffer starting at zero (padding included): one wait for
     // both on the in-order stream, before the staging buffer goes back.
     InFlightGuard uploading(e.m_.in_flight_of(InFlightKind::kHostToDevice));
-    status = e.device_.CopyToDevice(copy.params.data(), source, bytes);
-    if (status.ok()) status = e.device_.CopyToDevice(copy.grads.data(), e.zeros_.data(), bytes);
+    status = e.device_.CopyToDevice(copy.memory.params.data(), source, bytes);
+    if (status.ok()) {
+      status = e.device_.CopyToDevice(copy.memory.grads.data(), e.zeros_.data(), bytes);
+    }
     const Status landed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
     if (status.ok()) status = landed;
   }
@@ -300,12 +323,13 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
     e.m_.h2d_bytes->Increment(double(2 * bytes));
     e.m_.fetches->Increment();
   }
+  Memory dropped;
   std::lock_guard lock(mutex_);
   if (status.ok() && !copy.stale) {
     copy.state = State::kResident;
   } else {
     copy.fetch_status = status;
-    DropLocked(copy);
+    dropped = DropLocked(copy);
   }
   changed_.notify_all();
 }

@@ -72,15 +72,22 @@ class Residency {
     kEvicting,  ///< Chosen as a victim; its memory goes once the trainer's work on it has run.
   };
 
+  /// The device memory of an offloaded chunk's copy. The slot is declared first so that it is
+  /// released last, after the memory it accounts for.
+  struct Memory {
+    BudgetReservation slot;
+    DeviceBuffer params;
+    DeviceBuffer grads;
+  };
+
   /// What the device holds of one chunk.
   struct Copy {
     State state = State::kAbsent;
-    DeviceBuffer params;  // Offloaded chunks only (device-home ones use Chunk::params).
-    DeviceBuffer grads;
-    BudgetReservation slot;
+    Memory memory;         // Offloaded chunks only (device-home ones use Chunk::params and grads).
     DeviceEvent released;  // Recorded at Release: the trainer's last queued use.
     int pins = 0;          // Trainer.
     int grad_pins = 0;     // Gradient copies reading the gradient buffer.
+    bool grads_declared = false;  // GradsReady since the last Acquire.
     uint64_t last_use = 0;
     bool stale = false;  // Dropped while fetching: what arrives is thrown away.
     Status fetch_status;
@@ -90,7 +97,9 @@ class Residency {
   Status StartFetchLocked(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock);
   std::optional<size_t> PickVictimLocked(size_t target, bool demand) const;
   void EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock);
-  void DropLocked(Copy& copy);
+  /// Takes the copy's memory away (to be freed by the caller once the lock is released: freeing
+  /// device memory may wait for the device).
+  Memory DropLocked(Copy& copy);
   size_t NextUseLocked(size_t chunk) const;  // Distance in the recorded order; max() = never.
   void RecordAccessLocked(size_t chunk);
   void PrefetchLocked(std::unique_lock<std::mutex>& lock);

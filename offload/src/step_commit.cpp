@@ -36,9 +36,7 @@ void Chunk::MoveTo(ChunkPhase to) {
     case P::kArrived: allowed = from == P::kLanding || from == P::kUpdating; break;
     case P::kUpdating: allowed = from == P::kArrived || from == P::kStepped; break;
     case P::kStepped: allowed = from == P::kUpdating; break;
-    case P::kUpdated:
-      allowed = from == P::kUpdating || from == P::kArrived;  // kArrived: deferred on device.
-      break;
+    case P::kUpdated: allowed = from == P::kUpdating; break;
   }
   if (!allowed) {
     std::fprintf(stderr, "strata: internal error: a chunk moved from %s to %s\n",
@@ -163,34 +161,48 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     }
     step_running_ = true;
   }
-  boost::asio::post(engine_.loop_.executor(), [this, promise = std::move(promise)]() mutable {
-    {
-      std::lock_guard lock(mutex_);
-      attempt_failed_ = false;
+  // Counted like every coroutine, so that an engine destroyed right after Step() finishes the
+  // step first.
+  engine_.Spawn(StartStep(std::move(promise)));
+  return future;
+}
+
+Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise) {
+  {
+    std::lock_guard lock(mutex_);
+    attempt_failed_ = false;
+  }
+  step_.requested = true;
+  step_.promise.emplace(std::move(promise));
+  step_.started = Clock::now();
+  step_.used = 0;
+  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    if (engine_.chunks_[i].micro_steps > 0) {
+      ++step_.used;
+    } else {
+      // Sits this step out: the states it read ahead would hold a staging buffer that the
+      // journeys of this step need.
+      engine_.Spawn(DropPreload(i));
     }
-    step_.requested = true;
-    step_.promise.emplace(std::move(promise));
-    step_.started = Clock::now();
-    step_.used = 0;
-    for (const Chunk& c : engine_.chunks_) step_.used += c.micro_steps > 0 ? 1 : 0;
-    // Chunks without gradients this step are known now: a gated step may be decided.
-    if (gated() && !step_.decided && AllArrived()) Decide();
-    // A retry after a failed attempt finishes what that attempt left (see step_pipeline.h).
-    if (!step_.skip && (!gated() || step_.decided)) {
-      for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-        const ChunkPhase phase = engine_.chunks_[i].phase_now();
-        if (phase == ChunkPhase::kArrived || phase == ChunkPhase::kStepped) {
-          auto retry = [](StepPipeline* self, size_t chunk) -> Awaitable<void> {
-            co_await self->Update(chunk);
-            self->MaybeFinish();
-          };
-          engine_.Spawn(retry(this, i));
-        }
+  }
+  // Chunks without gradients this step are known now: a gated step may be decided.
+  if (gated() && !step_.decided && AllArrived()) Decide();
+  // A retry after a failed attempt finishes what that attempt left (see step_pipeline.h).
+  if (!step_.skip && (!gated() || step_.decided)) {
+    for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+      const ChunkPhase phase = engine_.chunks_[i].phase_now();
+      if (engine_.chunks_[i].update_at_commit) continue;  // The commit's to update.
+      if (phase == ChunkPhase::kArrived || phase == ChunkPhase::kStepped) {
+        auto retry = [](StepPipeline* self, size_t chunk) -> Awaitable<void> {
+          co_await self->Update(chunk);
+          self->MaybeFinish();
+        };
+        engine_.Spawn(retry(this, i));
       }
     }
-    MaybeFinish();
-  });
-  return future;
+  }
+  MaybeFinish();
+  co_return;
 }
 
 void StepPipeline::Arrive(size_t chunk) {
@@ -240,6 +252,9 @@ void StepPipeline::Decide() {
 }
 
 void StepPipeline::Cancel() {
+  // A step asked for finishes (all its chunks will arrive and be decided); only journeys of a
+  // step the trainer abandoned mid-backward wait for a verdict that will never come.
+  if (step_.requested) return;
   step_.cancelled = true;
   gate_.Open();
 }
@@ -258,8 +273,7 @@ void StepPipeline::MaybeFinish() {
   if (!step_.skip) {
     for (const Chunk& c : chunks) {
       if (c.micro_steps == 0) continue;  // Not updated this step.
-      const bool deferred = c.placement.optimizer_states == Tier::kDevice &&
-                            engine_.transactional_ && c.phase_now() == ChunkPhase::kArrived;
+      const bool deferred = c.update_at_commit && c.phase_now() == ChunkPhase::kArrived;
       if (c.phase_now() != ChunkPhase::kUpdated && !deferred) return;  // A journey is on its way.
     }
   }
@@ -273,14 +287,19 @@ Awaitable<void> StepPipeline::Commit() {
   const bool skipped = step_.skip;
   Status status;
   if (!skipped && !step_.committed) {
-    // Transactional steps update the device's share only now, when nothing else can fail.
+    // Device-kept chunks left for the commit (every one, in a transactional step; those the
+    // trainer still held, otherwise) are updated now, after the trainer's use of them.
+    status = e.residency_.OrderAfterTrainerUse(Stream::kCompute);
     for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
-      if (chunks[i].micro_steps == 0 || chunks[i].phase_now() != ChunkPhase::kArrived) continue;
-      status = co_await UpdateOnDevice(i);
-      if (status.ok()) {
+      Chunk& c = chunks[i];
+      if (!c.update_at_commit || c.phase_now() != ChunkPhase::kArrived) continue;
+      {
         std::lock_guard lock(mutex_);
-        MoveTo(chunks[i], ChunkPhase::kUpdated);
+        MoveTo(c, ChunkPhase::kUpdating);  // Claimed: a retry's Update leaves it alone.
       }
+      status = co_await UpdateOnDevice(i);
+      std::lock_guard lock(mutex_);
+      MoveTo(c, status.ok() ? ChunkPhase::kUpdated : ChunkPhase::kArrived);
     }
     if (!status.ok()) {
       FinishStep(status.WithContext("updating the device's share of the optimizer states"),
@@ -336,6 +355,7 @@ Awaitable<void> StepPipeline::Commit() {
       c.stats = {};
       c.land_status = Status();
       c.params_uploaded = false;
+      c.update_at_commit = false;
     }
     step_open_ = false;
   }

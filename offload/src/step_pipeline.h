@@ -83,6 +83,8 @@ class StepPipeline {
   void StartPreloads();
   /// Waits for preloads in flight and returns every preloaded buffer.
   Awaitable<void> DropPreloads();
+  /// The same for one chunk's preload, if it has one.
+  Awaitable<void> DropPreload(size_t chunk);
   /// Shutdown: journeys waiting for a verdict that will never come give up.
   void Cancel();
 
@@ -108,6 +110,7 @@ class StepPipeline {
   /// An NVMe-home chunk's states read ahead into a staging buffer (loop thread).
   struct Preload {
     bool active = false;
+    bool done = false;  // The read has finished (`ready` holds its unit).
     Status status;
     StagingBuffer buffer;
     std::optional<LoopSemaphore> ready;  // Released once the read is done.
@@ -142,6 +145,8 @@ class StepPipeline {
   Awaitable<void> PreloadStates(size_t chunk);
 
   // step_commit.cpp
+  /// Step()'s work on the loop: the request, a retry of what a failed attempt left.
+  Awaitable<void> StartStep(std::promise<Result<StepReport>> promise);
   void Arrive(size_t chunk);
   /// Whether every chunk that has gradients this step has landed them: the verdict of a gated
   /// step can be made.

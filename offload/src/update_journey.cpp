@@ -71,11 +71,29 @@ Awaitable<void> StepPipeline::Update(size_t chunk) {
   // Only one update per chunk at a time, and only where one is left to do (a retry may race
   // the journey resumed by the gate: whoever comes first updates).
   if (from != ChunkPhase::kArrived && from != ChunkPhase::kStepped) co_return;
+  // Left to the commit, or the commit has begun: it updates what is left, not a late journey.
+  if (c.update_at_commit || step_.committing) co_return;
   // This attempt failed already, or failed and ended: Step() again retries.
   if (!step_.error.ok() || attempt_failed_) co_return;
   const bool on_device = c.placement.optimizer_states == Tier::kDevice;
-  // Transactional steps update device-kept states only at the commit, when nothing can fail.
-  if (on_device && e.transactional_) co_return;
+  if (on_device) {
+    // Transactional steps update device-kept states only at the commit, when nothing can fail.
+    // Otherwise the device's optimizer rewrites the chunk's parameters in place now, after the
+    // trainer's last use of them, or at the commit while the trainer still holds the chunk.
+    bool now = !e.transactional_;
+    if (now) {
+      Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kCompute);
+      if (!released.ok()) {
+        if (step_.error.ok()) step_.error = released.status();
+        co_return;
+      }
+      now = *released;
+    }
+    if (!now) {
+      c.update_at_commit = true;
+      co_return;
+    }
+  }
   {
     std::lock_guard lock(mutex_);
     MoveTo(c, ChunkPhase::kUpdating);
@@ -263,15 +281,17 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
 
 void StepPipeline::StartPreloads() {
   if (!engine_.state_staging_) return;
-  // Leave one staging buffer for a chunk that arrives out of the expected order.
-  const int depth = std::max(1, options_.host.optimizer_buffer_count - 1);
-  int started = 0;
-  for (size_t i = preloads_.size(); i-- > 0 && started < depth;) {
+  // Leave one staging buffer for a chunk that arrives out of the expected order, counting the
+  // preloads still held (by chunks that sat the last step out).
+  const int depth = options_.host.optimizer_buffer_count - 1;
+  int held = 0;
+  for (const Preload& preload : preloads_) held += preload.active ? 1 : 0;
+  for (size_t i = preloads_.size(); i-- > 0 && held < depth;) {
     if (engine_.chunks_[i].placement.optimizer_states != Tier::kNvme || preloads_[i].active) {
       continue;
     }
     StartPreload(i);
-    ++started;
+    ++held;
   }
 }
 
@@ -301,16 +321,26 @@ Awaitable<void> StepPipeline::PreloadStates(size_t chunk) {
     e.state_staging_->Release(buffer);
   }
   preload.status = status;
+  preload.done = true;
   preload.ready->Release();
 }
 
+Awaitable<void> StepPipeline::DropPreload(size_t chunk) {
+  Preload& preload = preloads_[chunk];
+  if (!preload.active) co_return;
+  co_await preload.ready->Acquire();
+  engine_.state_staging_->Release(preload.buffer);
+  preload = {};
+}
+
 Awaitable<void> StepPipeline::DropPreloads() {
+  // Finished reads first: their buffers may be what the reads still in flight wait for.
   for (Preload& preload : preloads_) {
-    if (!preload.active) continue;
-    co_await preload.ready->Acquire();
+    if (!preload.active || !preload.done) continue;
     engine_.state_staging_->Release(preload.buffer);
     preload = {};
   }
+  for (size_t i = 0; i < preloads_.size(); ++i) co_await DropPreload(i);
 }
 
 }  // namespace strata::offload

@@ -29,6 +29,7 @@ using testing::kLayers;
 using testing::kSlotBytes;
 using testing::kWidth;
 using testing::MakeDevice;
+using testing::MakeEngine;
 using testing::MakeOptions;
 using testing::MaxAbsDiff;
 using testing::ReferenceTrainer;
@@ -43,14 +44,6 @@ EngineEnvironment FaultyNvme(const std::shared_ptr<nvme::FaultPlan>& plan) {
     return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
   };
   return environment;
-}
-
-std::unique_ptr<Engine> MakeEngine(const EngineOptions& options, Device& device,
-                                   const TinyModel& model, EngineEnvironment environment = {}) {
-  const auto specs = model.Specs();
-  auto engine = Engine::Create(options, device, specs, std::move(environment));
-  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
-  return engine.ok() ? std::move(engine).value() : nullptr;
 }
 
 /// Backward over every chunk without writing gradients, leaving `keep` acquired (its view is
@@ -500,6 +493,200 @@ TEST(EngineContractTest, AnOverflowAtTheMinimumLossScaleIsAnError) {
   EXPECT_FALSE(clean->skipped);
   EXPECT_EQ(clean->step, 1);
   EXPECT_EQ(clean->iteration, 3);
+}
+
+// --- Found by reading the engine as a trainer author would ---
+
+// A chunk that sits a step out keeps no staging buffer: with one optimizer buffer, an unused
+// last chunk (whose states would be read ahead first) must not starve the others' updates.
+TEST(EngineContractTest, AChunkThatSitsAStepOutHoldsNoStagingBuffer) {
+  for (int buffers : {1, 2}) {
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+    options.host.optimizer_buffer_count = buffers;
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    ReferenceTrainer reference(model, options);
+    std::vector<bool> unused_chunks(kLayers, false);
+    unused_chunks[kLayers - 1] = unused_chunks[kLayers - 2] = true;
+    std::vector<bool> unused_params(model.parameter_count(), false);
+    for (size_t p = 2 * (kLayers - 2); p < model.parameter_count(); ++p) unused_params[p] = true;
+    trainer.SetUnusedChunks(unused_chunks);
+    auto steps = std::async(std::launch::async, [&]() -> Status {
+      for (int step = 0; step < 3; ++step) {
+        double loss = 0.0;
+        STRATA_RETURN_IF_ERROR(trainer.TrainStep(step, &loss).status());
+        reference.TrainStep(step, /*skip=*/false, unused_params);
+      }
+      return Status();
+    });
+    if (steps.wait_for(30s) != std::future_status::ready) {
+      std::fprintf(stderr, "hang: updates wait for a staging buffer an unused chunk holds\n");
+      std::_Exit(1);
+    }
+    ASSERT_TRUE(steps.get().ok()) << "buffers " << buffers;
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master())) << "buffers " << buffers;
+    // Save and Load drop and restart read-ahead: nothing may wait for a buffer there either.
+    ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok());
+    ASSERT_TRUE(engine->Load(dir.path() / "ckpt").ok());
+  }
+}
+
+// An engine destroyed right after Step() (the future dropped, say while unwinding) finishes the
+// step first, as its destructor promises.
+TEST(EngineContractTest, DestroyingAnEngineRightAfterStepFinishesTheStep) {
+  for (Tier states : {Tier::kHost, Tier::kNvme}) {
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    const EngineOptions options = MakeOptions({"step", states, Tier::kDevice}, dir.path());
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    ASSERT_TRUE(trainer.ForwardBackward(0, &loss).ok());
+    std::this_thread::sleep_for(20ms);  // The updates that backward started have finished.
+    std::future<Result<StepReport>> step = engine->Step();
+    engine.reset();
+    ASSERT_EQ(step.wait_for(0s), std::future_status::ready) << TierName(states);
+    Result<StepReport> report = step.get();
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_EQ(report->step, 1);
+  }
+}
+
+// Load and WriteParameterState rewrite device memory only after the trainer's queued work on
+// it has run (a kernel still reading the old weights sees only the old weights).
+TEST(EngineContractTest, LoadAndStateWritesWaitForTheTrainersQueuedWork) {
+  for (bool load : {true, false}) {
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok());
+    ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+
+    Result<ChunkView> view = engine->Acquire(0);
+    ASSERT_TRUE(view.ok());
+    const size_t bytes = view->numel * sizeof(float);
+    std::vector<std::byte> expected(bytes), seen(bytes);
+    std::memcpy(expected.data(), view->params, bytes);
+    ASSERT_TRUE(device
+                    ->LaunchHostFunction(Stream::kCompute,
+                                         [&, params = view->params] {
+                                           std::this_thread::sleep_for(100ms);
+                                           std::memcpy(seen.data(), params, bytes);
+                                         })
+                    .ok());
+    engine->Release(0);
+    if (load) {
+      ASSERT_TRUE(engine->Load(dir.path() / "ckpt").ok());
+    } else {
+      std::vector<float> zeros(engine->layout().location(0).numel, 0.0f);
+      ASSERT_TRUE(engine->WriteParameterState(0, ParameterState::kMaster, zeros).ok());
+    }
+    ASSERT_TRUE(device->SynchronizeStream(Stream::kCompute).ok());
+    EXPECT_EQ(std::memcmp(seen.data(), expected.data(), bytes), 0) << (load ? "Load" : "write");
+    std::memcpy(seen.data(), view->params, bytes);
+    EXPECT_NE(std::memcmp(seen.data(), expected.data(), bytes), 0) << "nothing was replaced";
+  }
+}
+
+// Each micro-step's backward writes into a gradient buffer that the previous micro-step's copy
+// may still be reading; only Acquire waits for that, so GradsReady twice under one Acquire is
+// refused rather than silently racing.
+TEST(EngineContractTest, EachMicroStepNeedsItsOwnAcquire) {
+  ScratchDir dir;
+  const TinyModel model(2, kWidth, kBatch);
+  EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+  options.optimizer.gradient_accumulation_steps = 2;
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->Acquire(1).ok());
+  ASSERT_TRUE(engine->GradsReady(1).ok());
+  Status twice = engine->GradsReady(1);
+  EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition) << twice.ToString();
+  EXPECT_TRUE(Mentions(twice, "acquire the chunk again")) << twice.ToString();
+  engine->Release(1);
+  ASSERT_TRUE(engine->Acquire(1).ok());
+  EXPECT_TRUE(engine->GradsReady(1).ok());
+  engine->Release(1);
+}
+
+// The device's optimizer rewrites a device-kept chunk's parameters only after the trainer's
+// work on it, even when that work runs on the trainer's own stream and the chunk is released
+// after its gradients.
+TEST(EngineContractTest, DeviceUpdatesWaitForTheTrainersUseOnItsOwnStream) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"device", Tier::kDevice, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  HostStream trainer_stream;
+  const TrainerStream on{trainer_stream.native()};
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+
+  // The last chunk of backward: no later GradsReady queues anything behind the trainer's read.
+  const size_t c = 0;
+  for (size_t i = engine->chunk_count(); i-- > 0;) {
+    Result<ChunkView> view = engine->Acquire(i);
+    ASSERT_TRUE(view.ok());
+    ASSERT_TRUE(engine->GradsReady(i, on).ok());
+    if (i == c) {
+      // The trainer's input-gradient kernel reads the weights after GradsReady.
+      const size_t bytes = view->numel * sizeof(float);
+      auto expected = std::make_shared<std::vector<std::byte>>(bytes);
+      auto seen = std::make_shared<std::vector<std::byte>>(bytes);
+      std::memcpy(expected->data(), view->params, bytes);
+      trainer_stream.Enqueue([expected, seen, bytes, params = view->params] {
+        std::this_thread::sleep_for(100ms);
+        std::memcpy(seen->data(), params, bytes);
+        EXPECT_EQ(std::memcmp(seen->data(), expected->data(), bytes), 0)
+            << "the update overwrote the weights a kernel was reading";
+      });
+    }
+    engine->Release(i, on);
+  }
+  ASSERT_TRUE(engine->Step().get().ok());
+  trainer_stream.Synchronize();
+}
+
+// After a failed step, only Step() (the retry) is accepted: gradients of a chunk that sat the
+// failed attempt out would join a step whose norm was taken without them.
+TEST(EngineContractTest, AfterAFailedStepOnlyTheRetryIsAccepted) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model, FaultyNvme(plan));
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  std::vector<bool> unused(kLayers, false);
+  unused[0] = true;
+  trainer.SetUnusedChunks(unused);
+  plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .error = EIO});
+  double loss = 0.0;
+  ASSERT_FALSE(trainer.TrainStep(0, &loss).ok());
+  ASSERT_TRUE(engine->Acquire(0).ok());
+  Status late = engine->GradsReady(0);
+  EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition) << late.ToString();
+  EXPECT_TRUE(Mentions(late, "retry")) << late.ToString();
+  engine->Release(0);
+  Result<StepReport> retried = engine->Step().get();
+  ASSERT_TRUE(retried.ok()) << retried.status().ToString();
+  EXPECT_EQ(retried->step, 1);
 }
 
 }  // namespace

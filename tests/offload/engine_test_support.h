@@ -1,6 +1,8 @@
 // What the engine tests share: the tiny model's chunking, placements, options and comparisons.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -9,6 +11,7 @@
 
 #include "strata/core/host_device.h"
 #include "strata/offload/engine.h"
+#include "tiny_model.h"
 
 namespace strata::offload::testing {
 
@@ -69,6 +72,16 @@ inline double MaxAbsDiff(const std::vector<std::vector<float>>& a,
     }
   }
   return worst;
+}
+
+/// An engine for `model`'s parameters; null (and a test failure naming why) if Create fails.
+inline std::unique_ptr<Engine> MakeEngine(const EngineOptions& options, Device& device,
+                                          const TinyModel& model,
+                                          EngineEnvironment environment = {}) {
+  const auto specs = model.Specs();
+  auto engine = Engine::Create(options, device, specs, std::move(environment));
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  return engine.ok() ? std::move(engine).value() : nullptr;
 }
 
 }  // namespace strata::offload::testing

@@ -22,20 +22,13 @@ using testing::kLayers;
 using testing::kSlotBytes;
 using testing::kWidth;
 using testing::MakeDevice;
+using testing::MakeEngine;
 using testing::MakeOptions;
 using testing::MaxAbsDiff;
 using testing::Placement;
 using testing::ReferenceTrainer;
 using testing::TinyModel;
 using namespace std::chrono_literals;
-
-std::unique_ptr<Engine> MakeEngine(const EngineOptions& options, Device& device,
-                                   const TinyModel& model) {
-  const auto specs = model.Specs();
-  auto engine = Engine::Create(options, device, specs);
-  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
-  return engine.ok() ? std::move(engine).value() : nullptr;
-}
 
 const Placement kPlacements[] = {
     {"states_host", Tier::kHost, Tier::kDevice},

@@ -35,11 +35,13 @@
 // DeepSpeed, the trainer divides its loss by gradient_accumulation_steps if it wants a mean.
 // With fp16, the trainer multiplies its loss by loss_scale() before backward.
 //
-// Failures: an error in any chunk's journey (an NVMe read or write, say) fails the step; when
-// optimizer states or parameters live on NVMe, a step is transactional: new states go to
-// shadow extents and new parameters reach the device only when every chunk succeeded, so a
-// failed step leaves the previous parameters and states intact, and calling Step() again retries
-// it from the gradients the engine still holds.
+// Failures: an error in any chunk's journey (an NVMe read or write, say) fails the step, and
+// calling Step() again retries it from the gradients the engine still holds, finishing the same
+// step exactly once (no chunk is stepped twice). What a failed step leaves: NVMe-home states
+// and parameters are as before it (new values go to shadow extents that only a successful
+// commit makes current); host- and device-home states of chunks that got that far are already
+// stepped in place, and with no NVMe-home state at all, device-home parameters of such chunks
+// may already be the new ones. Until the retry succeeds, only Step() and reads are accepted.
 //
 // Thread safety: Acquire, Release, GradsReady, Step, Save and Load are called by one trainer
 // thread (not concurrently with each other). metrics(), tier_usage() and the const accessors may
@@ -193,9 +195,9 @@ class Engine {
 
   /// Finishes the optimizer step: completes when every chunk is updated (or the step was
   /// skipped for fp16 overflow) and its working parameters are where the next forward needs them.
-  /// FailedPrecondition when some chunk has not received all its micro-steps' gradients.
-  /// On an error the previous parameters and states are intact (see the top of this file) and
-  /// Step() may be called again to retry with the same gradients.
+  /// FailedPrecondition when a chunk received gradients in only some micro-steps, when none
+  /// did, or while a chunk is acquired. On an error Step() may be called again to retry with
+  /// the same gradients (see "Failures" at the top of this file for what a failure leaves).
   std::future<Result<StepReport>> Step();
 
   /// Scale the trainer multiplies its loss by (fp16; 1 otherwise).
