@@ -253,7 +253,7 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
                 FormatRate(double(bytes), step_time).c_str());
   };
   moved("device -> host (gradients)", total.device_to_host_bytes);
-  moved("host -> device (parameters)", total.host_to_device_bytes);
+  moved("host -> device (params+zero grads)", total.host_to_device_bytes);
   moved("nvme -> host", total.nvme_read_bytes);
   moved("host -> nvme", total.nvme_write_bytes);
   std::printf("\nTime per resource\n");
