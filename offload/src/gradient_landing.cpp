@@ -70,7 +70,7 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
     step_open_ = true;
   }
   c.micro_steps = micro_step;
-  MoveTo(c, last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
+  c.MoveTo(last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
   e.Spawn(last ? Journey(chunk, micro_step) : LandMicroStep(chunk, micro_step));
   return Status();
 }

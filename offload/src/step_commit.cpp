@@ -59,8 +59,6 @@ void StepPipeline::Initialize() {
   boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });
 }
 
-void StepPipeline::MoveTo(Chunk& chunk, ChunkPhase to) { chunk.MoveTo(to); }
-
 bool StepPipeline::gated() const {
   return options_.optimizer.gradient_clipping > 0.0 || loss_scaler_.checks_overflow();
 }
@@ -209,7 +207,7 @@ void StepPipeline::Arrive(size_t chunk) {
   Chunk& c = engine_.chunks_[chunk];
   {
     std::lock_guard lock(mutex_);
-    MoveTo(c, ChunkPhase::kArrived);
+    c.MoveTo(ChunkPhase::kArrived);
   }
   ++step_.arrived;
   if (!c.land_status.ok() && step_.error.ok()) {
@@ -295,11 +293,11 @@ Awaitable<void> StepPipeline::Commit() {
       if (!c.update_at_commit || c.phase_now() != ChunkPhase::kArrived) continue;
       {
         std::lock_guard lock(mutex_);
-        MoveTo(c, ChunkPhase::kUpdating);  // Claimed: a retry's Update leaves it alone.
+        c.MoveTo(ChunkPhase::kUpdating);  // Claimed: a retry's Update leaves it alone.
       }
       status = co_await UpdateOnDevice(i);
       std::lock_guard lock(mutex_);
-      MoveTo(c, status.ok() ? ChunkPhase::kUpdated : ChunkPhase::kArrived);
+      c.MoveTo(status.ok() ? ChunkPhase::kUpdated : ChunkPhase::kArrived);
     }
     if (!status.ok()) {
       FinishStep(status.WithContext("updating the device's share of the optimizer states"),
@@ -350,7 +348,7 @@ Awaitable<void> StepPipeline::Commit() {
     for (Chunk& c : chunks) {
       if (c.micro_steps == 0) continue;  // Had no part in this step.
       if (!skipped) ++c.steps_taken;
-      MoveTo(c, ChunkPhase::kIdle);
+      c.MoveTo(ChunkPhase::kIdle);
       c.micro_steps = 0;
       c.stats = {};
       c.land_status = Status();

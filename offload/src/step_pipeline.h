@@ -117,7 +117,6 @@ class StepPipeline {
   };
 
   bool gated() const;
-  void MoveTo(Chunk& chunk, ChunkPhase to);  // Under mutex_.
 
   // gradient_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,

@@ -96,7 +96,7 @@ Awaitable<void> StepPipeline::Update(size_t chunk) {
   }
   {
     std::lock_guard lock(mutex_);
-    MoveTo(c, ChunkPhase::kUpdating);
+    c.MoveTo(ChunkPhase::kUpdating);
   }
   ++step_.updates_running;
   Status status;
@@ -109,9 +109,9 @@ Awaitable<void> StepPipeline::Update(size_t chunk) {
   --step_.updates_running;
   {
     std::lock_guard lock(mutex_);
-    MoveTo(c, status.ok() ? ChunkPhase::kUpdated
-              : stepped   ? ChunkPhase::kStepped
-                          : ChunkPhase::kArrived);
+    c.MoveTo(status.ok() ? ChunkPhase::kUpdated
+             : stepped   ? ChunkPhase::kStepped
+                         : ChunkPhase::kArrived);
   }
   if (!status.ok() && step_.error.ok()) {
     step_.error = status.WithContext("updating chunk " + std::to_string(chunk));
