@@ -170,4 +170,13 @@ void Fp32ToDType(std::span<const float> in, DType dtype, void* out) {
   }
 }
 
+void DTypeToFp32(const void* in, DType dtype, std::span<float> out) {
+  const auto* half = static_cast<const uint16_t*>(in);
+  switch (dtype) {
+    case DType::kFp32: std::memcpy(out.data(), in, out.size_bytes()); break;
+    case DType::kFp16: Fp16ToFp32({half, out.size()}, out); break;
+    case DType::kBf16: Bf16ToFp32({half, out.size()}, out); break;
+  }
+}
+
 }  // namespace strata

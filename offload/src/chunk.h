@@ -12,6 +12,7 @@
 
 #include "loop_sync.h"
 #include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
 #include "strata/core/device.h"
 #include "strata/core/staging_pool.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
@@ -88,11 +89,19 @@ struct Chunk {
   ChunkPhase phase_now() const { return phase.load(std::memory_order_acquire); }
 
   bool params_offloaded() const { return placement.params != Tier::kDevice; }
+  /// Frozen parameters only: no gradients, no optimizer states, never in a step. Its working
+  /// parameters are all it stores.
+  bool frozen() const { return !placement.optimizer_states.has_value(); }
   size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
+  /// Device memory it takes while resident: parameters and gradients (parameters only when
+  /// frozen).
   size_t device_slot_bytes(DType working_dtype) const {
-    return ChunkDeviceBytes(numel, working_dtype);
+    return frozen() ? AlignUp(working_bytes(DTypeSize(working_dtype)), kHostAlignment)
+                    : ChunkDeviceBytes(numel, working_dtype);
   }
-  size_t state_bytes() const { return ChunkStateBytes(numel); }
+  /// Bytes of the fp32 state a checkpoint holds for it: master | exp_avg | exp_avg_sq, or just
+  /// the values (its working parameters widened) when frozen.
+  size_t state_bytes() const { return frozen() ? numel * sizeof(float) : ChunkStateBytes(numel); }
 };
 
 }  // namespace strata::offload

@@ -72,10 +72,11 @@ Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters
                              std::to_string(p.lr_scale) + "; it must be finite and > 0");
     }
     size_t offset = AlignUp(open.used_numel, kParameterAlignment);
-    if (open.parameter_count > 0 && offset + numel > target_numel) {
+    if (open.parameter_count > 0 && (offset + numel > target_numel || open.frozen != p.frozen)) {
       close();
       offset = 0;
     }
+    open.frozen = p.frozen;
     if (segments.empty() || segments.back().weight_decay != p.weight_decay ||
         segments.back().lr_scale != p.lr_scale) {
       if (!segments.empty()) segments.back().end = offset;

@@ -129,10 +129,14 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       c.placement.params = Tier::kHost;  // Within max_params_in_host: cached in host memory.
       params_in_host += c.working_bytes(wsize);
     }
-    c.placement.optimizer_states = place.optimizer_states;
+    if (layout_.chunk(i).frozen) {
+      c.placement.optimizer_states.reset();
+    } else {
+      c.placement.optimizer_states = place.optimizer_states;
+    }
   }
 
-  STRATA_ASSIGN_OR_RETURN(zeros_, AllocateZeroed(layout_.max_chunk_numel() * wsize));
+  STRATA_ASSIGN_OR_RETURN(zeros_, AllocateZeroed(max_trained_numel() * wsize));
 
   // --- Device: working parameters and gradients of device-home chunks ---
   for (size_t i = 0; i < n_chunks; ++i) {
@@ -152,22 +156,28 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
     static_reservations_.emplace_back(&device_budget_, bytes);
     STRATA_ASSIGN_OR_RETURN(c.params, device_.Allocate(c.working_bytes(wsize)));
+    if (c.frozen()) continue;
     STRATA_ASSIGN_OR_RETURN(c.grads, device_.Allocate(c.working_bytes(wsize)));
     STRATA_RETURN_IF_ERROR(
         device_.CopyToDevice(c.grads.data(), zeros_.data(), c.working_bytes(wsize)));
   }
 
   // --- Device: optimizer states kept there (all of them, or the 1 - ratio share) ---
+  std::vector<size_t> trained;  // Chunks with optimizer states.
+  for (size_t i = 0; i < n_chunks; ++i) {
+    if (!chunks_[i].frozen()) trained.push_back(i);
+  }
   size_t wanted_device_states = 0;
   if (place.optimizer_states == Tier::kDevice) {
-    wanted_device_states = n_chunks;
+    wanted_device_states = trained.size();
   } else if (place.offload_ratio < 1.0) {
     wanted_device_states =
-        static_cast<size_t>(std::llround((1.0 - place.offload_ratio) * n_chunks));
+        static_cast<size_t>(std::llround((1.0 - place.offload_ratio) * trained.size()));
   }
   // The first chunks stay: backward produces their gradients last, so the CPU gets the chunks
   // whose gradients arrive first and the most time to update them.
-  for (size_t i = 0; i < wanted_device_states; ++i) {
+  for (size_t k = 0; k < wanted_device_states; ++k) {
+    const size_t i = trained[k];
     Chunk& c = chunks_[i];
     const uint64_t bytes = c.state_bytes() + (gas > 1 ? c.numel * sizeof(float) : 0);
     if (!device_budget_.TryReserve(bytes)) {
@@ -181,7 +191,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       Log(LogLevel::kWarning, "offload_ratio " + std::to_string(place.offload_ratio) + " keeps " +
                                   std::to_string(wanted_device_states) +
                                   " chunks' optimizer states on the device, but only " +
-                                  std::to_string(i) + " fit in its memory budget");
+                                  std::to_string(k) + " fit in its memory budget");
       break;
     }
     static_reservations_.emplace_back(&device_budget_, bytes);
@@ -197,14 +207,16 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
 
-  // Offloaded parameters fetch into whatever the device has left: it must hold one chunk.
+  // Offloaded parameters fetch into whatever the device has left: it must hold any one chunk.
   if (place.params != Tier::kDevice) {
-    const uint64_t slot = 2 * AlignUp(layout_.max_chunk_numel() * wsize, kHostAlignment);
+    uint64_t slot = 0;
+    for (const Chunk& c : chunks_)
+      slot = std::max<uint64_t>(slot, c.device_slot_bytes(working_dtype()));
     if (device_budget_.free_bytes() < slot) {
       return ResourceExhausted(
           "device memory budget of " + FormatBytes(device_budget_.usage().budget_bytes) +
-          " cannot hold one chunk's working parameters and gradients (" + FormatBytes(slot) +
-          " needed, " + FormatBytes(device_budget_.free_bytes()) +
+          " cannot hold one chunk's working parameters and gradients (the largest needs " +
+          FormatBytes(slot) + ", " + FormatBytes(device_budget_.free_bytes()) +
           " free); lower placement.chunk_bytes or raise the device budget");
     }
   }
@@ -222,7 +234,12 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   for (size_t i = 0; i < n_chunks; ++i) {
     Chunk& c = chunks_[i];
     const std::string name = "chunk " + std::to_string(i);
-    if (c.placement.optimizer_states == Tier::kDevice) continue;  // Gradients stay there.
+    if (c.placement.params == Tier::kHost) {
+      STRATA_RETURN_IF_ERROR(
+          host_alloc(c.host_params, c.working_bytes(wsize), "the parameters of " + name));
+    }
+    // Frozen chunks have no gradients; device-kept ones keep theirs there.
+    if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) continue;
     STRATA_RETURN_IF_ERROR(
         host_alloc(c.grads_landing, c.working_bytes(wsize), "the gradients of " + name));
     if (gas > 1) {
@@ -232,10 +249,6 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     if (c.placement.params != Tier::kNvme) {
       STRATA_RETURN_IF_ERROR(host_alloc(c.param_copy, c.working_bytes(wsize),
                                         "the updated working parameters of " + name));
-    }
-    if (c.placement.params == Tier::kHost) {
-      STRATA_RETURN_IF_ERROR(
-          host_alloc(c.host_params, c.working_bytes(wsize), "the parameters of " + name));
     }
     if (c.placement.optimizer_states == Tier::kHost) {
       STRATA_RETURN_IF_ERROR(
@@ -319,7 +332,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       return Status();
     };
     if (nvme_states) {
-      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(layout_.max_chunk_numel()),
+      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(max_trained_numel()),
                                        options_.host.optimizer_buffer_count,
                                        "the optimizer state staging buffers"));
       state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
@@ -332,9 +345,9 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
 
-  // --- Initial values: master = given values (padding zero), moments zero ---
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
-                          AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
+  // --- Initial values: master = given values (padding zero), moments zero; a frozen chunk's
+  // "states" are just the values (Chunk::state_bytes) ---
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
   for (size_t i = 0; i < n_chunks; ++i) {
     const ChunkInfo& info = layout_.chunk(i);
     std::memset(states.data(), 0, chunks_[i].state_bytes());
@@ -361,6 +374,18 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   return Status();
 }
 
+size_t Engine::Impl::max_state_bytes() const {
+  size_t bytes = 0;
+  for (const Chunk& c : chunks_) bytes = std::max(bytes, c.state_bytes());
+  return bytes;
+}
+
+size_t Engine::Impl::max_trained_numel() const {
+  size_t numel = 0;
+  for (const Chunk& c : chunks_) numel = c.frozen() ? numel : std::max(numel, c.numel);
+  return numel;
+}
+
 Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
   if (chunk >= chunks_.size()) {
     return InvalidArgument("chunk " + std::to_string(chunk) + " does not exist (the engine has " +
@@ -377,6 +402,10 @@ void Engine::Impl::Release(size_t chunk, TrainerStream stream) {
 Status Engine::Impl::GradsReady(size_t chunk, TrainerStream stream) {
   if (chunk >= chunks_.size()) {
     return InvalidArgument("chunk " + std::to_string(chunk) + " does not exist");
+  }
+  if (chunks_[chunk].frozen()) {
+    return FailedPrecondition("GradsReady(" + std::to_string(chunk) +
+                              "): the chunk holds frozen parameters, which take no gradients");
   }
   return pipeline_.GradsReady(chunk, stream);
 }

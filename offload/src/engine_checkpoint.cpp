@@ -1,10 +1,13 @@
 // Checkpoints: every chunk's optimizer states (fp32 master | exp_avg | exp_avg_sq) in a file of
 // its own, plus a manifest with the layout, step count and loss scaler. Working parameters are
-// not saved: they are the master rounded to the working dtype, recomputed on load. The files go
-// through checkpoint_files.h, which makes the whole directory appear atomically.
+// not saved: they are the master rounded to the working dtype, recomputed on load. A frozen
+// chunk, which has no states, saves its working parameters widened to fp32 (exact). The files
+// go through checkpoint_files.h, which makes the whole directory appear atomically.
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
+#include <string>
 
 #include "checkpoint_files.h"
 #include "engine_impl.h"
@@ -24,7 +27,8 @@ std::string ChunkFileName(size_t chunk) {
 
 Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
   const Chunk& c = chunks_[chunk];
-  switch (c.placement.optimizer_states) {
+  if (c.frozen()) return ReadFrozenValues(chunk, reinterpret_cast<float*>(out));
+  switch (*c.placement.optimizer_states) {
     case Tier::kDevice:
       STRATA_RETURN_IF_ERROR(device_.CopyToHost(out, c.device_states.data(), c.state_bytes()));
       return device_.SynchronizeStream(Stream::kDeviceToHost);
@@ -32,6 +36,25 @@ Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
     case Tier::kNvme: return swap_->ReadSync(c.state_extents[c.state_current], out);
   }
   return Internal("unknown tier");
+}
+
+Status Engine::Impl::ReadFrozenValues(size_t chunk, float* out) {
+  const Chunk& c = chunks_[chunk];
+  // Exactly the chunk's bytes: the buffer is rounded up to whole pages, device memory is not.
+  const size_t bytes = c.working_bytes(working_size());
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, AlignedBuffer::Allocate(bytes));
+  switch (c.placement.params) {
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(device_.CopyToHost(working.data(), c.params.data(), bytes));
+      STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kDeviceToHost));
+      break;
+    case Tier::kHost: std::memcpy(working.data(), c.host_params.data(), bytes); break;
+    case Tier::kNvme:
+      STRATA_RETURN_IF_ERROR(swap_->ReadSync(c.param_extents[c.param_current], working.data()));
+      break;
+  }
+  DTypeToFp32(working.data(), working_dtype(), {out, c.numel});
+  return Status();
 }
 
 namespace {
@@ -66,20 +89,19 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
   Result<AlignedBuffer> working = AlignedBuffer();
   if (c.placement.params != Tier::kNvme) working = WorkingParams(c, states, working_dtype());
   STRATA_RETURN_IF_ERROR(working.status());
-  switch (c.placement.optimizer_states) {
-    case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.device_states.data(), states, c.state_bytes()));
-      STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kHostToDevice));
-      break;
-    case Tier::kHost: std::memcpy(c.host_states.data(), states, c.state_bytes()); break;
-    case Tier::kNvme: break;
+  if (c.placement.optimizer_states == Tier::kDevice) {
+    STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.device_states.data(), states, c.state_bytes()));
+    STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kHostToDevice));
+  } else if (c.placement.optimizer_states == Tier::kHost) {
+    std::memcpy(c.host_states.data(), states, c.state_bytes());
   }
   if (c.placement.params == Tier::kNvme) return Status();
   if (c.placement.params == Tier::kHost) {
-    std::memcpy(c.host_params.data(), working->data(), working->size());
+    std::memcpy(c.host_params.data(), working->data(), c.working_bytes(working_size()));
     return Status();
   }
-  STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.params.data(), working->data(), working->size()));
+  STRATA_RETURN_IF_ERROR(
+      device_.CopyToDevice(c.params.data(), working->data(), c.working_bytes(working_size())));
   return device_.SynchronizeStream(Stream::kHostToDevice);
 }
 
@@ -99,6 +121,16 @@ Status CheckParameter(const ChunkLayout& layout, size_t parameter, size_t size) 
   return Status();
 }
 
+/// FailedPrecondition for a moment of a frozen parameter: it has none.
+Status CheckHasState(const ChunkLayout& layout, const Chunk& c, size_t parameter,
+                     ParameterState state) {
+  if (c.frozen() && state != ParameterState::kMaster) {
+    return FailedPrecondition("parameter '" + layout.name(parameter) +
+                              "' is frozen: it has no optimizer moments, only its value");
+  }
+  return Status();
+}
+
 }  // namespace
 
 Status Engine::Impl::ReadParameterState(size_t parameter, ParameterState state,
@@ -107,6 +139,7 @@ Status Engine::Impl::ReadParameterState(size_t parameter, ParameterState state,
   const ParameterLocation& loc = layout_.location(parameter);
   STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(loc.chunk, "reading a parameter's state"));
   const Chunk& c = chunks_[loc.chunk];
+  STRATA_RETURN_IF_ERROR(CheckHasState(layout_, c, parameter, state));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
   STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
   const float* values =
@@ -125,6 +158,7 @@ Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
   }
   const ParameterLocation& loc = layout_.location(parameter);
   const Chunk& c = chunks_[loc.chunk];
+  STRATA_RETURN_IF_ERROR(CheckHasState(layout_, c, parameter, state));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
   STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
   std::copy(values.begin(), values.end(),
@@ -151,7 +185,7 @@ Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
       if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
       if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
     }
-    residency_.DropAll();
+    residency_.Drop(chunks);
     pipeline_.StartPreloads();
   };
   loop_.Run(switch_over());
@@ -183,8 +217,7 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
 
   STRATA_ASSIGN_OR_RETURN(internal::CheckpointWriter writer,
                           internal::CheckpointWriter::Begin(dir));
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
-                          AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
   json chunks = json::array();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     // One chunk at a time through one buffer: saving never needs the whole model in memory.
@@ -195,6 +228,7 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
     STRATA_ASSIGN_OR_RETURN(internal::FileDigest digest, sink.Finish());
     chunks.push_back({{"file", name},
                       {"numel", chunks_[i].numel},
+                      {"frozen", chunks_[i].frozen()},
                       {"steps", chunks_[i].steps_taken},
                       {"bytes", digest.bytes},
                       {"xxh3", digest.xxh3}});
@@ -205,6 +239,26 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
 }
 
 namespace {
+
+/// The first parameter frozen in the checkpoint and not in the engine, or the other way round:
+/// "'name' frozen then, trained now".
+std::optional<std::string> FrozenDifference(const json& manifest, const ChunkLayout& layout) {
+  const json& params = manifest.at("parameters");
+  const json& chunks = manifest.at("chunks");
+  for (size_t p = 0; p < params.size() && p < layout.parameter_count(); ++p) {
+    const size_t chunk = params[p].at("chunk").get<size_t>();
+    if (chunk >= chunks.size()) return std::nullopt;
+    const bool then = chunks[chunk].value("frozen", false);
+    const bool now = layout.chunk(layout.location(p).chunk).frozen;
+    if (then != now) {
+      return "'" + layout.name(p) + "' " +
+             (then ? "frozen then, trained now"
+                   : "trained then, "
+                     "frozen now");
+    }
+  }
+  return std::nullopt;
+}
 
 /// InvalidArgument unless the checkpoint's parameters are exactly the registered ones, packed
 /// the same way.
@@ -230,6 +284,14 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
     }
     if (saved.at("chunk").get<size_t>() != layout.location(p).chunk ||
         saved.at("offset").get<size_t>() != layout.location(p).offset) {
+      if (std::optional<std::string> frozen = FrozenDifference(manifest, layout)) {
+        return InvalidArgument(
+            "parameter '" + name + "' is packed differently in the checkpoint, which was saved " +
+            "with other parameters frozen (" + *frozen +
+            "); frozen and trained parameters never share a chunk, so the packing follows them. "
+            "Freeze what fills whole chunks, or move the states across with "
+            "ReadParameterState and WriteParameterState");
+      }
       return InvalidArgument("parameter '" + name +
                              "' is packed differently in the checkpoint; load it with the "
                              "chunk_bytes it was saved with (" +
@@ -283,13 +345,18 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
     return DataLoss("checkpoint manifest in " + dir.string() + " is missing a field: " + e.what());
   }
 
-  // First verify every file: a corrupted checkpoint changes nothing.
+  // First verify every file: a corrupted checkpoint changes nothing. A chunk frozen when it
+  // was saved holds only its values, a trained one its states too; either loads into either
+  // (freezing a trained model's layers, or unfreezing them: moments start at zero).
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    if (digests[i].bytes != chunks_[i].state_bytes()) {
+    const size_t numel = chunks_[i].numel;
+    if (digests[i].bytes != ChunkStateBytes(numel) && digests[i].bytes != numel * sizeof(float)) {
       return DataLoss("checkpoint file " + ChunkFileName(i) + " holds " +
                       std::to_string(digests[i].bytes) + " bytes; chunk " + std::to_string(i) +
-                      " needs " + std::to_string(chunks_[i].state_bytes()));
+                      " needs " + std::to_string(ChunkStateBytes(numel)) + " (or " +
+                      std::to_string(numel * sizeof(float)) + " if it was frozen)");
     }
+    if (chunks_[i].frozen() || digests[i].bytes != ChunkStateBytes(numel)) chunk_steps[i] = 0;
     STRATA_RETURN_IF_ERROR(
         reader.ReadFile(ChunkFileName(i), digests[i],
                         [](std::span<const std::byte>, uint64_t) { return Status(); }));
@@ -297,6 +364,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states,
                           AlignedBuffer::Allocate(ChunkStateBytes(layout_.max_chunk_numel())));
   auto read_chunk = [&](size_t i) {
+    std::memset(states.data(), 0, chunks_[i].state_bytes());  // Moments a frozen save lacks.
     return reader.ReadFile(ChunkFileName(i), digests[i],
                            [&](std::span<const std::byte> piece, uint64_t offset) {
                              std::memcpy(states.data() + offset, piece.data(), piece.size());

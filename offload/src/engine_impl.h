@@ -63,9 +63,11 @@ class Engine::Impl {
   Status Load(const std::filesystem::path& dir);
   Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
   Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
-  /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq) into `out`, which holds
-  /// AlignUp(state_bytes, 4 KiB). Between steps only.
+  /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)
+  /// into `out`, which holds AlignUp(state_bytes, 4 KiB). Between steps only.
   Status ReadChunkStates(size_t chunk, std::byte* out);
+  /// A frozen chunk's working parameters, from their home, widened to fp32 into `out` (numel).
+  Status ReadFrozenValues(size_t chunk, float* out);
   /// Writes chunk's optimizer states and working parameters (rounded from the master in
   /// `states`) where they live on NVMe: into the current extents, or the shadow ones (which a
   /// commit or Load then flips current).
@@ -81,6 +83,11 @@ class Engine::Impl {
   Status SwitchToNewState(const std::vector<size_t>& chunks);
 
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
+  /// The largest of the chunks' state_bytes (a frozen chunk's are just its values).
+  size_t max_state_bytes() const;
+  /// Elements of the largest chunk that has optimizer states: what staging for states and zero
+  /// gradients must hold (a frozen embedding may be far larger). 0 when every chunk is frozen.
+  size_t max_trained_numel() const;
   DType working_dtype() const { return options_.precision.working_dtype; }
 
   /// Starts `work` on the event loop, counted until it finishes (WaitIdle).

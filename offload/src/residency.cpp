@@ -147,11 +147,11 @@ Residency::Memory Residency::DropLocked(Copy& copy) {
   return std::exchange(copy.memory, Memory());
 }
 
-void Residency::DropAll() {
+void Residency::Drop(const std::vector<size_t>& chunks) {
   std::vector<Memory> dropped;
   {
     std::lock_guard lock(mutex_);
-    for (size_t i = 0; i < copies_.size(); ++i) {
+    for (size_t i : chunks) {
       if (!engine_.chunks_[i].params_offloaded()) continue;
       Copy& copy = copies_[i];
       if (copy.state == State::kFetching) copy.stale = true;
@@ -267,7 +267,10 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
   BudgetReservation slot(&budget, bytes);
   const size_t wbytes = c.working_bytes(engine_.working_size());
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, engine_.device_.Allocate(wbytes));
-  STRATA_ASSIGN_OR_RETURN(DeviceBuffer grads, engine_.device_.Allocate(wbytes));
+  DeviceBuffer grads;  // A frozen chunk has none.
+  if (!c.frozen()) {
+    STRATA_ASSIGN_OR_RETURN(grads, engine_.device_.Allocate(wbytes));
+  }
   copy.memory = {.slot = std::move(slot), .params = std::move(params), .grads = std::move(grads)};
   copy.state = State::kFetching;
   copy.stale = false;
@@ -312,7 +315,7 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
     // both on the in-order stream, before the staging buffer goes back.
     InFlightGuard uploading(e.m_.in_flight_of(InFlightKind::kHostToDevice));
     status = e.device_.CopyToDevice(copy.memory.params.data(), source, bytes);
-    if (status.ok()) {
+    if (status.ok() && !c.frozen()) {
       status = e.device_.CopyToDevice(copy.memory.grads.data(), e.zeros_.data(), bytes);
     }
     const Status landed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
@@ -320,7 +323,7 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
   }
   if (e.param_staging_) e.param_staging_->Release(staging);
   if (status.ok()) {
-    e.m_.h2d_bytes->Increment(double(2 * bytes));
+    e.m_.h2d_bytes->Increment(double(c.frozen() ? bytes : 2 * bytes));
     e.m_.fetches->Increment();
   }
   Memory dropped;

@@ -9,7 +9,7 @@
 // Belady's rule; least recently used until the order is known).
 //
 // Threads: Acquire, Release and PinGrads run on the trainer thread; fetch completions, UnpinGrads
-// and DropAll on the event loop. Its state is guarded by its own mutex, which is never held while
+// and Drop on the event loop. Its state is guarded by its own mutex, which is never held while
 // waiting for the device, so work queued on a stream may call into the engine.
 #pragma once
 
@@ -50,17 +50,17 @@ class Residency {
   /// The lowest chunk the trainer holds, if any.
   std::optional<size_t> FirstAcquired() const;
   /// Makes `stream` wait until the trainer's queued work on every resident chunk has run;
-  /// DropAll is safe once that work on `stream` has.
+  /// Drop is safe once that work on `stream` has.
   Status OrderAfterTrainerUse(Stream stream);
   /// The same for one chunk, if the trainer has released it (true); false while it holds it.
   Result<bool> OrderAfterTrainerUse(size_t chunk, Stream stream);
   /// Blocks until the trainer's queued work on every resident offloaded chunk has run.
   Status WaitForTrainerUse();
-  /// Drops every device copy of offloaded parameters: a commit or a Load made them stale.
-  /// Fetches in flight land stale and are dropped too. No chunk may be acquired, and the
-  /// trainer's work on them must have run (OrderAfterTrainerUse, WaitForTrainerUse). Loop
-  /// thread.
-  void DropAll();
+  /// Drops the device copies of `chunks`' offloaded parameters: a commit or a Load made them
+  /// stale. Their fetches in flight land stale and are dropped too. None of them may be
+  /// acquired, and the trainer's work on them must have run (OrderAfterTrainerUse,
+  /// WaitForTrainerUse). Loop thread.
+  void Drop(const std::vector<size_t>& chunks);
   /// A step committed: the first one's access order is now known, and each step replays it.
   void StepCommitted();
 

@@ -54,7 +54,10 @@ StepPipeline::StepPipeline(Engine::Impl& engine, const EngineOptions& options)
       loss_scaler_(options.precision) {}
 
 void StepPipeline::Initialize() {
-  for (Chunk& c : engine_.chunks_) c.grads_copied.emplace(0);
+  for (Chunk& c : engine_.chunks_) {
+    c.grads_copied.emplace(0);
+    if (!c.frozen()) ++trained_chunks_;
+  }
   preloads_.resize(engine_.chunks_.size());
   boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });
 }
@@ -177,7 +180,7 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
   for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
     if (engine_.chunks_[i].micro_steps > 0) {
       ++step_.used;
-    } else {
+    } else if (!engine_.chunks_[i].frozen()) {
       // Sits this step out: the states it read ahead would hold a staging buffer that the
       // journeys of this step need.
       engine_.Spawn(DropPreload(i));
@@ -218,8 +221,8 @@ void StepPipeline::Arrive(size_t chunk) {
 }
 
 bool StepPipeline::AllArrived() const {
-  return step_.arrived == engine_.chunks_.size() ||
-         (step_.requested && step_.arrived == step_.used);
+  // Before Step() only every trained chunk arriving says so; frozen chunks never arrive.
+  return step_.arrived == trained_chunks_ || (step_.requested && step_.arrived == step_.used);
 }
 
 void StepPipeline::Decide() {
@@ -331,7 +334,15 @@ Awaitable<void> StepPipeline::Commit() {
                /*completed=*/false);
     co_return;
   }
-  if (!skipped) e.residency_.DropAll();
+  if (!skipped) {
+    // The updated chunks' device copies are stale; the others' (frozen chunks, chunks without
+    // gradients this step) still hold their parameters and stay.
+    std::vector<size_t> updated;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (chunks[i].micro_steps > 0) updated.push_back(i);
+    }
+    e.residency_.Drop(updated);
+  }
 
   double norm = step_.grad_norm;
   if (!gated()) {

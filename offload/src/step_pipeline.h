@@ -157,7 +157,8 @@ class StepPipeline {
 
   Engine::Impl& engine_;
   const EngineOptions& options_;
-  const int gas_;  // gradient_accumulation_steps
+  const int gas_;              // gradient_accumulation_steps
+  size_t trained_chunks_ = 0;  // Chunks that are not frozen (set by Initialize).
 
   mutable std::mutex mutex_;
   bool step_running_ = false;  // Step() called and not yet completed.

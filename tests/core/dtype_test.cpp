@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -390,6 +391,21 @@ TEST(DTypeDeathTest, BulkConversionChecksSizesInDebugBuilds) {
   std::vector<float> floats(4);
   std::vector<uint16_t> halves(3);
   EXPECT_DEBUG_DEATH(Fp32ToFp16(floats, halves), "must equal");
+}
+
+TEST(DTypeTest, RoundingToADTypeAndWideningBackKeepsRepresentableValues) {
+  // 1.5 and -2.25 are exact in every dtype; 1 + 2^-10 in fp16 (10 mantissa bits), not bf16 (7).
+  const std::vector<float> values = {1.5f, -2.25f, 1.0f + 1.0f / 1024, 0.0f};
+  for (DType dtype : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+    std::vector<std::byte> narrow(values.size() * DTypeSize(dtype));
+    Fp32ToDType(values, dtype, narrow.data());
+    std::vector<float> wide(values.size(), -1.0f);
+    DTypeToFp32(narrow.data(), dtype, wide);
+    EXPECT_EQ(wide[0], 1.5f) << DTypeName(dtype);
+    EXPECT_EQ(wide[1], -2.25f) << DTypeName(dtype);
+    EXPECT_EQ(wide[2], dtype == DType::kBf16 ? 1.0f : values[2]) << DTypeName(dtype);
+    EXPECT_EQ(wide[3], 0.0f) << DTypeName(dtype);
+  }
 }
 
 TEST(DTypeTest, NamesAndSizes) {

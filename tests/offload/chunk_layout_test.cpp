@@ -149,6 +149,25 @@ TEST(ChunkLayoutTest, ChunkClosesWhenTheNextParameterWouldExceedTheTarget) {
   ExpectAligned(layout);
 }
 
+TEST(ChunkLayoutTest, FrozenAndTrainedParametersNeverShareAChunk) {
+  std::vector<ParameterSpec> params = {Param("embed", {100}), Param("a", {100}), Param("b", {100}),
+                                       Param("head", {100}), Param("bias", {100})};
+  params[0].frozen = true;  // A frozen embedding, a trained block, a frozen head.
+  params[3].frozen = true;
+  params[4].frozen = true;
+  const ChunkLayout layout = MustBuild(params, DType::kFp32, 64 * kKiB);  // Room for all.
+  ExpectAligned(layout);
+  ASSERT_EQ(layout.chunk_count(), 3u);
+  EXPECT_TRUE(layout.chunk(0).frozen);
+  EXPECT_FALSE(layout.chunk(1).frozen);
+  EXPECT_TRUE(layout.chunk(2).frozen);
+  EXPECT_EQ(layout.chunk(1).first_parameter, 1u);
+  EXPECT_EQ(layout.chunk(1).parameter_count, 2u);
+  EXPECT_EQ(layout.chunk(2).parameter_count, 2u);  // Frozen neighbours still pack together.
+  EXPECT_EQ(layout.location(3).chunk, 2u);
+  EXPECT_EQ(layout.location(3).offset, 0u);
+}
+
 TEST(ChunkLayoutTest, ParameterEndingExactlyAtTheTargetStaysInTheChunk) {
   // "b" starts at 640 and ends at 640 + 384 = 1024: it fits exactly.
   const ChunkLayout layout =

@@ -1,15 +1,18 @@
 // What an outside trainer (PyTorch first) needs of the engine: ordering after work on a stream
-// of its own, parameter groups, chunks without gradients in a step, access to every optimizer
-// state, and stated gradient semantics. Each against the in-memory reference loop.
+// of its own, parameter groups, frozen parameters, chunks without gradients in a step, access
+// to every optimizer state, and stated gradient semantics. Each against the in-memory reference
+// loop.
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <thread>
 #include <vector>
 
 #include "engine_test_support.h"
 #include "strata/core/host_device.h"
 #include "support/scratch_dir.h"
 #include "tiny_model.h"
+#include "wrapped_device.h"
 
 namespace strata::offload {
 namespace {
@@ -28,6 +31,7 @@ using testing::MaxAbsDiff;
 using testing::Placement;
 using testing::ReferenceTrainer;
 using testing::TinyModel;
+using testing::WrappedDevice;
 using namespace std::chrono_literals;
 
 const Placement kPlacements[] = {
@@ -243,6 +247,284 @@ TEST(EngineTrainerTest, EveryStateCanBeReadAndWrittenInEveryTier) {
               StatusCode::kFailedPrecondition);
     imported->Release(0);
   }
+}
+
+// Frozen layers (the first, as a frozen embedding, and one in the middle) are read by forward
+// and backward but take no gradients, have no optimizer states and are never updated; the
+// trained layers match the reference bit for bit in every placement.
+TEST(EngineTrainerTest, FrozenParametersTakeNoGradientsAndAreNeverUpdated) {
+  for (const Placement& placement : kPlacements) {
+    ScratchDir dir;
+    TinyModel model(kLayers, kWidth, kBatch);
+    model.FreezeLayers({0, 3});
+    const EngineOptions options = MakeOptions(placement, dir.path());
+    auto device = MakeDevice(placement.device_budget);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    ASSERT_EQ(engine->chunk_count(), size_t(kLayers));
+    EXPECT_FALSE(engine->placement(0).optimizer_states.has_value()) << placement.name;
+    EXPECT_TRUE(engine->placement(1).optimizer_states.has_value()) << placement.name;
+
+    Result<ChunkView> view = engine->Acquire(3);
+    ASSERT_TRUE(view.ok()) << placement.name << ": " << view.status().ToString();
+    EXPECT_NE(view->params, nullptr);
+    EXPECT_EQ(view->grads, nullptr) << placement.name;
+    const Status refused = engine->GradsReady(3);
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << placement.name;
+    EXPECT_NE(refused.message().find("frozen"), std::string::npos) << refused.ToString();
+    engine->Release(3);
+
+    EngineTrainer trainer(*engine, model);
+    ReferenceTrainer reference(model, options);
+    for (int step = 0; step < 4; ++step) {
+      double loss = 0.0;
+      Result<StepReport> report = trainer.TrainStep(step, &loss);
+      ASSERT_TRUE(report.ok()) << placement.name << ": " << report.status().ToString();
+      EXPECT_EQ(loss, reference.TrainStep(step)) << placement.name << " step " << step;
+    }
+    const std::vector<std::vector<float>> master = trainer.MasterParameters();
+    EXPECT_TRUE(BitEqual(master, reference.master())) << placement.name;
+    for (size_t p : {size_t(0), size_t(1), size_t(6), size_t(7)}) {
+      EXPECT_EQ(master[p], model.initial_values()[p]) << placement.name << " parameter " << p;
+    }
+    EXPECT_NE(master[2], model.initial_values()[2]) << "layer 1 trains";
+
+    // Its "master" is its value; it has no moments to read or write.
+    std::vector<float> values(engine->layout().location(0).numel);
+    for (ParameterState moment : {ParameterState::kExpAvg, ParameterState::kExpAvgSq}) {
+      EXPECT_EQ(engine->ReadParameterState(0, moment, values).code(),
+                StatusCode::kFailedPrecondition);
+      EXPECT_EQ(engine->WriteParameterState(0, moment, values).code(),
+                StatusCode::kFailedPrecondition);
+    }
+    // Writing its value changes what forward reads.
+    std::vector<float> doubled = model.initial_values()[0];
+    for (float& v : doubled) v *= 2.0f;
+    ASSERT_TRUE(engine->WriteParameterState(0, ParameterState::kMaster, doubled).ok());
+    ASSERT_TRUE(engine->ReadParameterState(0, ParameterState::kMaster, values).ok());
+    EXPECT_EQ(values, doubled) << placement.name;
+    view = engine->Acquire(0);
+    ASSERT_TRUE(view.ok());
+    EXPECT_EQ(static_cast<const float*>(view->params)[5], doubled[5]) << placement.name;
+    engine->Release(0);
+  }
+}
+
+// A frozen chunk keeps only its working parameters: no states, no gradient buffers, and a
+// resident copy half the size of a trained chunk's.
+TEST(EngineTrainerTest, FrozenChunksTakeNoStateMemory) {
+  const Placement placement{"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes};
+  ScratchDir dir;
+  const EngineOptions options = MakeOptions(placement, dir.path());
+  TinyModel trained(kLayers, kWidth, kBatch);
+  TinyModel frozen(kLayers, kWidth, kBatch);
+  frozen.FreezeLayers({0, 1, 2});
+  auto trained_device = MakeDevice(placement.device_budget);
+  auto frozen_device = MakeDevice(placement.device_budget);
+  auto with_states = MakeEngine(options, *trained_device, trained);
+  auto without = MakeEngine(options, *frozen_device, frozen);
+  ASSERT_NE(with_states, nullptr);
+  ASSERT_NE(without, nullptr);
+  // Per chunk of 5120 fp32: states 60 KiB, landing gradients 20 KiB, new parameters 20 KiB.
+  const uint64_t per_chunk = 3 * 5120 * 4 + 5120 * 4 + 5120 * 4;
+  EXPECT_EQ(
+      with_states->tier_usage(Tier::kHost).used_bytes - without->tier_usage(Tier::kHost).used_bytes,
+      3 * per_chunk);
+  // Two trained chunks fill the device budget, or one and two frozen ones.
+  for (size_t c : {size_t(0), size_t(1), size_t(3)}) {
+    ASSERT_TRUE(without->Acquire(c).ok()) << "chunk " << c;
+  }
+  EXPECT_EQ(without->Acquire(2).status().code(), StatusCode::kResourceExhausted);
+  for (size_t c : {size_t(0), size_t(1), size_t(3)}) without->Release(c);
+}
+
+// Checkpoints hold a frozen chunk's values. They load into the same model and continue bit for
+// bit, and into a model frozen differently: unfreezing starts the moments at zero, freezing
+// keeps the trained values.
+TEST(EngineTrainerTest, FrozenChunksCheckpointAndLoadFrozenOrNot) {
+  for (const Placement& placement : kPlacements) {
+    ScratchDir dir;
+    ScratchDir checkpoint;
+    TinyModel model(kLayers, kWidth, kBatch);
+    model.FreezeLayers({0, 3});
+    const EngineOptions options = MakeOptions(placement, dir.path());
+    auto device = MakeDevice(placement.device_budget);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    ReferenceTrainer reference(model, options);
+    double loss = 0.0;
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(trainer.TrainStep(step, &loss).ok()) << placement.name;
+      reference.TrainStep(step);
+    }
+    ASSERT_TRUE(engine->Save(checkpoint.path() / "ckpt").ok()) << placement.name;
+
+    // The same model, in a fresh engine: continues exactly.
+    ScratchDir again_dir;
+    auto again_device = MakeDevice(placement.device_budget);
+    auto again = MakeEngine(MakeOptions(placement, again_dir.path()), *again_device, model);
+    ASSERT_NE(again, nullptr);
+    const Status loaded = again->Load(checkpoint.path() / "ckpt");
+    ASSERT_TRUE(loaded.ok()) << placement.name << ": " << loaded.ToString();
+    EngineTrainer again_trainer(*again, model);
+    for (int step = 2; step < 4; ++step) {
+      ASSERT_TRUE(again_trainer.TrainStep(step, &loss).ok()) << placement.name;
+      EXPECT_EQ(loss, reference.TrainStep(step)) << placement.name << " step " << step;
+    }
+    EXPECT_TRUE(BitEqual(again_trainer.MasterParameters(), reference.master())) << placement.name;
+
+    // Unfrozen: layer 0 starts from its saved value with zero moments; layer 1 keeps its
+    // trained moments.
+    TinyModel unfrozen(kLayers, kWidth, kBatch);
+    ScratchDir unfrozen_dir;
+    auto unfrozen_device = MakeDevice(placement.device_budget);
+    auto thawed =
+        MakeEngine(MakeOptions(placement, unfrozen_dir.path()), *unfrozen_device, unfrozen);
+    ASSERT_NE(thawed, nullptr);
+    ASSERT_TRUE(thawed->Load(checkpoint.path() / "ckpt").ok()) << placement.name;
+    std::vector<float> values(thawed->layout().location(0).numel);
+    ASSERT_TRUE(thawed->ReadParameterState(0, ParameterState::kMaster, values).ok());
+    EXPECT_EQ(values, model.initial_values()[0]);
+    ASSERT_TRUE(thawed->ReadParameterState(0, ParameterState::kExpAvg, values).ok());
+    EXPECT_EQ(values, std::vector<float>(values.size(), 0.0f)) << placement.name;
+    std::vector<float> layer1(thawed->layout().location(2).numel);
+    ASSERT_TRUE(thawed->ReadParameterState(2, ParameterState::kExpAvg, layer1).ok());
+    EXPECT_NE(layer1, std::vector<float>(layer1.size(), 0.0f)) << placement.name;
+    EngineTrainer thawed_trainer(*thawed, unfrozen);
+    ASSERT_TRUE(thawed_trainer.TrainStep(2, &loss).ok()) << placement.name;
+    ASSERT_TRUE(thawed->ReadParameterState(0, ParameterState::kMaster, values).ok());
+    EXPECT_NE(values, model.initial_values()[0]) << "layer 0 trains once unfrozen";
+
+    // Frozen the other way: layer 1's trained value is what the frozen layer holds.
+    TinyModel refrozen(kLayers, kWidth, kBatch);
+    refrozen.FreezeLayers({1});
+    ScratchDir refrozen_dir;
+    auto refrozen_device = MakeDevice(placement.device_budget);
+    auto frozen_again =
+        MakeEngine(MakeOptions(placement, refrozen_dir.path()), *refrozen_device, refrozen);
+    ASSERT_NE(frozen_again, nullptr);
+    ASSERT_TRUE(frozen_again->Load(checkpoint.path() / "ckpt").ok()) << placement.name;
+    ASSERT_TRUE(frozen_again->ReadParameterState(2, ParameterState::kMaster, layer1).ok());
+    std::vector<float> saved(layer1.size());
+    ASSERT_TRUE(again->Load(checkpoint.path() / "ckpt").ok());
+    ASSERT_TRUE(again->ReadParameterState(2, ParameterState::kMaster, saved).ok());
+    EXPECT_EQ(layer1, saved) << placement.name;
+  }
+}
+
+// Frozen and trained parameters never share a chunk, so freezing part of a chunk changes the
+// packing: Load says that is why, and how to move the states across.
+TEST(EngineTrainerTest, LoadingAcrossAPackingThatFreezingChangedSaysWhy) {
+  ScratchDir dir;
+  std::vector<float> values(1000, 0.5f);
+  std::vector<ParameterSpec> specs = {{.name = "a", .shape = {1000}, .initial_values = values},
+                                      {.name = "b", .shape = {1000}, .initial_values = values}};
+  const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  auto trained = Engine::Create(options, *device, specs);
+  ASSERT_TRUE(trained.ok());
+  ASSERT_EQ((*trained)->chunk_count(), 1u);
+  ASSERT_TRUE((*trained)->Save(dir.path() / "ckpt").ok());
+  specs[0].frozen = true;
+  auto frozen = Engine::Create(options, *device, specs);
+  ASSERT_TRUE(frozen.ok());
+  ASSERT_EQ((*frozen)->chunk_count(), 2u);
+  const Status loaded = (*frozen)->Load(dir.path() / "ckpt");
+  EXPECT_EQ(loaded.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(loaded.message().find("'a' trained then, frozen now"), std::string::npos)
+      << loaded.ToString();
+  EXPECT_NE(loaded.message().find("WriteParameterState"), std::string::npos);
+}
+
+// Every copy stays inside the device memory it was given, which (unlike HostDevice's) is not
+// rounded up to pages: bf16 chunks of 2.5 pages, trained and frozen, through training, Save,
+// Load and state access.
+TEST(EngineTrainerTest, CopiesStayInsideTheirDeviceAllocations) {
+  for (const Placement& placement : kPlacements) {
+    ScratchDir dir;
+    TinyModel model(kLayers, kWidth, kBatch);
+    model.FreezeLayers({0});
+    auto inner = MakeDevice(placement.device_budget);
+    WrappedDevice device(*inner);
+    device.CheckCopyBounds();
+    auto engine = MakeEngine(MakeOptions(placement, dir.path(), DType::kBf16), device, model);
+    ASSERT_NE(engine, nullptr) << placement.name;
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(trainer.TrainStep(step, &loss).ok()) << placement.name;
+    }
+    ASSERT_TRUE(engine->Save(dir.path() / "ckpt").ok()) << placement.name;
+    ASSERT_TRUE(engine->Load(dir.path() / "ckpt").ok()) << placement.name;
+    for (size_t p : {size_t(0), size_t(2)}) {
+      std::vector<float> master(engine->layout().location(p).numel);
+      ASSERT_TRUE(engine->ReadParameterState(p, ParameterState::kMaster, master).ok());
+      ASSERT_TRUE(engine->WriteParameterState(p, ParameterState::kMaster, master).ok());
+    }
+    ASSERT_TRUE(trainer.TrainStep(2, &loss).ok()) << placement.name;
+    EXPECT_EQ(device.copies_out_of_bounds(), 0) << placement.name;
+  }
+}
+
+// Staging for optimizer states is sized by the largest trained chunk: a frozen embedding far
+// larger than the blocks costs no host memory when its parameters live on the device.
+TEST(EngineTrainerTest, AFrozenEmbeddingDoesNotSizeTheStateStaging) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options =
+      MakeOptions({"states_nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+  std::vector<ParameterSpec> with_embedding = model.Specs();
+  with_embedding.insert(with_embedding.begin(),
+                        {.name = "embed", .shape = {1024, 64}, .frozen = true});
+  auto device = MakeDevice(64 << 20);
+  auto without = MakeEngine(options, *device, model);
+  ASSERT_NE(without, nullptr);
+  auto engine = Engine::Create(options, *device, with_embedding);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_EQ((*engine)->tier_usage(Tier::kHost).used_bytes,
+            without->tier_usage(Tier::kHost).used_bytes);
+}
+
+// With a frozen chunk in the model, a gated step (clipping) still updates the trained chunks
+// during backward, before Step() is called: frozen chunks are never waited for.
+TEST(EngineTrainerTest, AGatedStepWithFrozenChunksStillOverlapsBackward) {
+  ScratchDir dir;
+  TinyModel model(kLayers, kWidth, kBatch);
+  model.FreezeLayers({0});
+  EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
+  options.optimizer.gradient_clipping = 0.02;
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.ForwardBackward(0, &loss).ok());
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (engine->counters().optimizer_params == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_GT(engine->counters().optimizer_params, 0u) << "no update ran before Step()";
+  ASSERT_TRUE(engine->Step().get().ok());
+}
+
+// Frozen parameters never change, so their device copies outlive the step: a frozen backbone
+// that fits is fetched once, the trained chunks after every step.
+TEST(EngineTrainerTest, FrozenChunksStayOnTheDeviceAcrossSteps) {
+  ScratchDir dir;
+  TinyModel model(kLayers, kWidth, kBatch);
+  model.FreezeLayers({0, 3});
+  const EngineOptions options =
+      MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());  // 64 MiB: room.
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+  const uint64_t before = engine->counters().fetches;
+  ASSERT_TRUE(trainer.TrainStep(2, &loss).ok());
+  EXPECT_EQ(engine->counters().fetches - before, uint64_t(kLayers - 2));
 }
 
 // The engine reads view.grads as each micro-step's gradients and sums micro-steps itself. A

@@ -50,6 +50,16 @@ class TinyModel {
       if (p % 2 == 0) lr_scale_[p] = weight_lr_scale;
     }
   }
+  /// Layers whose weight and bias are frozen (requires_grad=False).
+  void FreezeLayers(const std::vector<int>& layers) {
+    frozen_.assign(names_.size(), false);
+    for (int l : layers) frozen_[2 * l] = frozen_[2 * l + 1] = true;
+  }
+  /// Which parameters are frozen, one flag each.
+  std::vector<bool> frozen() const {
+    return frozen_.empty() ? std::vector<bool>(names_.size(), false) : frozen_;
+  }
+
   /// Parameter p's weight decay (unset = the optimizer's) and learning-rate scale.
   std::optional<double> weight_decay(size_t p) const {
     return weight_decay_.empty() ? std::nullopt : weight_decay_[p];
@@ -63,7 +73,8 @@ class TinyModel {
                        .shape = shapes_[p],
                        .initial_values = init_[p],
                        .weight_decay = weight_decay(p),
-                       .lr_scale = lr_scale(p)});
+                       .lr_scale = lr_scale(p),
+                       .frozen = !frozen_.empty() && frozen_[p]});
     }
     return specs;
   }
@@ -137,6 +148,7 @@ class TinyModel {
   std::vector<std::vector<float>> init_;
   std::vector<std::optional<double>> weight_decay_;  // Empty: no groups.
   std::vector<double> lr_scale_;
+  std::vector<bool> frozen_;  // Empty: none frozen.
 };
 
 /// Rounds fp32 values through `dtype` (identity for fp32).
@@ -207,7 +219,7 @@ class EngineTrainer {
       const float scale = float(engine_.loss_scale());
       if (poison) grads[0][0] = std::numeric_limits<float>::infinity();
       for (size_t c = layout.chunk_count(); c-- > 0;) {
-        if (c < unused_.size() && unused_[c]) continue;
+        if ((c < unused_.size() && unused_[c]) || layout.chunk(c).frozen) continue;
         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
         auto write_grads = [this, c, view, dtype, scale, grads] {
           if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
@@ -272,9 +284,11 @@ class ReferenceTrainer {
 
   /// Mirrors EngineTrainer::TrainStep; `skip` drops the step as an fp16 overflow would.
   /// Parameters marked in `unused` get no gradients: they are left out of the norm and not
-  /// updated, and their own step counts stand still (torch skips a parameter without .grad).
+  /// updated, and their own step counts stand still (torch skips a parameter without .grad);
+  /// the model's frozen parameters are always unused.
   double TrainStep(int step, bool skip = false, const std::vector<bool>& unused = {}) {
-    auto is_unused = [&](size_t p) { return p < unused.size() && unused[p]; };
+    const std::vector<bool> frozen = model_.frozen();
+    auto is_unused = [&](size_t p) { return (p < unused.size() && unused[p]) || frozen[p]; };
     const DType dtype = options_.precision.working_dtype;
     const int gas = options_.optimizer.gradient_accumulation_steps;
     double loss = 0.0;

@@ -4,7 +4,11 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <string>
 
 #include "strata/core/device.h"
 
@@ -25,6 +29,11 @@ class WrappedDevice final : public Device {
     copies_to_fail_ = times;
   }
   int failed_copies() const { return failed_copies_; }
+  /// From now on, checks that every copy stays inside the device allocation it touches, by the
+  /// size that was asked for (HostDevice rounds allocations up to pages, a GPU does not); a copy
+  /// that leaves it fails and is counted.
+  void CheckCopyBounds() { check_bounds_ = true; }
+  int copies_out_of_bounds() const { return out_of_bounds_; }
 
   const DeviceProperties& properties() const override { return properties_; }
   DeviceMemoryInfo memory_info() const override {
@@ -32,8 +41,16 @@ class WrappedDevice final : public Device {
     if (hardware_free_) info.free_bytes = *hardware_free_;
     return info;
   }
-  Result<DeviceBuffer> Allocate(size_t bytes) override { return inner_.Allocate(bytes); }
+  Result<DeviceBuffer> Allocate(size_t bytes) override {
+    Result<DeviceBuffer> buffer = inner_.Allocate(bytes);
+    if (buffer.ok()) {
+      std::lock_guard lock(mutex_);
+      allocations_[reinterpret_cast<uintptr_t>(buffer->data())] = bytes;
+    }
+    return buffer;
+  }
   Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
+    STRATA_RETURN_IF_ERROR(CheckBounds(dst, bytes, "to"));
     if (copies_to_fail_ > 0 && copies_to_skip_-- <= 0) {
       --copies_to_fail_;
       ++failed_copies_;
@@ -42,6 +59,7 @@ class WrappedDevice final : public Device {
     return inner_.CopyToDevice(dst, src, bytes, stream);
   }
   Status CopyToHost(void* dst, const void* src, size_t bytes, Stream stream) override {
+    STRATA_RETURN_IF_ERROR(CheckBounds(src, bytes, "from"));
     return inner_.CopyToHost(dst, src, bytes, stream);
   }
   Status LaunchHostFunction(Stream stream, HostFunction function) override {
@@ -72,12 +90,31 @@ class WrappedDevice final : public Device {
   void Release(internal::HandleKind, void*, size_t) noexcept override {}
 
  private:
+  // The allocation that holds `device` (the latest one at or below it) must hold all `bytes`.
+  Status CheckBounds(const void* device, size_t bytes, const char* direction) {
+    if (!check_bounds_) return Status();
+    const auto address = reinterpret_cast<uintptr_t>(device);
+    std::lock_guard lock(mutex_);
+    auto it = allocations_.upper_bound(address);
+    if (it != allocations_.begin() &&
+        address + bytes <= std::prev(it)->first + std::prev(it)->second) {
+      return Status();
+    }
+    ++out_of_bounds_;
+    return Internal(std::string("wrapped device: a copy ") + direction + " the device of " +
+                    std::to_string(bytes) + " bytes leaves its allocation");
+  }
+
   Device& inner_;
   DeviceProperties properties_;
   std::optional<uint64_t> hardware_free_;
   std::atomic<int> copies_to_skip_{0};
   std::atomic<int> copies_to_fail_{0};
   std::atomic<int> failed_copies_{0};
+  std::atomic<bool> check_bounds_{false};
+  std::atomic<int> out_of_bounds_{0};
+  std::mutex mutex_;
+  std::map<uintptr_t, size_t> allocations_;  // Start -> bytes asked for, of every allocation.
 };
 
 }  // namespace strata::offload::testing

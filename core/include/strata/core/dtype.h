@@ -50,5 +50,7 @@ void Bf16ToFp32(std::span<const uint16_t> in, std::span<float> out);
 /// Rounds `in` to `dtype` (nearest even) into `out`, which holds in.size() elements of it; a
 /// plain copy for fp32.
 void Fp32ToDType(std::span<const float> in, DType dtype, void* out);
+/// Widens out.size() elements of `dtype` at `in` to fp32 (exact); a plain copy for fp32.
+void DTypeToFp32(const void* in, DType dtype, std::span<float> out);
 
 }  // namespace strata

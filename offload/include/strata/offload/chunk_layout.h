@@ -4,7 +4,8 @@
 // flat, contiguous group of whole parameters, like FSDP's FlatParameter. Parameters are packed
 // in registration order, so the chunks of a model follow its layers and the order in which
 // forward uses them. A chunk is closed when the next parameter would take its working
-// parameters past the target size; a parameter larger than the target gets a chunk of its own
+// parameters past the target size, or when the next parameter is frozen and the chunk's are not
+// (or the other way round); a parameter larger than the target gets a chunk of its own
 // (parameters are never split).
 //
 // Every parameter starts at a multiple of kParameterAlignment elements and every chunk's length
@@ -55,6 +56,10 @@ struct ParameterSpec {
   /// Its learning rate is the engine's (SetLearningRate, the schedule) times this: a group's lr
   /// relative to the base. > 0.
   double lr_scale = 1.0;
+  /// Frozen (torch's requires_grad=False: an embedding or a backbone kept fixed while
+  /// fine-tuning): no gradients, no optimizer states, never updated. Frozen and trained
+  /// parameters never share a chunk, so a frozen chunk holds only its working parameters.
+  bool frozen = false;
 
   /// Product of the dimensions.
   size_t numel() const;
@@ -74,6 +79,7 @@ struct ChunkInfo {
   size_t used_numel = 0;  ///< Elements up to the end of its last parameter (the rest is padding).
   size_t first_parameter = 0;
   size_t parameter_count = 0;
+  bool frozen = false;  ///< Its parameters are frozen (ParameterSpec::frozen), all or none.
 };
 
 /// A run of a chunk's elements [begin, end) whose parameters share their group settings, so

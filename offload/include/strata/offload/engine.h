@@ -54,6 +54,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -73,7 +74,8 @@ namespace strata::offload {
 /// HostDevice) valid until Release; `numel` elements of the working dtype each.
 struct ChunkView {
   void* params = nullptr;  ///< Working parameters: read by forward and backward.
-  void* grads = nullptr;   ///< Gradients: written (overwritten, not accumulated) by backward.
+  /// Gradients: written by backward (see GradsReady for accumulation). Null for a frozen chunk.
+  void* grads = nullptr;
   size_t numel = 0;
   DType dtype = DType::kFp32;
 };
@@ -119,8 +121,9 @@ inline EngineCounters operator-(EngineCounters a, const EngineCounters& b) { ret
 
 /// Where each chunk's state lives (decided at Create from the placement options and budgets).
 struct ChunkPlacement {
-  Tier params = Tier::kDevice;          ///< Home of its working parameters between uses.
-  Tier optimizer_states = Tier::kHost;  ///< Home of its fp32 master parameters and moments.
+  Tier params = Tier::kDevice;  ///< Home of its working parameters between uses.
+  /// Home of its fp32 master parameters and moments; unset for a frozen chunk, which has none.
+  std::optional<Tier> optimizer_states = Tier::kHost;
 };
 
 /// One of a parameter's optimizer states, as torch.optim's state_dict names them.
@@ -190,7 +193,7 @@ class Engine {
   /// optimizer.zero_grad() does, or micro-steps are counted twice.
   ///
   /// FailedPrecondition when the chunk already received every micro-step's gradients for this
-  /// step, or is not acquired.
+  /// step, is not acquired, or is frozen (its view has no gradient buffer).
   Status GradsReady(size_t chunk, TrainerStream stream = {});
 
   /// Finishes the optimizer step: completes when every chunk is updated (or the step was
@@ -225,12 +228,14 @@ class Engine {
   Status ReadMasterParameter(size_t parameter, std::span<float> out);
   /// Copies one of `parameter`'s optimizer states into `out` (numel floats), from whichever
   /// tier holds it: for a state_dict and export to other formats. Blocks on NVMe reads.
-  /// FailedPrecondition while the parameter's chunk may be mid-update (see Acquire).
+  /// FailedPrecondition while the parameter's chunk may be mid-update (see Acquire). A frozen
+  /// parameter's kMaster is its working value in fp32; it has no moments (FailedPrecondition).
   Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
   /// Replaces one of `parameter`'s optimizer states with `values` (numel floats): for
   /// load_state_dict and import. Replacing the master also replaces the working parameters
   /// (rounded to the working dtype). Between steps only, with no chunk acquired; all or
-  /// nothing (NVMe-home state goes through the shadow extents).
+  /// nothing (NVMe-home state goes through the shadow extents). A frozen parameter takes only
+  /// kMaster, which sets its working value.
   Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
 
   TierUsage tier_usage(Tier tier) const;
