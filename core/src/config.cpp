@@ -15,11 +15,13 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -608,7 +610,9 @@ Status ReadStrata(const Json& doc, Context* ctx, EngineOptions* options) {
     std::string message = ctx->source + ": unknown key " + Quote(full) + " in a Strata config; ";
     if (parent.empty()) {
       message += "the sections are " + JoinList(ctx->known[""]);
-      message += " (for a DeepSpeed config, pass ConfigFormat::kDeepSpeed)";
+      message +=
+          " (for a DeepSpeed config, pass --format deepspeed; ConfigFormat::kDeepSpeed "
+          "in the C++ API)";
     } else {
       message += "the keys of " + Quote(parent) + " are " + JoinList(ctx->known[parent]);
     }
@@ -798,6 +802,24 @@ Status ReadDeepSpeedZero(ObjectReader& top, EngineOptions* o) {
 
   placement.optimizer_states = optimizer_offload.tier;
   placement.params = param_offload.tier;
+  // Valid for DeepSpeed (ZeRO-3 streams the parameters while the GPU keeps the optimizer), but
+  // Strata's device steps the states it keeps where the parameters stay: refuse it here, in the
+  // keys the user wrote, rather than in EngineOptions' names later.
+  const bool states_on_device =
+      optimizer_offload.tier == Tier::kDevice || placement.offload_ratio < 1.0;
+  if (states_on_device && param_offload.tier != Tier::kDevice) {
+    const std::string where =
+        optimizer_offload.tier == Tier::kDevice
+            ? "the optimizer states stay on the GPU (no zero_optimization.offload_optimizer)"
+            : "zero_optimization.offload_optimizer.ratio " + FormatNumber(placement.offload_ratio) +
+                  " keeps part of them on the GPU";
+    return InvalidArgument(
+        top.ctx().source + ": zero_optimization.offload_param.device is " +
+        Quote(param_offload.tier == Tier::kHost ? "cpu" : "nvme") + " while " + where +
+        "; Strata steps GPU-kept optimizer states only with the parameters on the GPU too. "
+        "Offload the optimizer as well (offload_optimizer.device \"cpu\" or \"nvme\", ratio "
+        "1), or keep the parameters (offload_param.device \"none\")");
+  }
   if (optimizer_offload.tier == Tier::kNvme) AddPath(optimizer_offload.nvme_path, &o->nvme.paths);
   if (param_offload.tier == Tier::kNvme) AddPath(param_offload.nvme_path, &o->nvme.paths);
   o->host.pin_memory = legacy_pin ||
@@ -908,23 +930,84 @@ Result<ConfigFormat> DetectFormat(const Json& doc, std::string_view source) {
                          "DeepSpeed keys (" +
                          JoinList(deepspeed_keys) + ") and Strata sections (" +
                          JoinList(strata_sections) +
-                         "); use one format, or pass ConfigFormat::kStrata or kDeepSpeed");
+                         "); use one format, or pass --format strata or --format deepspeed "
+                         "(ConfigFormat::kStrata or kDeepSpeed in the C++ API)");
+}
+
+// Finds the first key given twice in one object while the document is parsed: JSON allows it
+// (the last would win), DeepSpeed's loader refuses it, and so does Strata.
+class DuplicateKeyFinder {
+ public:
+  bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    using Event = Json::parse_event_t;
+    switch (event) {
+      case Event::object_start:
+      case Event::array_start: {
+        std::string path;
+        if (!frames_.empty()) {
+          const Frame& parent = frames_.back();
+          path = parent.is_object ? JoinPath(parent.path, parent.last_key) : parent.path + "[]";
+        }
+        frames_.push_back({event == Event::object_start, std::move(path), {}, {}});
+        break;
+      }
+      case Event::object_end:
+      case Event::array_end:
+        if (!frames_.empty()) frames_.pop_back();
+        break;
+      case Event::key: {
+        Frame& frame = frames_.back();
+        frame.last_key = parsed.get<std::string>();
+        if (!frame.keys.insert(frame.last_key).second && !duplicate_) {
+          duplicate_ = JoinPath(frame.path, frame.last_key);
+        }
+        break;
+      }
+      case Event::value: break;
+    }
+    return true;
+  }
+  /// The full path of the first duplicate ("zero_optimization.stage"), if any.
+  const std::optional<std::string>& duplicate() const { return duplicate_; }
+
+ private:
+  struct Frame {
+    bool is_object;
+    std::string path;
+    std::set<std::string> keys;
+    std::string last_key;
+  };
+  std::vector<Frame> frames_;
+  std::optional<std::string> duplicate_;
+};
+
+// nlohmann's exception text without its "[json.exception.parse_error.101] " prefix.
+std::string ExceptionText(const Json::exception& e) {
+  std::string what = e.what();
+  if (auto end = what.find("] "); !what.empty() && what[0] == '[' && end != std::string::npos) {
+    what.erase(0, end + 2);
+  }
+  return what;
 }
 
 Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat format,
                                      std::string_view source) {
   Json doc;
+  DuplicateKeyFinder duplicates;
   try {
-    doc = Json::parse(json_text.begin(), json_text.end(), /*cb=*/nullptr,
+    doc = Json::parse(json_text.begin(), json_text.end(), std::ref(duplicates),
                       /*allow_exceptions=*/true, /*ignore_comments=*/true);
   } catch (const Json::parse_error& e) {
-    std::string what = e.what();
-    // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
-    if (auto end = what.find("] "); !what.empty() && what[0] == '[' && end != std::string::npos) {
-      what.erase(0, end + 2);
-    }
     return InvalidArgument(std::string(source) + ": malformed JSON at byte " +
-                           std::to_string(e.byte) + ": " + what);
+                           std::to_string(e.byte) + ": " + ExceptionText(e));
+  } catch (const Json::out_of_range& e) {  // A number like 1e400, beyond a double.
+    return InvalidArgument(std::string(source) + ": malformed JSON: " + ExceptionText(e) +
+                           " (beyond the range of a 64-bit float)");
+  }
+  if (const std::optional<std::string>& key = duplicates.duplicate()) {
+    return InvalidArgument(std::string(source) + ": key " + Quote(*key) +
+                           " is given twice; give each key once (DeepSpeed refuses duplicates "
+                           "too, where plain JSON would keep the last)");
   }
   if (!doc.is_object()) {
     return InvalidArgument(std::string(source) + ": expected a JSON object at the top level, got " +

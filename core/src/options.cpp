@@ -299,6 +299,17 @@ Status EngineOptions::Validate() const {
         "placement.params is \"nvme\" but nvme.paths is empty; set nvme.paths "
         "(DeepSpeed: offload_param.nvme_path)");
   }
+  // The device steps the states it keeps where the parameters are: it needs them resident.
+  const bool device_states =
+      placement.optimizer_states == Tier::kDevice || placement.offload_ratio < 1.0;
+  if (device_states && placement.params != Tier::kDevice) {
+    return InvalidArgument(
+        "optimizer states kept on the device (placement.optimizer_states \"device\", or "
+        "placement.offload_ratio < 1) need the working parameters there too, but "
+        "placement.params is \"" +
+        std::string(TierName(placement.params)) +
+        "\"; set placement.params to \"device\", or offload the optimizer states");
+  }
   return Status::Ok();
 }
 

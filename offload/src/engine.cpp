@@ -102,13 +102,9 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     return Unavailable("sharding across " + std::to_string(environment_.communicator->size()) +
                        " ranks is not implemented yet; run one rank per engine");
   }
+  // (EngineOptions::Validate refused device-kept states with offloaded parameters.)
   const bool wants_device_states =
       place.optimizer_states == Tier::kDevice || place.offload_ratio < 1.0;
-  if (wants_device_states && place.params != Tier::kDevice) {
-    return InvalidArgument(
-        "optimizer states kept on the device (offload_optimizer.device=none or ratio < 1) need "
-        "the working parameters on the device too; set placement.params to device");
-  }
   // The device passed decides, whatever options.device says: the CPU must not touch a GPU's
   // memory.
   if (wants_device_states && device_.properties().kind == DeviceKind::kCuda) {

@@ -79,7 +79,7 @@ constexpr const char* kZeroInfinityConfig = R"json({
       "buffer_count": 6,
       "pipeline_read": true,
       "pipeline_write": true,
-      "ratio": 0.75,
+      "ratio": 1,
       "fast_init": false
     },
     "offload_param": {
@@ -356,7 +356,7 @@ EngineOptions NonDefaultOptions() {
                  .min_loss_scale = 0.25};
   o.placement = {.zero_stage = 3,
                  .optimizer_states = Tier::kNvme,
-                 .offload_ratio = 0.3,
+                 .offload_ratio = 1.0,  // < 1 needs params on the device: RoundTripOffloadRatio.
                  .params = Tier::kHost,
                  .max_params_in_host = 5 * kGiB,
                  .pipeline_read = true,
@@ -375,6 +375,20 @@ TEST(StrataConfigTest, RoundTripDefaults) {
   EXPECT_TRUE(loaded->options == defaults) << json;
   EXPECT_TRUE(loaded->ignored_keys.empty());
   EXPECT_TRUE(loaded->auto_resolved.empty());
+}
+
+TEST(StrataConfigTest, RoundTripOffloadRatio) {
+  EngineOptions original;
+  original.placement.offload_ratio = 0.3;
+  Result<LoadedConfig> loaded = ParseConfig(OptionsToJson(original));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_DOUBLE_EQ(loaded->options.placement.offload_ratio, 0.3);
+  // DeepSpeed's partial offload, with the parameters on the GPU.
+  loaded = ParseDeepSpeed(R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "cpu", "ratio": 0.75}}})");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_DOUBLE_EQ(loaded->options.placement.offload_ratio, 0.75);
+  EXPECT_EQ(loaded->options.placement.params, Tier::kDevice);
 }
 
 TEST(StrataConfigTest, RoundTripEveryFieldChanged) {
@@ -512,6 +526,27 @@ TEST(ConfigTest, MalformedJsonGivesPositionAndSource) {
               {"expected a JSON object at the top level, got [1,2]"});
 }
 
+TEST(ConfigTest, DuplicateKeysAreRefusedWithTheirPath) {
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 2, "stage": 3}})"),
+              StatusCode::kInvalidArgument,
+              {"ds_config.json: key \"zero_optimization.stage\" is given twice"});
+  ExpectError(ParseConfig(R"({"nvme": {"queue_depth": 8}, "nvme": {"queue_depth": 16}})",
+                          ConfigFormat::kAuto, "strata.json"),
+              StatusCode::kInvalidArgument, {"strata.json: key \"nvme\" is given twice"});
+  // The same key in two different objects, or in objects inside an array, is no duplicate.
+  Result<LoadedConfig> fine = ParseDeepSpeed(R"({"fp16": {"enabled": false},
+      "bf16": {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99]}}})");
+  EXPECT_TRUE(fine.ok()) << fine.status().ToString();
+  ExpectError(ParseConfig(R"({"nvme": {"paths": ["/a", "/b"]}, "nvme": {}})"),
+              StatusCode::kInvalidArgument, {"\"nvme\" is given twice"});
+}
+
+TEST(ConfigTest, NumbersBeyondADoubleAreMalformedInput) {
+  ExpectError(ParseDeepSpeed(R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e400}}})"),
+              StatusCode::kInvalidArgument,
+              {"ds_config.json: malformed JSON", "1e400", "beyond the range"});
+}
+
 TEST(ConfigTest, FileNotFound) {
   Result<LoadedConfig> loaded = LoadConfigFile("/nonexistent/strata/ds_config.json");
   ExpectError(loaded, StatusCode::kNotFound, {"/nonexistent/strata/ds_config.json"});
@@ -601,7 +636,7 @@ TEST(DeepSpeedConfigTest, ZeroInfinityMapsEveryKey) {
   EXPECT_EQ(o.placement.max_params_in_host, 6'000'000'000u);  // 3e9 fp16 elements
   EXPECT_TRUE(o.placement.pipeline_read);
   EXPECT_TRUE(o.placement.pipeline_write);
-  EXPECT_DOUBLE_EQ(o.placement.offload_ratio, 0.75);
+  EXPECT_DOUBLE_EQ(o.placement.offload_ratio, 1.0);  // < 1 needs offload_param none: below.
   // aio
   EXPECT_EQ(o.nvme.block_size, 262144u);
   EXPECT_EQ(o.nvme.queue_depth, 32);
@@ -908,10 +943,31 @@ TEST(DeepSpeedConfigTest, NullCountsAsAbsent) {
   EXPECT_TRUE(loaded->ignored_keys.empty());
 }
 
+// Valid for DeepSpeed, not for Strata: offloaded parameters while the GPU keeps (some of) the
+// optimizer states. Refused when the config is read, in the keys the user wrote.
+TEST(DeepSpeedConfigTest, OffloadedParametersWithGpuKeptStatesAreRefusedInDeepSpeedKeys) {
+  ExpectError(
+      ParseDeepSpeed(R"({"zero_optimization":{"stage":3,"offload_param":{"device":"cpu"}}})"),
+      StatusCode::kInvalidArgument,
+      {"ds_config.json: zero_optimization.offload_param.device is \"cpu\"",
+       "no zero_optimization.offload_optimizer", "offload_optimizer.device"});
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 3,
+                  "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                  "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})"),
+              StatusCode::kInvalidArgument,
+              {"offload_param.device is \"nvme\"",
+               "zero_optimization.offload_optimizer.ratio 0.5 keeps part of them on the GPU"});
+  // The same placement in Strata's format fails EngineOptions::Validate, which Create runs too.
+  ExpectError(ParseConfig(R"({"placement": {"optimizer_states": "device", "params": "host"}})"),
+              StatusCode::kInvalidArgument,
+              {"need the working parameters there too", "placement.params is \"host\""});
+}
+
 TEST(DeepSpeedConfigTest, MappedConfigIsValidated) {
   // Values each fine on their own but not as Strata uses them: 1000 fp32 elements is a
   // staging buffer smaller than one 4 KiB block.
   ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 3,
+                  "offload_optimizer": {"device": "cpu"},
                   "offload_param": {"device": "cpu", "buffer_size": 1000}}})"),
               StatusCode::kInvalidArgument,
               {"ds_config.json: host.buffer_size is 4000",

@@ -107,6 +107,21 @@ TEST(CliTest, ConfigCheckDeepSpeed) {
   EXPECT_EQ(j["placement"]["optimizer_states"], "nvme");
 }
 
+// One validation path: what `train` refuses, `config check` refuses too, with the same words.
+TEST(CliTest, ConfigCheckRefusesWhatTrainRefuses) {
+  const std::string path =
+      WriteTemp("ds_offload_param.json",
+                R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})");
+  auto check = RunCli("config check " + path);
+  EXPECT_NE(check.exit_code, 0) << check.out;
+  EXPECT_NE(check.out.find("zero_optimization.offload_param.device"), std::string::npos)
+      << check.out;
+  auto train = RunCli("train --steps 1 --config " + path);
+  EXPECT_EQ(train.exit_code, check.exit_code) << train.out;
+  EXPECT_NE(train.out.find("zero_optimization.offload_param.device"), std::string::npos)
+      << train.out;
+}
+
 TEST(CliTest, ConfigCheckBadFiles) {
   auto r = RunCli("config check /nonexistent/ds.json");
   EXPECT_EQ(r.exit_code, 1);

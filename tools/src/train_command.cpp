@@ -10,6 +10,7 @@
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,21 +83,19 @@ Result<examples::ByteLmConfig> ModelConfig(const TrainFlags& f) {
   return config;
 }
 
-/// The engine's options: the config file's (if any), then the flags given over them, then the
-/// demo's defaults for what neither said.
-Result<EngineOptions> EngineOptionsFor(const TrainFlags& f, ScratchDir& scratch,
-                                       const examples::ByteLmConfig& model) {
+/// The engine's options: the config file's (`config`, read and validated by the caller, as
+/// `strata config check` reads it), then the flags given over them, then the demo's defaults
+/// for what neither said.
+Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
+                                       const std::optional<LoadedConfig>& config,
+                                       ScratchDir& scratch, const examples::ByteLmConfig& model) {
   EngineOptions o;
   o.optimizer.lr = 2e-3;
   o.optimizer.weight_decay = 0.0;
   o.placement.optimizer_states = Tier::kNvme;
   o.placement.params = Tier::kHost;
   o.placement.chunk_bytes = kDefaultChunkBytes;
-  if (!f.config.empty()) {
-    STRATA_ASSIGN_OR_RETURN(LoadedConfig loaded, LoadConfigFile(f.config));
-    if (!loaded.ignored_keys.empty()) Log(LogLevel::kWarning, IgnoredKeysWarning(loaded));
-    o = loaded.options;
-  }
+  if (config) o = config->options;
   if (!std::isnan(f.lr)) o.optimizer.lr = f.lr;
   if (!f.offload_optimizer.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
@@ -345,10 +344,19 @@ int Train(const TrainFlags& f) {
                          .seed = uint64_t(f.seed)};
   if (Status s = settings.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
 
+  // A config file's content errors exit as `strata config check` does (docs/cli.md).
+  std::optional<LoadedConfig> config;
+  if (!f.config.empty()) {
+    Result<LoadedConfig> loaded = LoadConfigFile(f.config);
+    if (!loaded.ok()) return Fail(kExitFailure, loaded.status().message());
+    if (!loaded->ignored_keys.empty()) Log(LogLevel::kWarning, IgnoredKeysWarning(*loaded));
+    config = std::move(loaded).value();
+  }
+
   auto corpus = Corpus::Load(f.data);
   if (!corpus.ok()) return Fail(kExitFailure, corpus.status().message());
   ScratchDir scratch;
-  auto options = EngineOptionsFor(f, scratch, *model);
+  auto options = EngineOptionsFor(f, config, scratch, *model);
   if (!options.ok()) return Fail(kExitUsage, options.status().message(), kCommand);
   if (options->device.kind == DeviceKind::kCuda) {
     return Fail(kExitFailure, examples::kHostComputeOnly);
