@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "deepspeed_keys.h"
 #include "strata/core/bytes.h"
 #include "strata/core/dtype.h"
 #include "strata/core/tier.h"
@@ -43,65 +44,6 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // The sections of Strata's format other than "optimizer" (which DeepSpeed also has).
 constexpr auto kStrataOnlySections =
     std::to_array<std::string_view>({"device", "host", "nvme", "precision", "placement"});
-
-// Top-level keys that only a DeepSpeed config has. Used only to recognize the format.
-constexpr auto kDeepSpeedTopLevelKeys = std::to_array<std::string_view>({
-    "zero_optimization",
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "amp",
-    "torch_autocast",
-    "aio",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "dump_state",
-    "memory_breakdown",
-    "scheduler",
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "sparse_gradients",
-    "communication_data_type",
-    "seq_parallel_communication_data_type",
-    "data_types",
-    "fp32_allreduce",
-    "disable_allgather",
-    "activation_checkpointing",
-    "flops_profiler",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comet",
-    "comms_logger",
-    "monitor_config",
-    "elasticity",
-    "checkpoint",
-    "data_efficiency",
-    "curriculum_learning",
-    "compression_training",
-    "quantize_training",
-    "autotuning",
-    "pipeline",
-    "sparse_attention",
-    "eigenvalue",
-    "progressive_layer_drop",
-    "hybrid_engine",
-    "nebula",
-    "load_universal_checkpoint",
-    "use_node_local_storage",
-    "timers",
-    "weight_quantization",
-    "swap_tensor",
-    "compile",
-    "graph_harvesting",
-    "use_data_before_expert_parallelism",
-});
 
 // Fields of Strata's "optimizer" section that a DeepSpeed "optimizer" never has at its top.
 constexpr auto kStrataOptimizerFields = std::to_array<std::string_view>(
@@ -591,6 +533,10 @@ void CollectUnused(const Json& object, const std::string& path, const Context& c
   }
 }
 
+bool ContainsKey(std::span<const std::string_view> keys, std::string_view key) {
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
 std::string JoinList(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& item : items) {
@@ -607,7 +553,15 @@ Status ReadStrata(const Json& doc, Context* ctx, EngineOptions* options) {
   CollectUnused(doc, "", *ctx, &unused);
   if (!unused.empty()) {
     const auto& [parent, full] = unused.front();
-    std::string message = ctx->source + ": unknown key " + Quote(full) + " in a Strata config; ";
+    std::string message = ctx->source + ": unknown key " + Quote(full) + " in a Strata config";
+    const std::vector<std::string>& keys = ctx->known[parent];
+    const std::vector<std::string_view> candidates(keys.begin(), keys.end());
+    const std::string_view key =
+        std::string_view(full).substr(parent.empty() ? 0 : parent.size() + 1);
+    if (std::string_view near = internal::NearMiss(key, candidates); !near.empty()) {
+      message += " (did you mean " + Quote(JoinPath(parent, near)) + "?)";
+    }
+    message += "; ";
     if (parent.empty()) {
       message += "the sections are " + JoinList(ctx->known[""]);
       message +=
@@ -855,6 +809,45 @@ Status ReadDeepSpeedAio(ObjectReader& top, NvmeOptions* o) {
   return Status::Ok();
 }
 
+// A key Strata did not read (`full`, in section `parent`) is fine if DeepSpeed knows it: Strata
+// ignores it with a warning. Otherwise it is an error, as in DeepSpeed's checked sections,
+// with the likely intended key when it looks like a typo.
+Status CheckDeepSpeedKeyKnown(Context& ctx, const std::string& parent, const std::string& full) {
+  const std::string_view key =
+      std::string_view(full).substr(parent.empty() ? 0 : parent.size() + 1);
+  std::optional<std::span<const std::string_view>> known;
+  if (parent.empty()) {
+    known = internal::DeepSpeedTopLevelKeys();
+  } else {
+    known = internal::DeepSpeedStrictSectionKeys(parent);
+    if (!known) return Status::Ok();  // DeepSpeed does not check this section's keys either.
+  }
+  if (ContainsKey(*known, key)) return Status::Ok();
+
+  std::string message = ctx.source + ": unknown key " + Quote(full) + " in a DeepSpeed config";
+  if (parent.empty() && ContainsKey(kStrataOnlySections, key)) {
+    return InvalidArgument(message + ": " + Quote(key) +
+                           " is a section of Strata's own format; read this file with --format "
+                           "strata (or auto), or write its settings in DeepSpeed's keys");
+  }
+  if (std::string_view near = internal::NearMiss(key, *known); !near.empty()) {
+    message += " (did you mean " + Quote(JoinPath(parent, near)) + "?)";
+  } else if (!parent.empty() && ContainsKey(internal::DeepSpeedTopLevelKeys(), key)) {
+    message += " (" + Quote(key) + " is a top-level section, not part of " + Quote(parent) + ")";
+  }
+  if (parent.empty()) {
+    message +=
+        "; DeepSpeed would ignore it, which would leave what it meant to set at its "
+        "default";
+  } else {
+    message += "; DeepSpeed refuses unknown keys in " + Quote(parent) + " too";
+    if (const auto used = ctx.known.find(parent); used != ctx.known.end()) {
+      message += ". Strata reads " + JoinList(used->second) + " there";
+    }
+  }
+  return InvalidArgument(std::move(message));
+}
+
 Status ReadDeepSpeed(const Json& doc, Context* ctx, EngineOptions* o) {
   ObjectReader top(ctx, &doc, "");
 
@@ -910,7 +903,10 @@ Result<ConfigFormat> DetectFormat(const Json& doc, std::string_view source) {
   std::vector<std::string> deepspeed_keys;
   std::vector<std::string> strata_sections;
   for (const auto& item : doc.items()) {
-    if (Contains(kDeepSpeedTopLevelKeys, item.key())) deepspeed_keys.push_back(item.key());
+    // "optimizer" is in both formats.
+    if (item.key() != "optimizer" && ContainsKey(internal::DeepSpeedTopLevelKeys(), item.key())) {
+      deepspeed_keys.push_back(item.key());
+    }
     if (Contains(kStrataOnlySections, item.key())) strata_sections.push_back(item.key());
   }
   if (!deepspeed_keys.empty() && strata_sections.empty()) return ConfigFormat::kDeepSpeed;
@@ -1024,10 +1020,16 @@ Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat fo
   ctx.source = std::string(source);
   ctx.deepspeed = format == ConfigFormat::kDeepSpeed;
   if (ctx.deepspeed) {
-    STRATA_RETURN_IF_ERROR(ReadDeepSpeed(doc, &ctx, &loaded.options));
+    const Status read = ReadDeepSpeed(doc, &ctx, &loaded.options);
+    // An unknown key is reported first even when reading failed: a typo ("offload_optimzer")
+    // is the likely cause of what then looked wrong.
     std::vector<std::pair<std::string, std::string>> unused;
     CollectUnused(doc, "", ctx, &unused);
-    for (auto& entry : unused) loaded.ignored_keys.push_back(std::move(entry.second));
+    for (auto& [parent, full] : unused) {
+      STRATA_RETURN_IF_ERROR(CheckDeepSpeedKeyKnown(ctx, parent, full));
+      loaded.ignored_keys.push_back(std::move(full));
+    }
+    STRATA_RETURN_IF_ERROR(read);
     loaded.auto_resolved = std::move(ctx.auto_resolved);
   } else {
     STRATA_RETURN_IF_ERROR(ReadStrata(doc, &ctx, &loaded.options));

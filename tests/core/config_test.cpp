@@ -599,21 +599,67 @@ TEST(ConfigTest, DetectsFormat) {
   EXPECT_EQ(format_of(R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})"),
             ConfigFormat::kDeepSpeed);
   EXPECT_EQ(format_of(R"({"optimizer": {"type": "adamw", "lr": 1e-4}})"), ConfigFormat::kStrata);
-  // Both kinds of keys: the optimizer's shape decides too.
-  EXPECT_EQ(format_of(R"({"fp16": {"enabled": true}, "host": {},
-                          "optimizer": {"type": "Adam", "params": {}}})"),
-            ConfigFormat::kDeepSpeed);
+  // Both kinds of keys: the optimizer's shape decides too, and the other format's section is
+  // then an unknown key.
+  ExpectError(ParseConfig(R"({"fp16": {"enabled": true}, "host": {},
+                              "optimizer": {"type": "Adam", "params": {}}})"),
+              StatusCode::kInvalidArgument,
+              {"unknown key \"host\" in a DeepSpeed config", "section of Strata's own format"});
 }
 
 TEST(ConfigTest, MixedDocumentWithoutOptimizerIsAmbiguous) {
   ExpectError(ParseConfig(R"({"zero_optimization": {"stage": 2}, "nvme": {}})"),
               StatusCode::kInvalidArgument,
               {"cannot tell", "zero_optimization", "nvme", "ConfigFormat"});
-  // An explicit format settles it.
-  Result<LoadedConfig> loaded =
-      ParseDeepSpeed(R"({"zero_optimization": {"stage": 2}, "nvme": {}})");
+  // An explicit format says which keys are foreign: a Strata section read as DeepSpeed (the
+  // content of a Strata file under --format deepspeed) is refused, not ignored.
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 2}, "nvme": {}})"),
+              StatusCode::kInvalidArgument, {"unknown key \"nvme\"", "--format strata"});
+}
+
+// Typos and misplaced keys are errors, near misses with the key meant; known DeepSpeed keys
+// that Strata does not use stay warnings.
+TEST(DeepSpeedConfigTest, UnknownKeysAreRefusedWithTheLikelyKeyMeant) {
+  ExpectError(
+      ParseDeepSpeed(R"({"zero_optimization": {"stage": 2,
+                  "offload_optimzer": {"device": "cpu"}}})"),
+      StatusCode::kInvalidArgument,
+      {"ds_config.json: unknown key \"zero_optimization.offload_optimzer\"",
+       "did you mean \"zero_optimization.offload_optimizer\"?",
+       "DeepSpeed refuses unknown keys in \"zero_optimization\" too", "Strata reads", "stage"});
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"typo_stage": 3}})"),
+              StatusCode::kInvalidArgument, {"unknown key \"zero_optimization.typo_stage\""});
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 3,
+                  "offload_optimzer": {"device": "cpu"},
+                  "offload_param": {"device": "cpu", "pin_memory": true}}})"),
+              StatusCode::kInvalidArgument,
+              {"did you mean \"zero_optimization.offload_optimizer\"?"});  // Not the placement.
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 3,
+                  "offload_optimizer": {"device": "cpu"},
+                  "offload_param": {"device": "cpu", "pin_memroy": true}}})"),
+              StatusCode::kInvalidArgument,
+              {"did you mean \"zero_optimization.offload_param.pin_memory\"?"});
+  ExpectError(ParseDeepSpeed(R"({"zero_optimization": {"stage": 3, "aio": {"queue_depth": 8}}})"),
+              StatusCode::kInvalidArgument,
+              {"\"aio\" is a top-level section, not part of \"zero_optimization\""});
+  ExpectError(ParseDeepSpeed(R"({"zero_optimisation": {"stage": 3}})"),
+              StatusCode::kInvalidArgument,
+              {"unknown key \"zero_optimisation\"", "did you mean \"zero_optimization\"?",
+               "DeepSpeed would ignore it"});
+  ExpectError(ParseDeepSpeed(R"({"fp16": {"enabled": true, "loss_scael": 0}})"),
+              StatusCode::kInvalidArgument, {"did you mean \"fp16.loss_scale\"?"});
+  // Known to DeepSpeed, unused by Strata: a warning, as before.
+  Result<LoadedConfig> loaded = ParseDeepSpeed(R"({"zero_optimization": {"stage": 3,
+      "stage3_max_live_parameters": 1e9, "overlap_comm": true},
+      "fp16": {"enabled": true, "auto_cast": false}, "aio": {"use_gds": false, "io_backend": 1}})");
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  EXPECT_EQ(loaded->ignored_keys, std::vector<std::string>{"nvme"});
+  EXPECT_EQ(loaded->ignored_keys,
+            (std::vector<std::string>{"zero_optimization.stage3_max_live_parameters",
+                                      "zero_optimization.overlap_comm", "fp16.auto_cast",
+                                      "aio.use_gds", "aio.io_backend"}));
+  // Strata's own format suggests too.
+  ExpectError(ParseConfig(R"({"nvme": {"queue_dpeth": 16}})", ConfigFormat::kAuto, "s.json"),
+              StatusCode::kInvalidArgument, {"did you mean \"nvme.queue_depth\"?"});
 }
 
 // --- DeepSpeed's format -------------------------------------------------------------------------
