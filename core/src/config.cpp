@@ -115,6 +115,7 @@ struct Context {
   // For each object path, the keys looked up in it (for "known keys" in error messages).
   std::map<std::string, std::vector<std::string>> known;
   std::vector<std::string> auto_resolved;
+  int world_size = 1;  // Data-parallel ranks (DeepSpeed's batch sizes).
 };
 
 // A JSON object being read, with its path. `json` is null for an absent section: every lookup
@@ -848,7 +849,64 @@ Status CheckDeepSpeedKeyKnown(Context& ctx, const std::string& parent, const std
   return InvalidArgument(std::move(message));
 }
 
-Status ReadDeepSpeed(const Json& doc, Context* ctx, EngineOptions* o) {
+// DeepSpeed's three batch sizes: the missing ones derived from those given, then the triple
+// checked against the world size, with DeepSpeed's rules (runtime/config.py).
+Status ReadDeepSpeedBatch(ObjectReader& top, LoadedConfig* loaded, OptimizerOptions* o) {
+  constexpr std::string_view kKeys[3] = {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                         "gradient_accumulation_steps"};
+  int given[3] = {0, 0, 0};  // 0: not given, or "auto" (noted below with what it became).
+  bool automatic[3] = {false, false, false};
+  for (int k = 0; k < 3; ++k) {
+    const Json* v = top.Get(kKeys[k]);
+    automatic[k] = v != nullptr && v->is_string() && v->get_ref<const std::string&>() == "auto";
+    if (!automatic[k]) STRATA_RETURN_IF_ERROR(ReadInt(top, kKeys[k], &given[k], 1, kIntMax));
+  }
+  auto note_auto = [&](const int64_t(&resolved)[3]) {
+    for (int k = 0; k < 3; ++k) {
+      if (!automatic[k]) continue;
+      top.ctx().auto_resolved.push_back(
+          top.PathOf(kKeys[k]) + ": auto -> " +
+          (resolved[k] > 0 ? std::to_string(resolved[k]) : std::string("the trainer's")));
+    }
+  };
+  const auto [train, micro, accumulation] = given;
+  const int64_t ranks = top.ctx().world_size;
+  if (train == 0 && micro == 0) {
+    // The trainer picks the batch (DeepSpeed requires one of the two; an engine does not).
+    if (accumulation != 0) o->gradient_accumulation_steps = accumulation;
+    note_auto({0, 0, o->gradient_accumulation_steps});
+    return Status::Ok();
+  }
+  int64_t t = train, m = micro, a = accumulation;
+  if (t != 0 && m != 0 && a == 0) {
+    a = t / m / ranks;
+  } else if (t != 0 && m == 0 && a != 0) {
+    m = t / ranks / a;
+  } else if (t == 0) {
+    a = a == 0 ? 1 : a;
+    t = m * a * ranks;
+  } else if (m == 0) {
+    a = 1;
+    m = t / ranks;
+  }
+  if (a < 1 || m < 1 || t != m * a * ranks) {
+    return InvalidArgument(
+        top.ctx().source + ": train_batch_size " + std::to_string(t) +
+        " is not train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size (" +
+        std::to_string(m) + " x " + std::to_string(a) + " x " + std::to_string(ranks) +
+        (train != 0 && micro != 0 && accumulation != 0 ? "" : ", the missing ones derived") +
+        "); give consistent values, or leave one out for Strata to derive as DeepSpeed does" +
+        (ranks == 1 ? " (for several ranks, pass their number: --world-size)" : ""));
+  }
+  loaded->train_batch_size = t;
+  loaded->micro_batch_size = m;
+  o->gradient_accumulation_steps = int(a);
+  note_auto({t, m, a});
+  return Status::Ok();
+}
+
+Status ReadDeepSpeed(const Json& doc, Context* ctx, LoadedConfig* loaded) {
+  EngineOptions* o = &loaded->options;
   ObjectReader top(ctx, &doc, "");
 
   // What a DeepSpeed config means when a key is absent: no ZeRO, no offload, fp32.
@@ -885,8 +943,7 @@ Status ReadDeepSpeed(const Json& doc, Context* ctx, EngineOptions* o) {
   STRATA_RETURN_IF_ERROR(ReadDeepSpeedOptimizer(top, &o->optimizer));
   STRATA_RETURN_IF_ERROR(
       ReadNumber(top, "gradient_clipping", &o->optimizer.gradient_clipping, kNonNegative));
-  STRATA_RETURN_IF_ERROR(ReadInt(top, "gradient_accumulation_steps",
-                                 &o->optimizer.gradient_accumulation_steps, 1, kIntMax));
+  STRATA_RETURN_IF_ERROR(ReadDeepSpeedBatch(top, loaded, &o->optimizer));
   STRATA_RETURN_IF_ERROR(ReadDeepSpeedZero(top, o));
   STRATA_RETURN_IF_ERROR(ReadDeepSpeedAio(top, &o->nvme));
   return Status::Ok();
@@ -987,7 +1044,7 @@ std::string ExceptionText(const Json::exception& e) {
 }
 
 Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat format,
-                                     std::string_view source) {
+                                     std::string_view source, int world_size) {
   Json doc;
   DuplicateKeyFinder duplicates;
   try {
@@ -1019,8 +1076,9 @@ Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat fo
   Context ctx;
   ctx.source = std::string(source);
   ctx.deepspeed = format == ConfigFormat::kDeepSpeed;
+  ctx.world_size = world_size;
   if (ctx.deepspeed) {
-    const Status read = ReadDeepSpeed(doc, &ctx, &loaded.options);
+    const Status read = ReadDeepSpeed(doc, &ctx, &loaded);
     // An unknown key is reported first even when reading failed: a typo ("offload_optimzer")
     // is the likely cause of what then looked wrong.
     std::vector<std::pair<std::string, std::string>> unused;
@@ -1050,9 +1108,13 @@ std::string_view ConfigFormatName(ConfigFormat format) {
 }
 
 Result<LoadedConfig> ParseConfig(std::string_view json_text, ConfigFormat format,
-                                 std::string_view source) {
+                                 std::string_view source, int world_size) {
+  if (world_size < 1) {
+    return InvalidArgument(std::string(source) + ": world size " + std::to_string(world_size) +
+                           " must be >= 1");
+  }
   try {
-    return ParseConfigImpl(json_text, format, source);
+    return ParseConfigImpl(json_text, format, source, world_size);
   } catch (const std::bad_alloc&) {
     return ResourceExhausted(std::string(source) + ": out of memory while reading the config");
   } catch (const std::exception& e) {
@@ -1061,7 +1123,7 @@ Result<LoadedConfig> ParseConfig(std::string_view json_text, ConfigFormat format
   }
 }
 
-Result<LoadedConfig> LoadConfigFile(const std::string& path, ConfigFormat format) {
+Result<LoadedConfig> LoadConfigFile(const std::string& path, ConfigFormat format, int world_size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -1083,7 +1145,7 @@ Result<LoadedConfig> LoadConfigFile(const std::string& path, ConfigFormat format
     }
   }
   ::close(fd);
-  return ParseConfig(text, format, path);
+  return ParseConfig(text, format, path, world_size);
 }
 
 std::string IgnoredKeysWarning(const LoadedConfig& config) {

@@ -262,6 +262,7 @@ Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
   const int64_t step = engine_->iteration_count() + 1;
   const int micro_steps = micro_steps_;
   TrainStepRecord record;
+  record.loss_scale = engine_->loss_scale();
   std::vector<uint8_t> tokens;
   for (int micro = 0; micro < micro_steps; ++micro) {
     SampleBatch(corpus_.train, MixKey(settings_.seed, uint64_t(step), uint64_t(micro)), tokens);

@@ -41,7 +41,7 @@ Result<LoadedConfig> ParseDeepSpeed(const std::string& text) {
 // key Strata maps set to a non-default value.
 constexpr const char* kZeroInfinityConfig = R"json({
   "train_batch_size": 16,
-  "train_micro_batch_size_per_gpu": 1,
+  "train_micro_batch_size_per_gpu": 4,
   "gradient_accumulation_steps": 4,
   "gradient_clipping": 1.0,
   "steps_per_print": 10,
@@ -699,6 +699,8 @@ TEST(DeepSpeedConfigTest, ZeroInfinityMapsEveryKey) {
   EXPECT_FALSE(o.optimizer.bias_correction);
   EXPECT_DOUBLE_EQ(o.optimizer.gradient_clipping, 1.0);
   EXPECT_EQ(o.optimizer.gradient_accumulation_steps, 4);
+  EXPECT_EQ(loaded->train_batch_size, 16);
+  EXPECT_EQ(loaded->micro_batch_size, 4);
   // fp16
   EXPECT_EQ(o.precision.working_dtype, DType::kFp16);
   EXPECT_DOUBLE_EQ(o.precision.loss_scale, 0.0);
@@ -713,8 +715,6 @@ TEST(DeepSpeedConfigTest, ZeroInfinityMapsEveryKey) {
   EXPECT_EQ(o.placement.chunk_bytes, 64 * kMiB);
 
   const std::vector<std::string> expected_ignored = {
-      "train_batch_size",
-      "train_micro_batch_size_per_gpu",
       "steps_per_print",
       "wall_clock_breakdown",
       "scheduler",
@@ -732,6 +732,59 @@ TEST(DeepSpeedConfigTest, ZeroInfinityMapsEveryKey) {
   EXPECT_TRUE(loaded->auto_resolved.empty());
 }
 
+// train_batch_size = micro batch x gradient_accumulation_steps x world size: the missing one
+// is derived, as DeepSpeed derives it, and an inconsistent triple is refused.
+TEST(DeepSpeedConfigTest, BatchSizesAreDerivedAndCheckedAsDeepSpeedDoes) {
+  struct Case {
+    const char* json;
+    int world_size;
+    int64_t train, micro;
+    int accumulation;
+  };
+  const Case cases[] = {
+      {R"({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3})", 1, 24, 3, 8},
+      {R"({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3})", 2, 24, 3, 4},
+      {R"({"train_batch_size": 24, "gradient_accumulation_steps": 4})", 2, 24, 3, 4},
+      {R"({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4})", 2, 24, 3, 4},
+      {R"({"train_batch_size": 24})", 4, 24, 6, 1},
+      {R"({"train_micro_batch_size_per_gpu": 5})", 1, 5, 5, 1},
+      {R"({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3,
+           "gradient_accumulation_steps": 4})",
+       2, 24, 3, 4},
+      {R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+           "gradient_accumulation_steps": "auto"})",
+       1, 2, 2, 1},
+  };
+  for (const Case& c : cases) {
+    Result<LoadedConfig> loaded =
+        ParseConfig(c.json, ConfigFormat::kDeepSpeed, "ds.json", c.world_size);
+    ASSERT_TRUE(loaded.ok()) << c.json << ": " << loaded.status().ToString();
+    EXPECT_EQ(loaded->train_batch_size, c.train) << c.json;
+    EXPECT_EQ(loaded->micro_batch_size, c.micro) << c.json;
+    EXPECT_EQ(loaded->options.optimizer.gradient_accumulation_steps, c.accumulation) << c.json;
+  }
+  // Only accumulation: the trainer picks the batch.
+  Result<LoadedConfig> only = ParseDeepSpeed(R"({"gradient_accumulation_steps": 3})");
+  ASSERT_TRUE(only.ok());
+  EXPECT_FALSE(only->train_batch_size.has_value());
+  EXPECT_EQ(only->options.optimizer.gradient_accumulation_steps, 3);
+  // Inconsistent, or not divisible.
+  ExpectError(ParseDeepSpeed(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1,
+                                 "gradient_accumulation_steps": 4})"),
+              StatusCode::kInvalidArgument,
+              {"ds_config.json: train_batch_size 16 is not", "(1 x 4 x 1)", "--world-size"});
+  ExpectError(ParseDeepSpeed(R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4})"),
+              StatusCode::kInvalidArgument, {"train_batch_size 10 is not", "derived"});
+  ExpectError(ParseConfig(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": 4})",
+                          ConfigFormat::kDeepSpeed, "ds.json", 0),
+              StatusCode::kInvalidArgument, {"world size 0"});
+  EXPECT_TRUE(ParseConfig(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": 4})",
+                          ConfigFormat::kDeepSpeed, "ds.json", 4)
+                  .ok());
+}
+
 TEST(DeepSpeedConfigTest, IgnoredKeysWarningIsOneLine) {
   Result<LoadedConfig> loaded = ParseDeepSpeed(kHuggingFaceZero2Config);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
@@ -741,7 +794,7 @@ TEST(DeepSpeedConfigTest, IgnoredKeysWarningIsOneLine) {
             "zero_optimization.allgather_partitions, zero_optimization.allgather_bucket_size, "
             "zero_optimization.overlap_comm, zero_optimization.reduce_scatter, "
             "zero_optimization.reduce_bucket_size, zero_optimization.contiguous_gradients, "
-            "steps_per_print, train_batch_size, train_micro_batch_size_per_gpu, "
+            "steps_per_print, "
             "wall_clock_breakdown");
   EXPECT_EQ(warning.find('\n'), std::string::npos);
 
@@ -772,10 +825,17 @@ TEST(DeepSpeedConfigTest, AutoValuesResolveToDefaultsAndAreRecorded) {
   EXPECT_DOUBLE_EQ(o.optimizer.gradient_clipping, 0.0);
   EXPECT_EQ(o.optimizer.gradient_accumulation_steps, 1);
   const std::vector<std::string> expected = {
-      "fp16.enabled: auto -> false",         "bf16.enabled: auto -> false",
-      "optimizer.params.lr: auto -> 0.001",  "optimizer.params.betas: auto -> [0.9, 0.999]",
-      "optimizer.params.eps: auto -> 1e-08", "optimizer.params.weight_decay: auto -> 0.0",
-      "gradient_clipping: auto -> 0.0",      "gradient_accumulation_steps: auto -> 1",
+      "fp16.enabled: auto -> false",
+      "bf16.enabled: auto -> false",
+      "optimizer.params.lr: auto -> 0.001",
+      "optimizer.params.betas: auto -> [0.9, 0.999]",
+      "optimizer.params.eps: auto -> 1e-08",
+      "optimizer.params.weight_decay: auto -> 0.0",
+      "gradient_clipping: auto -> 0.0",
+      // HuggingFace's Trainer fills these in; to Strata the trainer chooses the batch.
+      "train_batch_size: auto -> the trainer's",
+      "train_micro_batch_size_per_gpu: auto -> the trainer's",
+      "gradient_accumulation_steps: auto -> 1",
   };
   EXPECT_EQ(loaded->auto_resolved, expected);
 }

@@ -363,6 +363,41 @@ TEST(CliTest, TrainEndsWhenEveryFp16StepOverflows) {
   EXPECT_EQ(j["summary"]["skipped_steps"].get<int>(), 3);
 }
 
+// DeepSpeed's batch sizes drive train: 6 = 3 x 2 x 1 gives micro-batches of 3 sequences and
+// two of them per step; the run reports its learning rate, accumulation and loss scale.
+TEST(CliTest, TrainTakesItsBatchAndAccumulationFromADeepSpeedConfig) {
+  const std::string config = WriteTemp("ds_batch.json", R"({
+    "train_batch_size": 6, "train_micro_batch_size_per_gpu": 3,
+    "optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})");
+  const std::string train = "train --model tiny --seq 32 --eval-every 0 --steps 1 --json --config ";
+  auto r = RunCli(train + config, /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["optimizer"]["micro_batch"].get<int>(), 3);
+  EXPECT_EQ(j["optimizer"]["gradient_accumulation_steps"].get<int>(), 2);
+  EXPECT_DOUBLE_EQ(j["optimizer"]["lr"].get<double>(), 5e-4);
+  EXPECT_DOUBLE_EQ(j["steps"][0]["loss_scale"].get<double>(), 1.0);
+  // --batch still wins over the config.
+  r = RunCli(train + config + " --batch 1", /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["optimizer"]["micro_batch"].get<int>(), 1);
+  // An inconsistent triple is refused by check and train alike.
+  const std::string bad = WriteTemp("ds_bad_batch.json", R"({"train_batch_size": 7,
+      "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})");
+  auto check = RunCli("config check " + bad);
+  EXPECT_EQ(check.exit_code, 1) << check.out;
+  EXPECT_NE(check.out.find("train_batch_size 7 is not"), std::string::npos) << check.out;
+  EXPECT_EQ(RunCli(train + bad).exit_code, 1);
+  // With its world size it is checked as DeepSpeed would on that many ranks.
+  const std::string four = WriteTemp("ds_four_ranks.json", R"({"train_batch_size": 24,
+      "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})");
+  EXPECT_EQ(RunCli("config check " + four).exit_code, 1);
+  auto ranks = RunCli("config check --world-size 4 " + four);
+  EXPECT_EQ(ranks.exit_code, 0) << ranks.out;
+  EXPECT_NE(ranks.out.find("x world size 4"), std::string::npos) << ranks.out;
+}
+
 TEST(CliTest, TrainResumesFromACheckpointWithTheSameLosses) {
   const std::string checkpoint = ::testing::TempDir() + "strata-cli-ckpt";
   auto straight = RunCli(TinyTrain("--steps 8 --json"), /*merge_stderr=*/false);

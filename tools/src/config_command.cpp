@@ -18,11 +18,15 @@ Result<ConfigFormat> ParseFormat(const std::string& text) {
 int RunConfigCheck(const std::vector<std::string>& args) {
   const std::string command = "strata config check";
   std::string file, format_text = "auto";
+  int64_t world_size = 1;
   FlagParser flags(command,
                    "Validate a Strata or DeepSpeed JSON config and print the options it "
                    "resolves to, in Strata's format. Unused DeepSpeed keys are listed on stderr.");
   flags.AddPositional("FILE", &file, "the config file", /*required=*/true);
   flags.AddString("format", &format_text, "FORMAT", "auto (default), strata or deepspeed");
+  flags.AddInt("world-size", &world_size,
+               "data-parallel ranks the config is for: DeepSpeed's batch sizes are checked and "
+               "derived with it (default 1)");
   if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (flags.help_requested()) {
     std::cout << flags.Help();
@@ -31,7 +35,10 @@ int RunConfigCheck(const std::vector<std::string>& args) {
   auto format = ParseFormat(format_text);
   if (!format.ok()) return Fail(kExitUsage, format.status().message(), command);
 
-  auto config = LoadConfigFile(file, *format);
+  if (world_size < 1 || world_size > (1 << 20)) {
+    return Fail(kExitUsage, "--world-size must be in [1, 1048576]", command);
+  }
+  auto config = LoadConfigFile(file, *format, int(world_size));
   if (!config.ok()) return Fail(kExitFailure, config.status().message());
   if (std::string warning = IgnoredKeysWarning(*config); !warning.empty()) {
     std::cerr << "strata: warning: " << warning << "\n";
@@ -41,6 +48,12 @@ int RunConfigCheck(const std::vector<std::string>& args) {
   }
   std::cerr << "strata: " << file << " is a valid " << ConfigFormatName(config->format)
             << " config; resolved options:\n";
+  if (config->train_batch_size) {
+    std::cerr << "strata: batch: train_batch_size " << *config->train_batch_size
+              << " = micro-batch " << *config->micro_batch_size << " x accumulation "
+              << config->options.optimizer.gradient_accumulation_steps << " x world size "
+              << world_size << "\n";
+  }
   std::cout << OptionsToJson(config->options) << "\n";
   return kExitOk;
 }
@@ -49,7 +62,8 @@ int RunConfigCheck(const std::vector<std::string>& args) {
 
 int RunConfig(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    std::cout << "Usage: strata config check FILE [--format auto|strata|deepspeed]\n\n"
+    std::cout << "Usage: strata config check FILE [--format auto|strata|deepspeed] "
+                 "[--world-size N]\n\n"
                  "Subcommands:\n  check   validate a config file and print the resolved options\n";
     return args.empty() ? kExitUsage : kExitOk;
   }

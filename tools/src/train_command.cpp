@@ -41,7 +41,7 @@ struct TrainFlags {
   std::string config, model = "small", offload_optimizer, offload_params, nvme_path, device,
                       precision, checkpoint, resume, data = STRATA_CORPUS_PATH,
                       metrics_address = "127.0.0.1";
-  int64_t layers = -1, width = -1, context = -1, steps = 150, batch = 8, seq = 128, seed = 1,
+  int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
           checkpoint_every = 0, metrics_port = -1, eval_every = 50;
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0;
   double lr = std::numeric_limits<double>::quiet_NaN();
@@ -175,8 +175,9 @@ RunTotals Totals(const std::vector<TrainStepRecord>& records) {
   return t;
 }
 
-ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
-                    const EngineOptions& o, ByteLmTrainer& trainer, const RunSummary& s) {
+ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
+                    const examples::ByteLmConfig& model, const EngineOptions& o,
+                    ByteLmTrainer& trainer, const RunSummary& s) {
   ordered_json j;
   j["model"] = {{"name", f.model},
                 {"context", model.context},
@@ -189,12 +190,20 @@ ordered_json ToJson(const TrainFlags& f, const examples::ByteLmConfig& model,
       {"precision", DTypeName(o.precision.working_dtype)},
       {"device_memory_bytes", trainer.engine().tier_usage(Tier::kDevice).budget_bytes},
       {"chunks", trainer.engine().chunk_count()}};
+  j["optimizer"] = {{"type", OptimizerTypeName(o.optimizer.type)},
+                    {"lr", o.optimizer.lr},
+                    {"weight_decay", o.optimizer.weight_decay},
+                    {"gradient_clipping", o.optimizer.gradient_clipping},
+                    {"gradient_accumulation_steps", o.optimizer.gradient_accumulation_steps},
+                    {"micro_batch", settings.batch},
+                    {"seq", settings.seq}};
   ordered_json steps = ordered_json::array();
   for (const TrainStepRecord& r : s.records) {
     steps.push_back({{"step", r.step},
                      {"iteration", r.iteration},
                      {"loss", r.loss},
                      {"skipped", r.skipped},
+                     {"loss_scale", r.loss_scale},
                      {"seconds", r.seconds},
                      {"compute_seconds", r.compute_seconds},
                      {"tokens_per_second", r.tokens_per_second},
@@ -338,13 +347,8 @@ int Train(const TrainFlags& f) {
     return Fail(kExitUsage, "--steps must be in [1, 10000000]", kCommand);
   }
   if (f.checkpoint_every < 0) return Fail(kExitUsage, "--checkpoint-every must be >= 0", kCommand);
-  TrainSettings settings{.model = *model,
-                         .batch = int(std::clamp<int64_t>(f.batch, -1, 1 << 30)),
-                         .seq = int(std::clamp<int64_t>(f.seq, -1, 1 << 30)),
-                         .seed = uint64_t(f.seed)};
-  if (Status s = settings.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
 
-  // A config file's content errors exit as `strata config check` does (docs/cli.md).
+  // A config file's content errors exit as `strata config check` does (the README's table).
   std::optional<LoadedConfig> config;
   if (!f.config.empty()) {
     Result<LoadedConfig> loaded = LoadConfigFile(f.config);
@@ -352,6 +356,15 @@ int Train(const TrainFlags& f) {
     if (!loaded->ignored_keys.empty()) Log(LogLevel::kWarning, IgnoredKeysWarning(*loaded));
     config = std::move(loaded).value();
   }
+  // The micro-batch: --batch, else the config's (DeepSpeed's train_micro_batch_size_per_gpu,
+  // given or derived), else 8.
+  int64_t batch = f.batch;
+  if (batch == -1) batch = config && config->micro_batch_size ? *config->micro_batch_size : 8;
+  TrainSettings settings{.model = *model,
+                         .batch = int(std::clamp<int64_t>(batch, -1, 1 << 30)),
+                         .seq = int(std::clamp<int64_t>(f.seq, -1, 1 << 30)),
+                         .seed = uint64_t(f.seed)};
+  if (Status s = settings.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
 
   auto corpus = Corpus::Load(f.data);
   if (!corpus.ok()) return Fail(kExitFailure, corpus.status().message());
@@ -389,11 +402,13 @@ int Train(const TrainFlags& f) {
   if (!f.json) {
     std::printf(
         "strata train: %s model, %s params; optimizer states on %s, parameters on %s; "
-        "%lld steps of %d x %d bytes\n",
+        "%lld steps of %d x %d x %d bytes (micro-batches x sequences x length); lr %g; loss "
+        "scale %g\n",
         f.model.c_str(), FormatCount((*trainer)->parameter_count()).c_str(),
         std::string(TierName(options->placement.optimizer_states)).c_str(),
         std::string(TierName(options->placement.params)).c_str(), static_cast<long long>(f.steps),
-        settings.batch, settings.seq);
+        options->optimizer.gradient_accumulation_steps, settings.batch, settings.seq,
+        options->optimizer.lr, engine.loss_scale());
   }
   // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
   // whose every step overflows (a fixed loss scale far too high) still ends.
@@ -435,7 +450,7 @@ int Train(const TrainFlags& f) {
   summary.validation_loss = *validation;
   gauges.validation_loss->Set(*validation);
   if (f.json) {
-    std::cout << ToJson(f, *model, *options, **trainer, summary).dump(2) << "\n";
+    std::cout << ToJson(f, settings, *model, *options, **trainer, summary).dump(2) << "\n";
   } else {
     PrintSummary(f, *options, **trainer, summary);
   }
@@ -458,7 +473,9 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddInt("steps", &f.steps,
                "total iterations, counting resumed ones and fp16 steps skipped for overflow, "
                "as DeepSpeed does (default 150)");
-  flags.AddInt("batch", &f.batch, "sequences per micro-batch (default 8)");
+  flags.AddInt("batch", &f.batch,
+               "sequences per micro-batch (default: the config's "
+               "train_micro_batch_size_per_gpu, else 8)");
   flags.AddInt("seq", &f.seq, "bytes predicted per sequence (default 128)");
   flags.AddDouble("lr", &f.lr, "learning rate (default 2e-3)");
   flags.AddString("offload-optimizer", &f.offload_optimizer, "TIER",

@@ -8,6 +8,8 @@
 // All functions are thread-safe and do not throw.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,6 +41,13 @@ struct LoadedConfig {
   /// DeepSpeed only: one note per value given as "auto", as "key: auto -> value"
   /// (e.g. "optimizer.params.lr: auto -> 0.001").
   std::vector<std::string> auto_resolved;
+  /// DeepSpeed only: train_batch_size and train_micro_batch_size_per_gpu, given or derived as
+  /// DeepSpeed derives them (train_batch_size = micro batch x gradient_accumulation_steps x
+  /// world size; the missing one of the three from the other two), so gradient accumulation
+  /// follows from "train_batch_size": 24, "train_micro_batch_size_per_gpu": 3 as it does in
+  /// DeepSpeed. Unset when the config gives neither (the trainer chooses).
+  std::optional<int64_t> train_batch_size;
+  std::optional<int64_t> micro_batch_size;
 };
 
 /// Parses a config document and validates the result (EngineOptions::Validate).
@@ -55,14 +64,17 @@ struct LoadedConfig {
 /// column; a bad value gives its key path, the value and what was expected, e.g.
 /// "ds.json: zero_optimization.offload_optimizer.buffer_count: expected a positive integer,
 /// got -2".
+///
+/// `world_size` is the number of data-parallel ranks the config will run on: DeepSpeed's batch
+/// sizes are checked and derived with it.
 Result<LoadedConfig> ParseConfig(std::string_view json_text,
                                  ConfigFormat format = ConfigFormat::kAuto,
-                                 std::string_view source = "<string>");
+                                 std::string_view source = "<string>", int world_size = 1);
 
 /// Reads the file at `path` and parses it as ParseConfig does, with `path` as the source.
 /// NotFound when the file does not exist; IoError (naming the path) when it cannot be read.
 Result<LoadedConfig> LoadConfigFile(const std::string& path,
-                                    ConfigFormat format = ConfigFormat::kAuto);
+                                    ConfigFormat format = ConfigFormat::kAuto, int world_size = 1);
 
 /// One line listing every ignored DeepSpeed key, for a log warning, e.g.
 /// "DeepSpeed config keys not used by Strata (ignored): train_batch_size, scheduler";
