@@ -1072,6 +1072,7 @@ Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat fo
     STRATA_ASSIGN_OR_RETURN(format, DetectFormat(doc, source));
   }
   loaded.format = format;
+  loaded.has_optimizer = doc.contains("optimizer");
 
   Context ctx;
   ctx.source = std::string(source);

@@ -378,6 +378,12 @@ TEST(CliTest, TrainTakesItsBatchAndAccumulationFromADeepSpeedConfig) {
   EXPECT_EQ(j["optimizer"]["gradient_accumulation_steps"].get<int>(), 2);
   EXPECT_DOUBLE_EQ(j["optimizer"]["lr"].get<double>(), 5e-4);
   EXPECT_DOUBLE_EQ(j["steps"][0]["loss_scale"].get<double>(), 1.0);
+  // Without an optimizer section the optimizer is the trainer's: train's own lr (2e-3).
+  const std::string no_optimizer =
+      WriteTemp("ds_no_optimizer.json", R"({"train_micro_batch_size_per_gpu": 2})");
+  r = RunCli(train + no_optimizer, /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(r.out)["optimizer"]["lr"].get<double>(), 2e-3);
   // --batch still wins over the config.
   r = RunCli(train + config + " --batch 1", /*merge_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
@@ -396,6 +402,27 @@ TEST(CliTest, TrainTakesItsBatchAndAccumulationFromADeepSpeedConfig) {
   auto ranks = RunCli("config check --world-size 4 " + four);
   EXPECT_EQ(ranks.exit_code, 0) << ranks.out;
   EXPECT_NE(ranks.out.find("x world size 4"), std::string::npos) << ranks.out;
+}
+
+// offload_optimizer.ratio < 1 keeps the first chunks' states on the device: the summary and
+// the JSON say where they really are, chunk by chunk, not only what the config asked.
+TEST(CliTest, TrainReportsWhereAPartialOffloadPutTheStates) {
+  const std::string config = WriteTemp("ds_ratio.json", R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})");
+  auto r = RunCli(
+      "train --model tiny --batch 2 --seq 32 --eval-every 0 --steps 1 --json "
+      "--chunk-size 64KiB --config " +
+          config,
+      /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto placement = nlohmann::json::parse(r.out)["placement"];
+  const auto chunks = placement["optimizer_state_chunks"];
+  ASSERT_TRUE(chunks.contains("device")) << placement.dump();
+  ASSERT_TRUE(chunks.contains("host")) << placement.dump();
+  EXPECT_EQ(chunks["device"].get<int>() + chunks["host"].get<int>(),
+            placement["chunks"].get<int>());
+  EXPECT_NE(placement["optimizer_states"].get<std::string>().find("device ("), std::string::npos)
+      << placement.dump();
 }
 
 TEST(CliTest, TrainResumesFromACheckpointWithTheSameLosses) {

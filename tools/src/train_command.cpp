@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -95,7 +96,14 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   o.placement.optimizer_states = Tier::kNvme;
   o.placement.params = Tier::kHost;
   o.placement.chunk_bytes = kDefaultChunkBytes;
-  if (config) o = config->options;
+  if (config) {
+    const OptimizerOptions own = o.optimizer;
+    o = config->options;
+    if (!config->has_optimizer) {  // The optimizer is the trainer's, as in DeepSpeed.
+      o.optimizer.lr = own.lr;
+      o.optimizer.weight_decay = own.weight_decay;
+    }
+  }
   if (!std::isnan(f.lr)) o.optimizer.lr = f.lr;
   if (!f.offload_optimizer.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
@@ -175,6 +183,23 @@ RunTotals Totals(const std::vector<TrainStepRecord>& records) {
   return t;
 }
 
+/// Where the optimizer states really are, chunk by chunk: "host", or "host (3 chunks), device
+/// (1 chunk)" when offload_optimizer.ratio < 1 split them, or "none (frozen)".
+std::string StatesPlacement(const offload::Engine& engine) {
+  std::map<std::string, size_t> chunks;  // Tier name -> chunks there.
+  for (size_t c = 0; c < engine.chunk_count(); ++c) {
+    const std::optional<Tier> tier = engine.placement(c).optimizer_states;
+    ++chunks[tier ? std::string(TierName(*tier)) : "none (frozen)"];
+  }
+  if (chunks.size() == 1) return chunks.begin()->first;
+  std::string out;
+  for (const auto& [tier, count] : chunks) {
+    if (!out.empty()) out += ", ";
+    out += tier + " (" + std::to_string(count) + (count == 1 ? " chunk)" : " chunks)");
+  }
+  return out;
+}
+
 ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                     const examples::ByteLmConfig& model, const EngineOptions& o,
                     ByteLmTrainer& trainer, const RunSummary& s) {
@@ -185,11 +210,18 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                 {"layers", model.layers},
                 {"parameters", trainer.parameter_count()}};
   j["placement"] = {
-      {"optimizer_states", TierName(o.placement.optimizer_states)},
+      {"optimizer_states", StatesPlacement(trainer.engine())},
       {"params", TierName(o.placement.params)},
       {"precision", DTypeName(o.precision.working_dtype)},
       {"device_memory_bytes", trainer.engine().tier_usage(Tier::kDevice).budget_bytes},
       {"chunks", trainer.engine().chunk_count()}};
+  ordered_json by_chunk = ordered_json::object();  // Tier -> chunks whose states are there.
+  for (size_t c = 0; c < trainer.engine().chunk_count(); ++c) {
+    const std::optional<Tier> tier = trainer.engine().placement(c).optimizer_states;
+    const std::string name = tier ? std::string(TierName(*tier)) : "none";
+    by_chunk[name] = by_chunk.value(name, 0) + 1;
+  }
+  j["placement"]["optimizer_state_chunks"] = std::move(by_chunk);
   j["optimizer"] = {{"type", OptimizerTypeName(o.optimizer.type)},
                     {"lr", o.optimizer.lr},
                     {"weight_decay", o.optimizer.weight_decay},
@@ -241,8 +273,7 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   const uint64_t device_budget = engine.tier_usage(Tier::kDevice).budget_bytes;
   std::printf("\nWhere the state lived (%s model: %s params, %zu chunks)\n", f.model.c_str(),
               FormatCount(trainer.parameter_count()).c_str(), engine.chunk_count());
-  std::printf("  %-34s %s\n", "fp32 master + Adam moments",
-              std::string(TierName(o.placement.optimizer_states)).c_str());
+  std::printf("  %-34s %s\n", "fp32 master + Adam moments", StatesPlacement(engine).c_str());
   std::printf("  %-34s %s (%s)\n", "working parameters",
               std::string(TierName(o.placement.params)).c_str(),
               std::string(DTypeName(o.precision.working_dtype)).c_str());
@@ -405,10 +436,9 @@ int Train(const TrainFlags& f) {
         "%lld steps of %d x %d x %d bytes (micro-batches x sequences x length); lr %g; loss "
         "scale %g\n",
         f.model.c_str(), FormatCount((*trainer)->parameter_count()).c_str(),
-        std::string(TierName(options->placement.optimizer_states)).c_str(),
-        std::string(TierName(options->placement.params)).c_str(), static_cast<long long>(f.steps),
-        options->optimizer.gradient_accumulation_steps, settings.batch, settings.seq,
-        options->optimizer.lr, engine.loss_scale());
+        StatesPlacement(engine).c_str(), std::string(TierName(options->placement.params)).c_str(),
+        static_cast<long long>(f.steps), options->optimizer.gradient_accumulation_steps,
+        settings.batch, settings.seq, options->optimizer.lr, engine.loss_scale());
   }
   // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
   // whose every step overflows (a fixed loss scale far too high) still ends.
@@ -477,7 +507,8 @@ int RunTrain(const std::vector<std::string>& args) {
                "sequences per micro-batch (default: the config's "
                "train_micro_batch_size_per_gpu, else 8)");
   flags.AddInt("seq", &f.seq, "bytes predicted per sequence (default 128)");
-  flags.AddDouble("lr", &f.lr, "learning rate (default 2e-3)");
+  flags.AddDouble("lr", &f.lr,
+                  "learning rate (default: the config's optimizer section's, else 2e-3)");
   flags.AddString("offload-optimizer", &f.offload_optimizer, "TIER",
                   "optimizer states: device, host or nvme (default nvme)");
   flags.AddString("offload-params", &f.offload_params, "TIER",

@@ -47,6 +47,10 @@ struct LoadedConfig {
   /// follows from "train_batch_size": 24, "train_micro_batch_size_per_gpu": 3 as it does in
   /// DeepSpeed. Unset when the config gives neither (the trainer chooses).
   std::optional<int64_t> train_batch_size;
+  /// Whether the document has an "optimizer" section. Without one a DeepSpeed config leaves
+  /// the optimizer to the trainer (deepspeed.initialize's optimizer argument): a trainer with
+  /// defaults of its own keeps them.
+  bool has_optimizer = false;
   std::optional<int64_t> micro_batch_size;
 };
 
