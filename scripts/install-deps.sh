@@ -13,6 +13,7 @@ packages=(
   libsimde-dev                  # tests the AVX-512 kernels on CPUs without AVX-512
   python3-prometheus-client     # parses /metrics in the metrics endpoint's test
   python3-matplotlib            # scripts/plot_bench.py: charts of strata bench all
+  clang libclang-rt-14-dev      # libFuzzer: the parser fuzzers (scripts/fuzz.sh)
 )
 
 missing=()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quick start, part two: install dependencies if missing, build and run every test that this
 # machine can run (GPU tests only where a GPU is present), then the same tests under
-# AddressSanitizer + UBSan. Exits non-zero if anything fails.
+# AddressSanitizer + UBSan, the engine's and NVMe layer's under ThreadSanitizer, and the parser
+# fuzzers for a minute each. Exits non-zero if anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,4 +36,9 @@ cmake --preset tsan -DSTRATA_WARNINGS_AS_ERRORS=ON >/dev/null
 cmake --build --preset tsan -j "$jobs" --target offload_tests nvme_tests
 echo "=== tsan: built in $((SECONDS - start)) s; testing"
 ctest --preset tsan -j "$jobs" -L "offload|nvme" "${label_args[@]}"
-echo "test.sh: all tests passed (release, asan, and tsan for offload and nvme)"
+
+# The parsers that read outside input (configs, checkpoint manifests), fuzzed for a bounded time
+# from their seed corpora.
+echo "=== fuzz: a minute per parser"
+scripts/fuzz.sh 60
+echo "test.sh: all tests passed (release, asan, tsan for offload and nvme, fuzzers)"
