@@ -828,8 +828,9 @@ Status CheckDeepSpeedKeyKnown(Context& ctx, const std::string& parent, const std
   std::string message = ctx.source + ": unknown key " + Quote(full) + " in a DeepSpeed config";
   if (parent.empty() && ContainsKey(kStrataOnlySections, key)) {
     return InvalidArgument(message + ": " + Quote(key) +
-                           " is a section of Strata's own format; read this file with --format "
-                           "strata (or auto), or write its settings in DeepSpeed's keys");
+                           " is a section of Strata's own format; read this file as a Strata "
+                           "config (the automatic detection, or config check --format strata), "
+                           "or write its settings in DeepSpeed's keys");
   }
   if (std::string_view near = internal::NearMiss(key, *known); !near.empty()) {
     message += " (did you mean " + Quote(JoinPath(parent, near)) + "?)";
@@ -877,6 +878,15 @@ Status ReadDeepSpeedBatch(ObjectReader& top, LoadedConfig* loaded, OptimizerOpti
     note_auto({0, 0, o->gradient_accumulation_steps});
     return Status::Ok();
   }
+  // micro x accumulation x ranks, or -1 when it does not fit in 64 bits (ints up to 2^31 times
+  // ranks up to 2^20 can exceed it).
+  auto product = [ranks](int64_t micro_batch, int64_t steps) -> int64_t {
+    int64_t p = 0;
+    if (__builtin_mul_overflow(micro_batch, steps, &p) || __builtin_mul_overflow(p, ranks, &p)) {
+      return -1;
+    }
+    return p;
+  };
   int64_t t = train, m = micro, a = accumulation;
   if (t != 0 && m != 0 && a == 0) {
     a = t / m / ranks;
@@ -884,19 +894,21 @@ Status ReadDeepSpeedBatch(ObjectReader& top, LoadedConfig* loaded, OptimizerOpti
     m = t / ranks / a;
   } else if (t == 0) {
     a = a == 0 ? 1 : a;
-    t = m * a * ranks;
+    t = product(m, a);
   } else if (m == 0) {
     a = 1;
     m = t / ranks;
   }
-  if (a < 1 || m < 1 || t != m * a * ranks) {
+  if (a < 1 || m < 1 || t < 1 || t != product(m, a)) {
     return InvalidArgument(
         top.ctx().source + ": train_batch_size " + std::to_string(t) +
         " is not train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size (" +
         std::to_string(m) + " x " + std::to_string(a) + " x " + std::to_string(ranks) +
         (train != 0 && micro != 0 && accumulation != 0 ? "" : ", the missing ones derived") +
         "); give consistent values, or leave one out for Strata to derive as DeepSpeed does" +
-        (ranks == 1 ? " (for several ranks, pass their number: --world-size)" : ""));
+        (ranks == 1 ? " (a config meant for several ranks: strata config check --world-size N "
+                      "checks it for N)"
+                    : ""));
   }
   loaded->train_batch_size = t;
   loaded->micro_batch_size = m;
@@ -988,11 +1000,18 @@ Result<ConfigFormat> DetectFormat(const Json& doc, std::string_view source) {
 }
 
 // Finds the first key given twice in one object while the document is parsed: JSON allows it
-// (the last would win), DeepSpeed's loader refuses it, and so does Strata.
+// (the last would win), DeepSpeed's loader refuses it, and so does Strata. Also stops nesting
+// deeper than any config needs, which would otherwise make printing a value recurse that deep.
 class DuplicateKeyFinder {
  public:
-  bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
+  static constexpr int kMaxDepth = 64;
+
+  bool operator()(int depth, Json::parse_event_t event, Json& parsed) {
     using Event = Json::parse_event_t;
+    if (depth > kMaxDepth) {
+      too_deep_ = true;
+      return false;  // Dropped: the document is refused after the parse.
+    }
     switch (event) {
       case Event::object_start:
       case Event::array_start: {
@@ -1022,6 +1041,7 @@ class DuplicateKeyFinder {
   }
   /// The full path of the first duplicate ("zero_optimization.stage"), if any.
   const std::optional<std::string>& duplicate() const { return duplicate_; }
+  bool too_deep() const { return too_deep_; }
 
  private:
   struct Frame {
@@ -1032,6 +1052,7 @@ class DuplicateKeyFinder {
   };
   std::vector<Frame> frames_;
   std::optional<std::string> duplicate_;
+  bool too_deep_ = false;
 };
 
 // nlohmann's exception text without its "[json.exception.parse_error.101] " prefix.
@@ -1056,6 +1077,11 @@ Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat fo
   } catch (const Json::out_of_range& e) {  // A number like 1e400, beyond a double.
     return InvalidArgument(std::string(source) + ": malformed JSON: " + ExceptionText(e) +
                            " (beyond the range of a 64-bit float)");
+  }
+  if (duplicates.too_deep()) {
+    return InvalidArgument(std::string(source) + ": values are nested more than " +
+                           std::to_string(DuplicateKeyFinder::kMaxDepth) +
+                           " levels deep; no config is");
   }
   if (const std::optional<std::string>& key = duplicates.duplicate()) {
     return InvalidArgument(std::string(source) + ": key " + Quote(*key) +

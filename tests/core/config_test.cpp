@@ -783,6 +783,31 @@ TEST(DeepSpeedConfigTest, BatchSizesAreDerivedAndCheckedAsDeepSpeedDoes) {
                               "gradient_accumulation_steps": 4})",
                           ConfigFormat::kDeepSpeed, "ds.json", 4)
                   .ok());
+  // Products beyond 64 bits are inconsistent, not wrapped around into agreement.
+  ExpectError(ParseConfig(R"({"train_micro_batch_size_per_gpu": 2147483647,
+                              "gradient_accumulation_steps": 2147483647})",
+                          ConfigFormat::kDeepSpeed, "ds.json", 4),
+              StatusCode::kInvalidArgument, {"is not train_micro_batch_size_per_gpu"});
+  ExpectError(ParseConfig(R"({"train_batch_size": 3145728, "train_micro_batch_size_per_gpu": 34669,
+                              "gradient_accumulation_steps": 507432751})",
+                          ConfigFormat::kDeepSpeed, "ds.json", 1 << 20),
+              StatusCode::kInvalidArgument, {"train_batch_size 3145728 is not"});
+}
+
+TEST(ConfigTest, DeepNestingIsRefusedNotRecursedInto) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  ExpectError(ParseConfig(deep), StatusCode::kInvalidArgument, {"nested more than 64 levels"});
+  ExpectError(ParseDeepSpeed(R"({"fp16": {"enabled": )" + std::string(100, '[') +
+                             std::string(100, ']') + "}}"),
+              StatusCode::kInvalidArgument, {"nested more than 64 levels"});
+}
+
+TEST(DeepSpeedConfigTest, TopLevelKeysOfCurrentDeepSpeedAreKnown) {
+  Result<LoadedConfig> loaded = ParseDeepSpeed(R"({"seq_parallel_comm_data_type": "fp32",
+      "sequence_parallel_size": 1, "vocabulary_size": 50304, "gradient_allreduce_op": "avg",
+      "log_level": "info", "zero_optimization": {"stage": 1}})");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->ignored_keys.size(), 5u);
 }
 
 TEST(DeepSpeedConfigTest, IgnoredKeysWarningIsOneLine) {

@@ -37,9 +37,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (chunks == manifest.end() || !chunks->is_array()) return 0;
   for (const nlohmann::json& chunk : *chunks) {
     if (!chunk.is_object() || !chunk.contains("file") || !chunk["file"].is_string()) continue;
-    // A name like "../x" or "/etc/passwd" must be refused, not opened.
-    (void)reader->ReadFile(chunk["file"].get<std::string>(), {.bytes = 0, .xxh3 = 0},
-                           [](std::span<const std::byte>, uint64_t) { return strata::Status(); });
+    // A name like "../x" or "/etc/passwd" must be refused as such, not opened.
+    const std::string name = chunk["file"].get<std::string>();
+    const strata::Status read =
+        reader->ReadFile(name, {.bytes = 0, .xxh3 = 0},
+                         [](std::span<const std::byte>, uint64_t) { return strata::Status(); });
+    const bool unsafe = name.empty() || name == "." || name == ".." ||
+                        name.find('/') != std::string::npos || name.find('\0') != std::string::npos;
+    if (unsafe && read.code() != strata::StatusCode::kInvalidArgument) __builtin_trap();
   }
   return 0;
 }

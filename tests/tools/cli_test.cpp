@@ -384,6 +384,13 @@ TEST(CliTest, TrainTakesItsBatchAndAccumulationFromADeepSpeedConfig) {
   r = RunCli(train + no_optimizer, /*merge_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_DOUBLE_EQ(nlohmann::json::parse(r.out)["optimizer"]["lr"].get<double>(), 2e-3);
+  // A config's micro-batch beyond what train takes is the config's error (exit 1).
+  const std::string huge =
+      WriteTemp("ds_huge_batch.json", R"({"train_micro_batch_size_per_gpu": 100000})");
+  auto too_big = RunCli(train + huge);
+  EXPECT_EQ(too_big.exit_code, 1) << too_big.out;
+  EXPECT_NE(too_big.out.find("train_micro_batch_size_per_gpu 100000"), std::string::npos)
+      << too_big.out;
   // --batch still wins over the config.
   r = RunCli(train + config + " --batch 1", /*merge_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;

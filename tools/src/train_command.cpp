@@ -390,7 +390,16 @@ int Train(const TrainFlags& f) {
   // The micro-batch: --batch, else the config's (DeepSpeed's train_micro_batch_size_per_gpu,
   // given or derived), else 8.
   int64_t batch = f.batch;
-  if (batch == -1) batch = config && config->micro_batch_size ? *config->micro_batch_size : 8;
+  const bool batch_from_config = batch == -1 && config && config->micro_batch_size;
+  if (batch == -1) batch = batch_from_config ? *config->micro_batch_size : 8;
+  // A config's batch out of what the model takes is the config's error (exit 1, as check's
+  // content errors), not the command line's. 65536 is TrainSettings::Validate's limit.
+  if (batch_from_config && batch > 65536) {
+    return Fail(kExitFailure, f.config + ": train_micro_batch_size_per_gpu " +
+                                  std::to_string(batch) +
+                                  " (given or derived) is more sequences per micro-batch than "
+                                  "strata train takes (1 to 65536); lower it, or pass --batch");
+  }
   TrainSettings settings{.model = *model,
                          .batch = int(std::clamp<int64_t>(batch, -1, 1 << 30)),
                          .seq = int(std::clamp<int64_t>(f.seq, -1, 1 << 30)),
