@@ -343,7 +343,7 @@ Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload
   options.render_metrics = [&engine] { return engine.metrics().RenderPrometheus(); };
   const std::string model = f.model;
   const int64_t steps = f.steps;
-  const std::string states(TierName(o.placement.optimizer_states));
+  const std::string states = StatesPlacement(engine);  // Where they are, not what was asked.
   const std::string params(TierName(o.placement.params));
   options.render_status = [&engine, gauges, model, steps, states, params] {
     ordered_json j;
