@@ -963,11 +963,6 @@ Status ReadDeepSpeed(const Json& doc, Context* ctx, LoadedConfig* loaded) {
 
 // --- Format detection ----------------------------------------------------------------------
 
-template <size_t N>
-bool Contains(const std::array<std::string_view, N>& list, std::string_view key) {
-  return std::find(list.begin(), list.end(), key) != list.end();
-}
-
 Result<ConfigFormat> DetectFormat(const Json& doc, std::string_view source) {
   std::vector<std::string> deepspeed_keys;
   std::vector<std::string> strata_sections;
@@ -976,7 +971,7 @@ Result<ConfigFormat> DetectFormat(const Json& doc, std::string_view source) {
     if (item.key() != "optimizer" && ContainsKey(internal::DeepSpeedTopLevelKeys(), item.key())) {
       deepspeed_keys.push_back(item.key());
     }
-    if (Contains(kStrataOnlySections, item.key())) strata_sections.push_back(item.key());
+    if (ContainsKey(kStrataOnlySections, item.key())) strata_sections.push_back(item.key());
   }
   if (!deepspeed_keys.empty() && strata_sections.empty()) return ConfigFormat::kDeepSpeed;
   if (deepspeed_keys.empty() && !strata_sections.empty()) return ConfigFormat::kStrata;

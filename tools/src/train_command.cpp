@@ -183,19 +183,26 @@ RunTotals Totals(const std::vector<TrainStepRecord>& records) {
   return t;
 }
 
+/// Chunks by the tier holding their optimizer states ("none": frozen chunks, which have none).
+std::map<std::string, size_t> StateChunks(const offload::Engine& engine) {
+  std::map<std::string, size_t> chunks;
+  for (size_t c = 0; c < engine.chunk_count(); ++c) {
+    const std::optional<Tier> tier = engine.placement(c).optimizer_states;
+    ++chunks[tier ? std::string(TierName(*tier)) : "none"];
+  }
+  return chunks;
+}
+
 /// Where the optimizer states really are, chunk by chunk: "host", or "host (3 chunks), device
 /// (1 chunk)" when offload_optimizer.ratio < 1 split them, or "none (frozen)".
 std::string StatesPlacement(const offload::Engine& engine) {
-  std::map<std::string, size_t> chunks;  // Tier name -> chunks there.
-  for (size_t c = 0; c < engine.chunk_count(); ++c) {
-    const std::optional<Tier> tier = engine.placement(c).optimizer_states;
-    ++chunks[tier ? std::string(TierName(*tier)) : "none (frozen)"];
-  }
-  if (chunks.size() == 1) return chunks.begin()->first;
+  const std::map<std::string, size_t> chunks = StateChunks(engine);
+  auto name = [](const std::string& tier) { return tier == "none" ? tier + " (frozen)" : tier; };
+  if (chunks.size() == 1) return name(chunks.begin()->first);
   std::string out;
   for (const auto& [tier, count] : chunks) {
     if (!out.empty()) out += ", ";
-    out += tier + " (" + std::to_string(count) + (count == 1 ? " chunk)" : " chunks)");
+    out += name(tier) + " (" + std::to_string(count) + (count == 1 ? " chunk)" : " chunks)");
   }
   return out;
 }
@@ -215,13 +222,7 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
       {"precision", DTypeName(o.precision.working_dtype)},
       {"device_memory_bytes", trainer.engine().tier_usage(Tier::kDevice).budget_bytes},
       {"chunks", trainer.engine().chunk_count()}};
-  ordered_json by_chunk = ordered_json::object();  // Tier -> chunks whose states are there.
-  for (size_t c = 0; c < trainer.engine().chunk_count(); ++c) {
-    const std::optional<Tier> tier = trainer.engine().placement(c).optimizer_states;
-    const std::string name = tier ? std::string(TierName(*tier)) : "none";
-    by_chunk[name] = by_chunk.value(name, 0) + 1;
-  }
-  j["placement"]["optimizer_state_chunks"] = std::move(by_chunk);
+  j["placement"]["optimizer_state_chunks"] = StateChunks(trainer.engine());
   j["optimizer"] = {{"type", OptimizerTypeName(o.optimizer.type)},
                     {"lr", o.optimizer.lr},
                     {"weight_decay", o.optimizer.weight_decay},
