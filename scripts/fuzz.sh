@@ -13,7 +13,7 @@ cmake --build build/fuzz -j "$(nproc)"
 
 mkdir -p build/fuzz/crashes
 status=0
-for target in config manifest; do
+for target in config manifest metrics_http; do
   scratch=$(mktemp -d)
   cp tests/fuzz/corpus/"$target"/* "$scratch"/
   echo "=== fuzz: ${target}_fuzzer for ${seconds} s"

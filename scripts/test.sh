@@ -37,8 +37,8 @@ cmake --build --preset tsan -j "$jobs" --target offload_tests nvme_tests
 echo "=== tsan: built in $((SECONDS - start)) s; testing"
 ctest --preset tsan -j "$jobs" -L "offload|nvme" "${label_args[@]}"
 
-# The parsers that read outside input (configs, checkpoint manifests), fuzzed for a bounded time
-# from their seed corpora.
+# The parsers that read outside input (configs, checkpoint manifests, metrics requests), fuzzed
+# for a bounded time from their seed corpora.
 echo "=== fuzz: a minute per parser"
 scripts/fuzz.sh 60
 echo "test.sh: all tests passed (release, asan, tsan for offload and nvme, fuzzers)"

@@ -1,12 +1,21 @@
 #include "metrics_server.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
-#include <chrono>
+#include <list>
 #include <thread>
 
+#include "metrics_http.h"
 #include "strata/core/asio.h"  // First: it fixes Boost 1.74's include order.
+#include "strata/core/log.h"
 
 namespace strata::tools {
 
@@ -15,17 +24,39 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 using tcp = asio::ip::tcp;
 
+namespace {
+
+/// The nice value of the server's thread: above training's, so that a flood of requests gets
+/// the CPU time training leaves rather than taking it from training.
+constexpr int kServerNice = 10;
+
+/// How long, and for how many bytes at most, a closing connection reads what its client still
+/// sends (LingerAndClose).
+constexpr int kLingerMilliseconds = 1000;
+constexpr size_t kLingerMaxBytes = 1 << 20;
+
+/// One open connection, owned by the coroutine that serves it.
+struct Connection {
+  explicit Connection(tcp::socket socket) : stream(std::move(socket)) {}
+  beast::tcp_stream stream;
+  std::list<Connection*>::iterator place;  ///< In Impl::waiting_, while registered.
+  bool evicted = false;
+};
+
+}  // namespace
+
 class MetricsServer::Impl {
  public:
   explicit Impl(MetricsServerOptions options) : options_(std::move(options)), acceptor_(context_) {}
 
   ~Impl() {
-    // Stopped and joined first; the acceptor and any sessions close as their objects die.
+    // Stopped and joined first; the acceptor and any connections close as their objects die.
     context_.stop();
     if (thread_.joinable()) thread_.join();
   }
 
   Status Listen() {
+    if (options_.max_connections == 0) return InvalidArgument("metrics: max_connections is 0");
     boost::system::error_code ec;
     const asio::ip::address address = asio::ip::make_address(options_.address, ec);
     if (ec) return InvalidArgument("--metrics-address " + options_.address + ": " + ec.message());
@@ -40,7 +71,12 @@ class MetricsServer::Impl {
     }
     port_ = acceptor_.local_endpoint().port();
     asio::co_spawn(context_, Accept(), asio::detached);
-    thread_ = std::thread([this] { context_.run(); });
+    thread_ = std::thread([this] {
+      if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kServerNice) != 0) {
+        Log(LogLevel::kWarning, "metrics: cannot lower the server thread's priority");
+      }
+      context_.run();
+    });
     return Status();
   }
 
@@ -48,76 +84,99 @@ class MetricsServer::Impl {
 
  private:
   asio::awaitable<void> Accept() {
+    asio::steady_timer backoff(context_);
     for (;;) {
       boost::system::error_code ec;
       tcp::socket socket =
           co_await acceptor_.async_accept(asio::redirect_error(asio::use_awaitable, ec));
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) co_return;
-      if (ec) continue;
+      if (ec) {
+        // Out of descriptors or memory for now: accepting again at once would spin.
+        backoff.expires_after(std::chrono::milliseconds(50));
+        co_await backoff.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+        continue;
+      }
+      if (waiting_.size() >= options_.max_connections) EvictLongestWaiting();
       asio::co_spawn(context_, Serve(std::move(socket)), asio::detached);
     }
   }
 
-  http::response<http::string_body> Respond(const http::request<http::string_body>& request) {
-    auto reply = [&](http::status status, std::string content_type, std::string body) {
-      http::response<http::string_body> response(status, request.version());
-      response.set(http::field::server, "strata");
-      response.set(http::field::content_type, content_type);
-      response.keep_alive(request.keep_alive());
-      response.body() = std::move(body);
-      response.prepare_payload();
-      return response;
-    };
-    if (request.method() != http::verb::get && request.method() != http::verb::head) {
-      auto response = reply(http::status::method_not_allowed, "text/plain", "only GET\n");
-      response.set(http::field::allow, "GET, HEAD");
-      return response;
-    }
-    const beast::string_view target = request.target();
-    const beast::string_view path = target.substr(0, target.find('?'));
-    if (path == "/metrics") {
-      return reply(http::status::ok, "text/plain; version=0.0.4; charset=utf-8",
-                   options_.render_metrics());
-    }
-    if (path == "/status") {
-      return reply(http::status::ok, "application/json", options_.render_status());
-    }
-    return reply(http::status::not_found, "text/plain", "not found; try /metrics or /status\n");
+  /// Closes the connection whose current wait began first; its coroutine ends with its pending
+  /// read or write aborted.
+  void EvictLongestWaiting() {
+    Connection* oldest = waiting_.front();
+    waiting_.pop_front();
+    oldest->evicted = true;
+    oldest->stream.close();
+  }
+
+  /// Marks `connection` as waiting from now on (for a request, or for its client to read).
+  void StartWaiting(Connection& connection) {
+    if (connection.evicted) return;
+    waiting_.splice(waiting_.end(), waiting_, connection.place);
+    connection.stream.expires_after(options_.request_timeout);
   }
 
   asio::awaitable<void> Serve(tcp::socket socket) {
-    beast::tcp_stream stream(std::move(socket));
-    beast::flat_buffer buffer;
+    Connection connection(std::move(socket));
+    connection.place = waiting_.insert(waiting_.end(), &connection);
+    struct Unregister {
+      Impl& impl;
+      Connection& connection;
+      ~Unregister() {
+        if (!connection.evicted) impl.waiting_.erase(connection.place);
+      }
+    } unregister{*this, connection};
+
+    // Bounded so that a request cannot make the buffer grow past what the parser accepts.
+    beast::flat_buffer buffer(kMaxRequestHeaderBytes + kMaxRequestBodyBytes);
     for (;;) {
-      http::request<http::string_body> request;
-      stream.expires_after(std::chrono::seconds(30));
+      StartWaiting(connection);
+      HttpRequestParser parser;
+      LimitRequestParser(parser);
       boost::system::error_code ec;
-      co_await http::async_read(stream, buffer, request,
+      co_await http::async_read(connection.stream, buffer, parser,
                                 asio::redirect_error(asio::use_awaitable, ec));
-      if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
-          ec == asio::error::operation_aborted || ec == asio::error::eof) {
+      if (connection.evicted || ec == http::error::end_of_stream || ec == beast::error::timeout ||
+          ec == asio::error::operation_aborted || ec == asio::error::eof ||
+          ec == asio::error::connection_reset) {
         break;
       }
-      if (ec) {
-        // The request did not parse: say so and close the connection.
-        http::response<http::string_body> bad(http::status::bad_request, 11);
-        bad.set(http::field::content_type, "text/plain");
-        bad.keep_alive(false);
-        bad.body() = "bad request: " + ec.message() + "\n";
-        bad.prepare_payload();
-        co_await http::async_write(stream, bad, asio::redirect_error(asio::use_awaitable, ec));
-        break;
-      }
-      http::response<http::string_body> response = Respond(request);
+      HttpResponse response =
+          ec ? AnswerParseError(ec, parser) : Answer(parser.get(), options_.handlers);
       const bool keep_alive = response.keep_alive();
-      co_await http::async_write(stream, response, asio::redirect_error(asio::use_awaitable, ec));
-      if (ec || !keep_alive) break;
+      StartWaiting(connection);
+      co_await http::async_write(connection.stream, response,
+                                 asio::redirect_error(asio::use_awaitable, ec));
+      if (ec || !keep_alive || connection.evicted) break;
     }
-    boost::system::error_code ignored;
-    stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    if (!connection.evicted) co_await LingerAndClose(connection);
+  }
+
+  /// Ends the connection as a server should that may not have read all its client sent (a
+  /// refused oversized request): closing with bytes unread would reset the connection, and the
+  /// client could lose the response before reading it. So: stop sending, then read and drop
+  /// what still comes for a short while.
+  asio::awaitable<void> LingerAndClose(Connection& connection) {
+    boost::system::error_code ec;
+    connection.stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+    if (ec) co_return;
+    StartWaiting(connection);
+    connection.stream.expires_after(std::min<std::chrono::milliseconds>(
+        options_.request_timeout, std::chrono::milliseconds(kLingerMilliseconds)));
+    std::array<char, 4096> sink;
+    for (size_t dropped = 0; dropped < kLingerMaxBytes && !connection.evicted;) {
+      dropped += co_await connection.stream.async_read_some(
+          asio::buffer(sink), asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+    }
   }
 
   MetricsServerOptions options_;
+  /// Open connections, the one waiting longest first. Only the server's thread touches it.
+  /// Declared before context_: destroying the context destroys the coroutines still suspended,
+  /// and each takes its connection off this list.
+  std::list<Connection*> waiting_;
   asio::io_context context_;
   tcp::acceptor acceptor_;
   std::thread thread_;

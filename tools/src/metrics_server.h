@@ -1,31 +1,39 @@
 // MetricsServer: the live metrics endpoint of `strata train --metrics-port`.
 //
 // A small HTTP/1.1 server (Boost.Beast) on its own thread and io_context, so nothing it does can
-// block training: GET /metrics answers the Prometheus text format (0.0.4), GET /status a JSON
-// document; other paths get 404, other methods 405, and requests that do not parse 400. Each
-// response is rendered by a callback on the server's thread; callbacks must be thread-safe.
+// block training; what it answers is metrics_http.h's. It holds up under load and abuse:
+//  - at most max_connections are open; a new one beyond that closes the connection that has
+//    waited longest (for a request to arrive or for its client to read a response), so idle
+//    or trickling connections (a slowloris) cannot lock out a scraper;
+//  - a request must arrive in full within request_timeout of the previous answer (or of the
+//    connect), and a response be taken within the same time, or the connection is closed;
+//  - requests are bounded in size (metrics_http.h) and pipelined ones answered in order;
+//  - the thread runs at a lower CPU priority (nice +10) than training, so a flood of requests
+//    takes what training leaves.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
+#include "metrics_handlers.h"
 #include "strata/core/status.h"
 
 namespace strata::tools {
 
 struct MetricsServerOptions {
-  std::string address = "127.0.0.1";            ///< Interface to listen on.
-  uint16_t port = 0;                            ///< 0: a free port chosen by the system.
-  std::function<std::string()> render_metrics;  ///< The /metrics body.
-  std::function<std::string()> render_status;   ///< The /status body (JSON).
+  std::string address = "127.0.0.1";  ///< Interface to listen on; loopback unless asked.
+  uint16_t port = 0;                  ///< 0: a free port chosen by the system.
+  MetricsHandlers handlers;           ///< What it serves.
+  size_t max_connections = 64;
+  std::chrono::milliseconds request_timeout{10'000};
 };
 
 class MetricsServer {
  public:
-  /// Binds and starts serving. InvalidArgument for a bad address; Unavailable (with the reason)
-  /// when the port cannot be bound.
+  /// Binds and starts serving. InvalidArgument for a bad address or limits; Unavailable (with
+  /// the reason) when the port cannot be bound.
   static Result<std::unique_ptr<MetricsServer>> Start(MetricsServerOptions options);
   /// Stops accepting, drops open connections and joins the thread.
   ~MetricsServer();

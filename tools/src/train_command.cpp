@@ -341,12 +341,12 @@ Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload
   MetricsServerOptions options;
   options.address = f.metrics_address;
   options.port = uint16_t(f.metrics_port);
-  options.render_metrics = [&engine] { return engine.metrics().RenderPrometheus(); };
+  options.handlers.render_metrics = [&engine] { return engine.metrics().RenderPrometheus(); };
   const std::string model = f.model;
   const int64_t steps = f.steps;
   const std::string states = StatesPlacement(engine);  // Where they are, not what was asked.
   const std::string params(TierName(o.placement.params));
-  options.render_status = [&engine, gauges, model, steps, states, params] {
+  options.handlers.render_status = [&engine, gauges, model, steps, states, params] {
     ordered_json j;
     j["model"] = model;
     j["step"] = int64_t(gauges.step->Value());
