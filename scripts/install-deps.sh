@@ -14,6 +14,7 @@ packages=(
   python3-prometheus-client     # parses /metrics in the metrics endpoint's test
   python3-matplotlib            # scripts/plot_bench.py: charts of strata bench all
   clang libclang-rt-14-dev      # libFuzzer: the parser fuzzers (scripts/fuzz.sh)
+  wrk                           # load on the metrics endpoint while training (its test)
 )
 
 missing=()
