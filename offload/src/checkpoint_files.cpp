@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -25,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "strata/core/bytes.h"
 #include "strata/core/log.h"
 
 // RENAME_EXCHANGE comes from <linux/fs.h> (or <stdio.h> with glibc >= 2.28); the value is ABI.
@@ -441,7 +443,8 @@ CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept
   return *this;
 }
 
-Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) {
+Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
+                                                 uint64_t bytes_needed) {
   fs::path dir = requested_dir;
   if (!dir.empty() && !dir.has_filename()) dir = dir.parent_path();  // "a/b/" names "a/b".
   const std::string name = dir.filename().string();
@@ -490,6 +493,20 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir) 
   }
 
   CleanUpLeftovers(parent, dir);
+
+  // Refused before a byte is written when the data cannot fit: the previous checkpoint stays
+  // until the new one is complete, so both must fit at once.
+  struct statvfs space {};
+  if (bytes_needed > 0 && ::statvfs(parent.c_str(), &space) == 0) {
+    const uint64_t free_bytes = uint64_t(space.f_bavail) * space.f_frsize;
+    if (free_bytes < bytes_needed) {
+      return ResourceExhausted(
+          "cannot write checkpoint " + dir.string() + ": it needs " + FormatBytes(bytes_needed) +
+          " and the file system holding " + parent.string() + " has " + FormatBytes(free_bytes) +
+          " free (a previous checkpoint there stays until the new one is complete); free "
+          "space there or write checkpoints elsewhere");
+    }
+  }
 
   fs::path staging = parent / (dir.filename().string() + ".tmp-" + std::to_string(::getpid()));
   fs::remove_all(staging, ec);

@@ -149,8 +149,10 @@ class CheckpointWriter {
   /// the errno text if it cannot be examined) and `dir`, if it exists, must be a directory
   /// (InvalidArgument otherwise). Creates a fresh staging directory "<dir>.tmp-<pid>", removing a
   /// stale one of that name first, and cleans up after crashed writers of the same `dir` (see
-  /// the file comment).
-  static Result<CheckpointWriter> Begin(const std::filesystem::path& dir);
+  /// the file comment). With `bytes_needed` (the data files' total), ResourceExhausted naming
+  /// both sizes when the file system has less free, before anything is written.
+  static Result<CheckpointWriter> Begin(const std::filesystem::path& dir,
+                                        uint64_t bytes_needed = 0);
 
   /// Creates the data file `name` in the staging directory and returns its sink. `name` must be
   /// a plain file name: not empty, no '/', not "." or "..", not "manifest.json"

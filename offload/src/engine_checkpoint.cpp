@@ -215,27 +215,36 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
   }
   manifest["parameters"] = std::move(parameters);
 
+  uint64_t bytes_needed = 0;
+  for (const Chunk& chunk : chunks_) bytes_needed += chunk.state_bytes();
   STRATA_ASSIGN_OR_RETURN(internal::CheckpointWriter writer,
-                          internal::CheckpointWriter::Begin(dir));
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
-  json chunks = json::array();
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    // One chunk at a time through one buffer: saving never needs the whole model in memory.
-    STRATA_RETURN_IF_ERROR(ReadChunkStates(i, states.data()));
-    const std::string name = ChunkFileName(i);
-    STRATA_ASSIGN_OR_RETURN(internal::CheckpointFileSink sink, writer.CreateFile(name));
-    STRATA_RETURN_IF_ERROR(sink.Append({states.data(), chunks_[i].state_bytes()}));
-    STRATA_ASSIGN_OR_RETURN(internal::FileDigest digest, sink.Finish());
-    chunks.push_back({{"file", name},
-                      {"numel", chunks_[i].numel},
-                      {"frozen", chunks_[i].frozen()},
-                      {"steps", chunks_[i].steps_taken},
-                      {"bytes", digest.bytes},
-                      {"xxh3", digest.xxh3}});
-    if (save_options.on_chunk_saved) save_options.on_chunk_saved(i + 1, chunks_.size());
-  }
-  manifest["chunks"] = std::move(chunks);
-  return writer.Commit(manifest);
+                          internal::CheckpointWriter::Begin(dir, bytes_needed));
+  // Past the check above the disk can still fill (another writer): the error then says how much
+  // this checkpoint needed too.
+  const std::string context =
+      "writing a checkpoint of " + FormatBytes(bytes_needed) + " to " + dir.string();
+  auto write = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
+    json chunks = json::array();
+    for (size_t i = 0; i < chunks_.size(); ++i) {
+      // One chunk at a time through one buffer: saving never needs the whole model in memory.
+      STRATA_RETURN_IF_ERROR(ReadChunkStates(i, states.data()));
+      const std::string name = ChunkFileName(i);
+      STRATA_ASSIGN_OR_RETURN(internal::CheckpointFileSink sink, writer.CreateFile(name));
+      STRATA_RETURN_IF_ERROR(sink.Append({states.data(), chunks_[i].state_bytes()}));
+      STRATA_ASSIGN_OR_RETURN(internal::FileDigest digest, sink.Finish());
+      chunks.push_back({{"file", name},
+                        {"numel", chunks_[i].numel},
+                        {"frozen", chunks_[i].frozen()},
+                        {"steps", chunks_[i].steps_taken},
+                        {"bytes", digest.bytes},
+                        {"xxh3", digest.xxh3}});
+      if (save_options.on_chunk_saved) save_options.on_chunk_saved(i + 1, chunks_.size());
+    }
+    manifest["chunks"] = std::move(chunks);
+    return writer.Commit(manifest);
+  };
+  return write().WithContext(context);
 }
 
 namespace {

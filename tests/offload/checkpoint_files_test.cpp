@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "strata/core/bytes.h"
 #include "strata/core/log.h"
 #include "support/scratch_dir.h"
 namespace strata::offload::internal {
@@ -590,6 +591,27 @@ TEST(CheckpointFilesTest, BeginWithMissingParentFails) {
       << writer.status().message();
   EXPECT_TRUE(Contains(writer.status(), "No such file or directory")) << writer.status().message();
   EXPECT_TRUE(fs::is_empty(tmp.path()));
+}
+
+TEST(CheckpointFilesTest, BeginRefusesACheckpointThatCannotFitAndKeepsThePreviousOne) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  WriteCheckpoint(dir, {{"a.bin", Pattern(100, 1)}});
+  // More than any file system here has free.
+  const uint64_t needed = uint64_t{1} << 60;
+  auto writer = CheckpointWriter::Begin(dir, needed);
+  ASSERT_FALSE(writer.ok());
+  EXPECT_EQ(writer.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(writer.status(), "it needs " + FormatBytes(needed)))
+      << writer.status().message();
+  EXPECT_TRUE(Contains(writer.status(), "free (a previous checkpoint there stays"))
+      << writer.status().message();
+  // Nothing written, nothing staged, the previous checkpoint as it was.
+  EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"ckpt"});
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  // What fits is let through.
+  EXPECT_TRUE(CheckpointWriter::Begin(dir, 4096).ok());
 }
 
 TEST(CheckpointFilesTest, BeginOnFileOrBadPathIsInvalidArgument) {

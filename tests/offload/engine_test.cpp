@@ -197,7 +197,10 @@ TEST(EngineTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
 }
 
 TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
-  for (nvme::IoOp op : {nvme::IoOp::kRead, nvme::IoOp::kWrite}) {
+  // A failed read or write, and a write into a full disk (swap space is reserved at Create, so
+  // only a file system that allocates on overwrite can give that).
+  for (auto [op, error] : {std::pair{nvme::IoOp::kRead, EIO}, std::pair{nvme::IoOp::kWrite, EIO},
+                           std::pair{nvme::IoOp::kWrite, ENOSPC}}) {
     ScratchDir nvme;
     const TinyModel model(kLayers, kWidth, kBatch);
     const EngineOptions options = MakeOptions({"fault", Tier::kNvme, Tier::kDevice}, nvme.path());
@@ -220,7 +223,7 @@ TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
     const auto before = trainer.MasterParameters();
 
     // Fail one chunk's state read or write; others succeed first.
-    plan->Add({.kind = nvme::FaultKind::kError, .op = op, .skip = 2, .times = 1, .error = EIO});
+    plan->Add({.kind = nvme::FaultKind::kError, .op = op, .skip = 2, .times = 1, .error = error});
     Result<StepReport> failed = trainer.TrainStep(2, &loss);
     ASSERT_FALSE(failed.ok());
     EXPECT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().ToString();
