@@ -10,20 +10,12 @@
 #include <string>
 
 #include "checkpoint_files.h"
+#include "checkpoint_manifest.h"
 #include "engine_impl.h"
 
 namespace strata::offload {
-namespace {
-
+using internal::ChunkFileName;
 using nlohmann::json;
-
-std::string ChunkFileName(size_t chunk) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "chunk-%06zu.bin", chunk);
-  return name;
-}
-
-}  // namespace
 
 Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
   const Chunk& c = chunks_[chunk];
@@ -247,82 +239,6 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
   return write().WithContext(context);
 }
 
-namespace {
-
-/// The first parameter frozen in the checkpoint and not in the engine, or the other way round:
-/// "'name' frozen then, trained now".
-std::optional<std::string> FrozenDifference(const json& manifest, const ChunkLayout& layout) {
-  const json& params = manifest.at("parameters");
-  const json& chunks = manifest.at("chunks");
-  for (size_t p = 0; p < params.size() && p < layout.parameter_count(); ++p) {
-    const size_t chunk = params[p].at("chunk").get<size_t>();
-    if (chunk >= chunks.size()) return std::nullopt;
-    const bool then = chunks[chunk].value("frozen", false);
-    const bool now = layout.chunk(layout.location(p).chunk).frozen;
-    if (then != now) {
-      return "'" + layout.name(p) + "' " +
-             (then ? "frozen then, trained now"
-                   : "trained then, "
-                     "frozen now");
-    }
-  }
-  return std::nullopt;
-}
-
-/// InvalidArgument unless the checkpoint's parameters are exactly the registered ones, packed
-/// the same way.
-Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
-  const json& params = manifest.at("parameters");
-  const json& chunks = manifest.at("chunks");
-  if (params.size() != layout.parameter_count()) {
-    return InvalidArgument("the checkpoint has " + std::to_string(params.size()) +
-                           " parameters; the engine has " +
-                           std::to_string(layout.parameter_count()));
-  }
-  for (size_t p = 0; p < params.size(); ++p) {
-    const json& saved = params[p];
-    const std::string name = saved.at("name").get<std::string>();
-    if (name != layout.name(p)) {
-      return InvalidArgument("parameter " + std::to_string(p) + " is '" + layout.name(p) +
-                             "' in the engine but '" + name + "' in the checkpoint");
-    }
-    if (saved.at("shape").get<std::vector<int64_t>>() != layout.shape(p)) {
-      return InvalidArgument("parameter '" + name + "' has shape " + saved.at("shape").dump() +
-                             " in the checkpoint but " + json(layout.shape(p)).dump() +
-                             " in the engine");
-    }
-    if (saved.at("chunk").get<size_t>() != layout.location(p).chunk ||
-        saved.at("offset").get<size_t>() != layout.location(p).offset) {
-      if (std::optional<std::string> frozen = FrozenDifference(manifest, layout)) {
-        return InvalidArgument(
-            "parameter '" + name + "' is packed differently in the checkpoint, which was saved " +
-            "with other parameters frozen (" + *frozen +
-            "); frozen and trained parameters never share a chunk, so the packing follows them. "
-            "Freeze what fills whole chunks, or move the states across with "
-            "ReadParameterState and WriteParameterState");
-      }
-      return InvalidArgument("parameter '" + name +
-                             "' is packed differently in the checkpoint; load it with the "
-                             "chunk_bytes it was saved with (" +
-                             manifest.at("engine").at("chunk_bytes").dump() + ")");
-    }
-  }
-  if (chunks.size() != layout.chunk_count()) {
-    return InvalidArgument("the checkpoint has " + std::to_string(chunks.size()) +
-                           " chunks; the engine has " + std::to_string(layout.chunk_count()));
-  }
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (chunks[i].at("numel").get<size_t>() != layout.chunk(i).numel) {
-      return InvalidArgument("chunk " + std::to_string(i) +
-                             " has a different size in the "
-                             "checkpoint");
-    }
-  }
-  return Status();
-}
-
-}  // namespace
-
 Status Engine::Impl::Load(const std::filesystem::path& dir) {
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Load"));
   if (std::optional<size_t> held = residency_.FirstAcquired()) {
@@ -331,41 +247,13 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
                               "parameters)");
   }
   STRATA_ASSIGN_OR_RETURN(internal::CheckpointReader reader, internal::CheckpointReader::Open(dir));
-  const json& manifest = reader.manifest();
-  LossScalerState scaler;
-  int64_t step_count = 0;
-  std::vector<internal::FileDigest> digests;
-  std::vector<int64_t> chunk_steps;
-  try {
-    STRATA_RETURN_IF_ERROR(CheckLayoutMatches(manifest, layout_));
-    const json& engine = manifest.at("engine");
-    step_count = engine.at("step_count").get<int64_t>();
-    const json& s = engine.at("loss_scaler");
-    scaler = {.scale = s.at("scale").get<double>(),
-              .iteration = s.at("iteration").get<int64_t>(),
-              .last_overflow_iteration = s.at("last_overflow_iteration").get<int64_t>(),
-              .hysteresis_left = s.at("hysteresis_left").get<int>()};
-    for (const json& chunk : manifest.at("chunks")) {
-      digests.push_back({chunk.at("bytes").get<uint64_t>(), chunk.at("xxh3").get<uint64_t>()});
-      // Checkpoints from before per-chunk step counts: every chunk took every step.
-      chunk_steps.push_back(chunk.value("steps", step_count));
-    }
-  } catch (const json::exception& e) {
-    return DataLoss("checkpoint manifest in " + dir.string() + " is missing a field: " + e.what());
-  }
+  Result<internal::EngineManifest> read = internal::ReadEngineManifest(reader.manifest(), layout_);
+  if (!read.ok()) return read.status().WithContext("checkpoint " + dir.string());
+  const internal::EngineManifest& saved = *read;
+  const std::vector<internal::FileDigest>& digests = saved.digests;
 
-  // First verify every file: a corrupted checkpoint changes nothing. A chunk frozen when it
-  // was saved holds only its values, a trained one its states too; either loads into either
-  // (freezing a trained model's layers, or unfreezing them: moments start at zero).
+  // First verify every file: a corrupted checkpoint changes nothing.
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    const size_t numel = chunks_[i].numel;
-    if (digests[i].bytes != ChunkStateBytes(numel) && digests[i].bytes != numel * sizeof(float)) {
-      return DataLoss("checkpoint file " + ChunkFileName(i) + " holds " +
-                      std::to_string(digests[i].bytes) + " bytes; chunk " + std::to_string(i) +
-                      " needs " + std::to_string(ChunkStateBytes(numel)) + " (or " +
-                      std::to_string(numel * sizeof(float)) + " if it was frozen)");
-    }
-    if (chunks_[i].frozen() || digests[i].bytes != ChunkStateBytes(numel)) chunk_steps[i] = 0;
     STRATA_RETURN_IF_ERROR(
         reader.ReadFile(ChunkFileName(i), digests[i],
                         [](std::span<const std::byte>, uint64_t) { return Status(); }));
@@ -406,7 +294,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
   std::vector<size_t> all(chunks_.size());
   std::iota(all.begin(), all.end(), size_t(0));
   STRATA_RETURN_IF_ERROR(SwitchToNewState(all));
-  pipeline_.Restore(scaler, step_count, chunk_steps);
+  pipeline_.Restore(saved.scaler, saved.step_count, saved.chunk_steps);
   return Status();
 }
 

@@ -1,6 +1,8 @@
 // Any bytes as a checkpoint's manifest.json: Open gives a reader or a clear error (DataLoss,
 // InvalidArgument), never a crash or an exception; a reader's files are then read by the names
-// the manifest gives, which must stay inside the checkpoint directory.
+// the manifest gives, which must stay inside the checkpoint directory; and what Load reads from
+// it (ReadEngineManifest, for the layout of tests/offload/checkpoint_manifest_test.cpp) is a
+// clear error or values in range. Seed: tests/fuzz/corpus/manifest/engine.json.
 #include <unistd.h>
 
 #include <cstddef>
@@ -10,6 +12,7 @@
 #include <string>
 
 #include "checkpoint_files.h"
+#include "checkpoint_manifest.h"
 
 namespace {
 
@@ -23,6 +26,41 @@ const std::filesystem::path& Dir() {
   return dir;
 }
 
+/// A trained 64x64 weight in one chunk, a frozen bias in another (engine.json's layout).
+const strata::offload::ChunkLayout& Layout() {
+  static const strata::offload::ChunkLayout layout = [] {
+    std::vector<strata::offload::ParameterSpec> specs(2);
+    specs[0].name = "w";
+    specs[0].shape = {64, 64};
+    specs[1].name = "b";
+    specs[1].shape = {64};
+    specs[1].frozen = true;
+    return std::move(strata::offload::ChunkLayout::Build(specs, strata::DType::kBf16, 8192))
+        .value();
+  }();
+  return layout;
+}
+
+/// What Load would take from the manifest: an error, or values it can use as they are.
+void CheckEngineFields(const nlohmann::json& manifest) {
+  auto read = strata::offload::internal::ReadEngineManifest(manifest, Layout());
+  if (!read.ok()) {
+    const strata::StatusCode code = read.status().code();
+    if (code != strata::StatusCode::kDataLoss && code != strata::StatusCode::kInvalidArgument) {
+      __builtin_trap();
+    }
+    return;
+  }
+  if (read->step_count < 0 || !(read->scaler.scale > 0.0) || read->scaler.hysteresis_left < 1 ||
+      read->digests.size() != Layout().chunk_count() ||
+      read->chunk_steps.size() != Layout().chunk_count()) {
+    __builtin_trap();
+  }
+  for (int64_t steps : read->chunk_steps) {
+    if (steps < 0 || steps > read->step_count) __builtin_trap();
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -33,6 +71,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto reader = strata::offload::internal::CheckpointReader::Open(Dir());
   if (!reader.ok()) return 0;
   const nlohmann::json& manifest = reader->manifest();
+  CheckEngineFields(manifest);
   auto chunks = manifest.find("chunks");
   if (chunks == manifest.end() || !chunks->is_array()) return 0;
   for (const nlohmann::json& chunk : *chunks) {

@@ -1,0 +1,42 @@
+// What an engine checkpoint's manifest says, read and checked against the engine's layout before
+// Load touches anything: the manifest is outside input (a file anyone may have edited), so every
+// field is checked for presence, type and range here, in one place, and fuzzed
+// (tests/fuzz/manifest_fuzzer.cpp).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "checkpoint_files.h"
+#include "strata/core/status.h"
+#include "strata/offload/chunk_layout.h"
+#include "strata/offload/loss_scaler.h"
+
+namespace strata::offload::internal {
+
+/// "chunk-000007.bin": the data file of a chunk.
+std::string ChunkFileName(size_t chunk);
+
+/// The engine's part of a manifest, for a layout it matched.
+struct EngineManifest {
+  int64_t step_count = 0;
+  LossScalerState scaler;
+  std::vector<FileDigest> digests;   ///< Per chunk: its file's size and hash.
+  std::vector<int64_t> chunk_steps;  ///< Per chunk: updates it took (0 when it starts afresh).
+};
+
+/// Reads `manifest` (already checked by CheckpointReader::Open for format and version) for an
+/// engine whose layout is `layout`. InvalidArgument, saying why, when the checkpoint holds other
+/// parameters, shapes or packing; DataLoss naming the field when one is missing, of the wrong
+/// type or out of range (a negative step count, a loss scale that is not a positive number, a
+/// chunk file of a size no chunk of that layout has).
+///
+/// A chunk saved frozen holds its values only and one saved trained its states; either loads
+/// into either, and `chunk_steps` is 0 for a chunk whose moments start afresh (unfrozen now, or
+/// frozen now).
+Result<EngineManifest> ReadEngineManifest(const nlohmann::json& manifest,
+                                          const ChunkLayout& layout);
+
+}  // namespace strata::offload::internal
