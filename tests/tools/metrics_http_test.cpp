@@ -91,6 +91,30 @@ TEST(MetricsHttpTest, OversizedInputGets4xxAndClosesTheConnection) {
   EXPECT_EQ(Statuses(wire), std::vector<int>{413}) << wire;
 }
 
+TEST(MetricsHttpTest, TheHeaderLimitCoversRequestLineAndFieldsTogether) {
+  // Read as the server reads (a first piece of 512 bytes), a long request line arrives in
+  // pieces; the limit is then on the whole header, and the answer is 431, not 414.
+  const std::string long_url = "GET /metrics?" + std::string(600, 'q') + " HTTP/1.1\r\n";
+  std::string wire =
+      AnswerAll(long_url + "X-Pad: " + std::string(9000, 'x') + "\r\n\r\n", Handlers());
+  EXPECT_EQ(Statuses(wire), std::vector<int>{431}) << wire;
+  wire = AnswerAll("GET /metrics?" + std::string(5000, 'q') +
+                       " HTTP/1.1\r\nX-Pad: " + std::string(5000, 'x') + "\r\n\r\n",
+                   Handlers());
+  EXPECT_EQ(Statuses(wire), std::vector<int>{431}) << wire;
+  // Under the limit together: answered.
+  wire = AnswerAll(long_url + "X-Pad: " + std::string(4000, 'x') + "\r\n\r\n", Handlers());
+  EXPECT_EQ(Statuses(wire), std::vector<int>{200}) << wire;
+}
+
+TEST(MetricsHttpTest, AnEndlessTrailerIsRefusedAsTooLarge) {
+  const std::string wire =
+      AnswerAll("GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Trailer: " +
+                    std::string(20000, 't') + "\r\n\r\n",
+                Handlers());
+  EXPECT_EQ(Statuses(wire), std::vector<int>{413}) << wire;
+}
+
 TEST(MetricsHttpTest, WhatIsNotHttpGets400) {
   for (const std::string input :
        {"hello\r\n\r\n", "GET /metrics HTTP/9.9\r\n\r\n", "GET /metrics HTTP/1.1\r\nHost a\r\n\r\n",

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "metrics_http.h"
+
 namespace strata::tools {
 namespace {
 
@@ -132,6 +134,50 @@ TEST(MetricsServerTest, ListensOnLoopbackByDefault) {
   bad.address = "127.0.0.1";
   bad.max_connections = 0;
   EXPECT_EQ(MetricsServer::Start(bad).status().code(), StatusCode::kInvalidArgument);
+  bad.max_connections = 1;
+  bad.request_timeout = std::chrono::milliseconds(0);
+  EXPECT_EQ(MetricsServer::Start(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(MetricsServerTest, AConnectionLingeringAfterItsAnswerGivesWayFirst) {
+  Served s = Serve(2, 10s);
+  ASSERT_TRUE(s.server);
+  Client idle(s.server->port());  // Waiting longest: a scraper's keep-alive connection.
+  ASSERT_TRUE(idle.connected());
+  std::this_thread::sleep_for(50ms);
+  Client refused(s.server->port());  // Answered 413, then lingers: its client keeps it open.
+  ASSERT_TRUE(refused.Send("GET /metrics HTTP/1.1\r\nContent-Length: 100000\r\n\r\n"));
+  EXPECT_EQ(refused.Receive(300ms).rfind("HTTP/1.1 413", 0), 0u);
+  Client third(s.server->port());
+  ASSERT_TRUE(third.Send(kGet));
+  EXPECT_EQ(third.ReceiveResponses(1, 2s).rfind("HTTP/1.1 200", 0), 0u);
+  // The lingering one was closed for it, not the scraper's.
+  ASSERT_TRUE(idle.Send(kGet));
+  const std::string wire = idle.ReceiveResponses(1, 2s);
+  EXPECT_EQ(wire.rfind("HTTP/1.1 200", 0), 0u) << "the idle scraper was closed: " << wire;
+}
+
+TEST(MetricsServerTest, ALongRequestLineInPiecesIsJudgedAsTheWholeHeader) {
+  Served s = Serve(8, 5s);
+  ASSERT_TRUE(s.server);
+  const std::string line = "GET /metrics?" + std::string(600, 'q') + " HTTP/1.1\r\n";
+  const std::string fields = "X-Pad: " + std::string(9000, 'x') + "\r\n\r\n";
+  {
+    Client client(s.server->port());
+    ASSERT_TRUE(client.Send(line + fields));
+    EXPECT_EQ(client.Receive(2s).rfind("HTTP/1.1 431", 0), 0u);
+  }
+  {
+    Client client(s.server->port());
+    ASSERT_TRUE(client.Send("GET /metr"));
+    std::this_thread::sleep_for(50ms);
+    ASSERT_TRUE(client.Send(line.substr(9) + fields));
+    EXPECT_EQ(client.Receive(2s).rfind("HTTP/1.1 431", 0), 0u);
+  }
+  {
+    // The same bytes in memory get the same answer.
+    EXPECT_EQ(AnswerAll(line + fields, {}).rfind("HTTP/1.1 431", 0), 0u);
+  }
 }
 
 TEST(MetricsServerTest, ConnectionsAreBoundedAndTheLongestIdleGivesWay) {

@@ -1,7 +1,9 @@
 #include "metrics_http.h"
 
 #include <boost/asio/buffer.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/http/error.hpp>
+#include <boost/beast/http/read.hpp>
 #include <boost/beast/http/write.hpp>
 #include <sstream>
 
@@ -62,10 +64,21 @@ HttpResponse Answer(const HttpRequest& request, const MetricsHandlers& handlers)
   return response;
 }
 
-HttpResponse AnswerParseError(beast::error_code error, const HttpRequestParser& parser) {
+HttpResponse AnswerParseError(beast::error_code error, const HttpRequestParser& parser,
+                              std::string_view unparsed) {
+  if (error == http::error::body_limit ||
+      (error == http::error::buffer_overflow && parser.is_header_done())) {
+    return Refuse(http::status::payload_too_large, "request body longer than " +
+                                                       std::to_string(kMaxRequestBodyBytes) +
+                                                       " bytes; /metrics and /status take none\n");
+  }
   if (error == http::error::header_limit || error == http::error::buffer_overflow) {
-    // The parser fills in the method once it has the whole request line.
-    if (parser.get().method_string().empty()) {
+    // The parser fills in the method once it has the request line; before that (it waits for
+    // the whole header when the line came in pieces), the buffered bytes say whether it ended.
+    const bool line_ended =
+        !parser.get().method_string().empty() ||
+        unparsed.substr(0, kMaxRequestHeaderBytes).find("\r\n") != std::string_view::npos;
+    if (!line_ended) {
       return Refuse(
           http::status::uri_too_long,
           "request line longer than " + std::to_string(kMaxRequestHeaderBytes) + " bytes\n");
@@ -74,44 +87,58 @@ HttpResponse AnswerParseError(beast::error_code error, const HttpRequestParser& 
         http::status::request_header_fields_too_large,
         "request headers longer than " + std::to_string(kMaxRequestHeaderBytes) + " bytes\n");
   }
-  if (error == http::error::body_limit) {
-    return Refuse(http::status::payload_too_large, "request body longer than " +
-                                                       std::to_string(kMaxRequestBodyBytes) +
-                                                       " bytes; /metrics and /status take none\n");
-  }
   return Refuse(http::status::bad_request, "bad request: " + error.message() + "\n");
 }
 
+namespace {
+
+/// A connection that delivers `bytes` and then ends, for http::read (a SyncReadStream).
+class BytesStream {
+ public:
+  explicit BytesStream(std::string_view bytes) : rest_(bytes) {}
+
+  template <typename MutableBuffers>
+  size_t read_some(const MutableBuffers& buffers, beast::error_code& error) {
+    if (rest_.empty()) {
+      error = boost::asio::error::eof;
+      return 0;
+    }
+    error = {};
+    const size_t n = boost::asio::buffer_copy(buffers, boost::asio::buffer(rest_));
+    rest_.remove_prefix(n);
+    return n;
+  }
+  template <typename MutableBuffers>
+  size_t read_some(const MutableBuffers& buffers) {
+    beast::error_code error;
+    const size_t n = read_some(buffers, error);
+    if (error) throw beast::system_error(error);
+    return n;
+  }
+
+ private:
+  std::string_view rest_;
+};
+
+}  // namespace
+
 std::string AnswerAll(std::string_view bytes, const MetricsHandlers& handlers) {
+  BytesStream stream(bytes);
+  beast::flat_buffer buffer(kMaxBufferedRequestBytes);
   std::ostringstream out;
-  auto send = [&out](const HttpResponse& response) {
-    out << response;
-    return response.keep_alive();
-  };
-  // As http::read does on a connection that delivers `bytes` and then ends: feed the parser what
-  // is buffered; at the end, a request begun and not finished is an error, none begun is done.
-  while (!bytes.empty()) {
+  for (;;) {
     HttpRequestParser parser;
     LimitRequestParser(parser);
     beast::error_code error;
-    while (!parser.is_done()) {
-      size_t used = 0;
-      if (!bytes.empty()) {
-        used = parser.put(boost::asio::buffer(bytes.data(), bytes.size()), error);
-        bytes.remove_prefix(used);
-        if (error == http::error::need_more) error = {};
-      }
-      if (!error && used == 0) {
-        // Everything there is was not enough: the connection ends in the middle of a request.
-        parser.put_eof(error);
-        if (!error && !parser.is_done()) error = http::error::partial_message;
-      }
-      if (error) {
-        send(AnswerParseError(error, parser));
-        return out.str();
-      }
-    }
-    if (!send(Answer(parser.get(), handlers))) break;
+    http::read(stream, buffer, parser, error);
+    if (error == http::error::end_of_stream) break;  // It ended between requests.
+    const auto unparsed = buffer.cdata();
+    const HttpResponse response =
+        error ? AnswerParseError(error, parser,
+                                 {static_cast<const char*>(unparsed.data()), unparsed.size()})
+              : Answer(parser.get(), handlers);
+    out << response;
+    if (!response.keep_alive()) break;
   }
   return out.str();
 }

@@ -21,6 +21,9 @@ namespace strata::tools {
 /// header and no body, so both are generous for clients and small for memory.
 inline constexpr size_t kMaxRequestHeaderBytes = 8 * 1024;
 inline constexpr size_t kMaxRequestBodyBytes = 4 * 1024;
+/// What a connection buffers of a request at most (its read buffer's limit): a header and a
+/// piece of body. Past it (a chunk extension or trailer that never ends) the request is refused.
+inline constexpr size_t kMaxBufferedRequestBytes = kMaxRequestHeaderBytes + kMaxRequestBodyBytes;
 
 using HttpRequest = boost::beast::http::request<boost::beast::http::string_body>;
 using HttpResponse = boost::beast::http::response<boost::beast::http::string_body>;
@@ -36,11 +39,15 @@ HttpResponse Answer(const HttpRequest& request, const MetricsHandlers& handlers)
 
 /// The response when a request did not parse: 431 or 414 (too large a header or request line),
 /// 413 (too large a body) or 400, always closing the connection. `parser` is the one that
-/// failed: how far it got tells a long request line from long headers.
-HttpResponse AnswerParseError(boost::beast::error_code error, const HttpRequestParser& parser);
+/// failed and `unparsed` what the connection still buffers: together they tell a long request
+/// line from long headers.
+HttpResponse AnswerParseError(boost::beast::error_code error, const HttpRequestParser& parser,
+                              std::string_view unparsed);
 
-/// Answers every request in `bytes` as one connection would, in order, stopping at the first
-/// response that closes it or at bytes that end mid-request: what the server would write back.
+/// Answers every request in `bytes` as one connection that delivers them and then ends would,
+/// in order, stopping at the first response that closes it: what the server would write back.
+/// It reads them as the server does (http::read into a buffer of kMaxBufferedRequestBytes), so
+/// the parser sees the same pieces.
 std::string AnswerAll(std::string_view bytes, const MetricsHandlers& handlers);
 
 }  // namespace strata::tools

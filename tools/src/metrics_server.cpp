@@ -57,6 +57,9 @@ class MetricsServer::Impl {
 
   Status Listen() {
     if (options_.max_connections == 0) return InvalidArgument("metrics: max_connections is 0");
+    if (options_.request_timeout <= std::chrono::milliseconds(0)) {
+      return InvalidArgument("metrics: request_timeout must be positive");
+    }
     boost::system::error_code ec;
     const asio::ip::address address = asio::ip::make_address(options_.address, ec);
     if (ec) return InvalidArgument("--metrics-address " + options_.address + ": " + ec.message());
@@ -129,7 +132,7 @@ class MetricsServer::Impl {
     } unregister{*this, connection};
 
     // Bounded so that a request cannot make the buffer grow past what the parser accepts.
-    beast::flat_buffer buffer(kMaxRequestHeaderBytes + kMaxRequestBodyBytes);
+    beast::flat_buffer buffer(kMaxBufferedRequestBytes);
     for (;;) {
       StartWaiting(connection);
       HttpRequestParser parser;
@@ -142,8 +145,11 @@ class MetricsServer::Impl {
           ec == asio::error::connection_reset) {
         break;
       }
+      const auto unparsed = buffer.cdata();
       HttpResponse response =
-          ec ? AnswerParseError(ec, parser) : Answer(parser.get(), options_.handlers);
+          ec ? AnswerParseError(ec, parser,
+                                {static_cast<const char*>(unparsed.data()), unparsed.size()})
+             : Answer(parser.get(), options_.handlers);
       const bool keep_alive = response.keep_alive();
       StartWaiting(connection);
       co_await http::async_write(connection.stream, response,
@@ -161,7 +167,8 @@ class MetricsServer::Impl {
     boost::system::error_code ec;
     connection.stream.socket().shutdown(tcp::socket::shutdown_send, ec);
     if (ec) co_return;
-    StartWaiting(connection);
+    // Done with, so the first to go should a new connection need room.
+    waiting_.splice(waiting_.begin(), waiting_, connection.place);
     connection.stream.expires_after(std::min<std::chrono::milliseconds>(
         options_.request_timeout, std::chrono::milliseconds(kLingerMilliseconds)));
     std::array<char, 4096> sink;
@@ -173,7 +180,8 @@ class MetricsServer::Impl {
   }
 
   MetricsServerOptions options_;
-  /// Open connections, the one waiting longest first. Only the server's thread touches it.
+  /// Open connections in the order they give way to a new one: those lingering after their
+  /// last answer, then the one waiting longest. Only the server's thread touches it.
   /// Declared before context_: destroying the context destroys the coroutines still suspended,
   /// and each takes its connection off this list.
   std::list<Connection*> waiting_;

@@ -2,9 +2,10 @@
 //
 // A small HTTP/1.1 server (Boost.Beast) on its own thread and io_context, so nothing it does can
 // block training; what it answers is metrics_http.h's. It holds up under load and abuse:
-//  - at most max_connections are open; a new one beyond that closes the connection that has
-//    waited longest (for a request to arrive or for its client to read a response), so idle
-//    or trickling connections (a slowloris) cannot lock out a scraper;
+//  - at most max_connections are open; a new one beyond that closes one that is lingering after
+//    its last answer, else the one that has waited longest (for a request to arrive or for its
+//    client to read a response), so idle or trickling connections (a slowloris) cannot lock out
+//    a scraper;
 //  - a request must arrive in full within request_timeout of the previous answer (or of the
 //    connect), and a response be taken within the same time, or the connection is closed;
 //  - requests are bounded in size (metrics_http.h) and pipelined ones answered in order;
