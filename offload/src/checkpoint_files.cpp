@@ -6,7 +6,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -443,6 +442,14 @@ CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept
   return *this;
 }
 
+std::optional<uint64_t> UsableBytes(const struct statvfs& space, bool privileged) {
+  if (space.f_blocks == 0) return std::nullopt;
+  const uint64_t blocks = privileged ? space.f_bfree : space.f_bavail;
+  const uint64_t block_bytes = space.f_frsize != 0 ? space.f_frsize : space.f_bsize;
+  if (block_bytes != 0 && blocks > UINT64_MAX / block_bytes) return UINT64_MAX;
+  return blocks * block_bytes;
+}
+
 Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
                                                  uint64_t bytes_needed) {
   fs::path dir = requested_dir;
@@ -498,8 +505,9 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
   // until the new one is complete, so both must fit at once.
   struct statvfs space {};
   if (bytes_needed > 0 && ::statvfs(parent.c_str(), &space) == 0) {
-    const uint64_t free_bytes = uint64_t(space.f_bavail) * space.f_frsize;
-    if (free_bytes < bytes_needed) {
+    const std::optional<uint64_t> usable = UsableBytes(space, ::geteuid() == 0);
+    if (usable && *usable < bytes_needed) {
+      const uint64_t free_bytes = *usable;
       return ResourceExhausted(
           "cannot write checkpoint " + dir.string() + ": it needs " + FormatBytes(bytes_needed) +
           " and the file system holding " + parent.string() + " has " + FormatBytes(free_bytes) +

@@ -35,12 +35,15 @@
 // CheckpointFileSinks of one writer may be used on different threads at once.
 #pragma once
 
+#include <sys/statvfs.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -69,6 +72,12 @@ struct FileDigest {
 /// Returns {"format": "strata-checkpoint", "version": 1}: the manifest header that Commit
 /// requires and CheckpointReader::Open checks. The engine adds its own keys to it.
 nlohmann::json NewManifest();
+
+/// The bytes a checkpoint may fill on a file system `space` describes (statvfs): the blocks
+/// available to unprivileged users, or for a privileged writer the free ones (root may fill the
+/// blocks reserved for it). nullopt when the file system reports no capacity at all (some FUSE
+/// file systems), where no check can be made.
+std::optional<uint64_t> UsableBytes(const struct statvfs& space, bool privileged);
 
 /// Reads the whole file at `path` and returns its size and XXH3-64. NotFound when it does not
 /// exist, IoError on a read error. For tests and diagnostics.

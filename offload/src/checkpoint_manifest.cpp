@@ -166,18 +166,50 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
   return Status();
 }
 
+/// Counters (steps, iterations) are exact in a double and far from overflowing an int64 when
+/// the next step adds one: past this they are corrupt, not long runs.
+constexpr int64_t kMaxCount = int64_t{1} << 53;
+
+int64_t Count(const json& object, const std::string& path, std::string_view key) {
+  const int64_t count = Field<int64_t>(object, path, key);
+  if (count < 0 || count > kMaxCount) {
+    throw BadField{Path(path, key), "is " + std::to_string(count) + "; a count is in [0, 2^53]"};
+  }
+  return count;
+}
+
+/// Adam and AdamW keep the same moments; the others keep their own kinds.
+int MomentKind(OptimizerType type) {
+  return type == OptimizerType::kAdam ? int(OptimizerType::kAdamW) : int(type);
+}
+
+Status CheckOptimizer(const json& engine, OptimizerType optimizer) {
+  const std::string saved_name = Field<std::string>(engine, "engine", "optimizer");
+  const Result<OptimizerType> saved = ParseOptimizerType(saved_name);
+  if (!saved.ok()) throw BadField{"engine.optimizer", "is \"" + saved_name + "\", not known"};
+  if (MomentKind(*saved) != MomentKind(optimizer)) {
+    return InvalidArgument("the checkpoint holds " + saved_name +
+                           "'s optimizer states and this "
+                           "engine runs " +
+                           std::string(OptimizerTypeName(optimizer)) +
+                           ", whose states mean something else; load it with " + saved_name +
+                           ", or carry only the weights over (ReadParameterState of kMaster "
+                           "there, WriteParameterState here)");
+  }
+  return Status();
+}
+
 LossScalerState ReadScaler(const json& engine) {
   const std::string path = "engine.loss_scaler";
   const json& s = Member(engine, "engine", "loss_scaler");
   const LossScalerState scaler = {
       .scale = Field<double>(s, path, "scale"),
-      .iteration = Field<int64_t>(s, path, "iteration"),
+      .iteration = Count(s, path, "iteration"),
       .last_overflow_iteration = Field<int64_t>(s, path, "last_overflow_iteration"),
       .hysteresis_left = Field<int>(s, path, "hysteresis_left")};
   if (!std::isfinite(scaler.scale) || scaler.scale <= 0.0) {
     throw BadField{path + ".scale", "is " + Show(s["scale"]) + "; a loss scale is positive"};
   }
-  if (scaler.iteration < 0) throw BadField{path + ".iteration", "is negative"};
   if (scaler.last_overflow_iteration < -1 || scaler.last_overflow_iteration > scaler.iteration) {
     throw BadField{path + ".last_overflow_iteration",
                    "is " + std::to_string(scaler.last_overflow_iteration) +
@@ -193,13 +225,20 @@ LossScalerState ReadScaler(const json& engine) {
 
 }  // namespace
 
-Result<EngineManifest> ReadEngineManifest(const json& manifest, const ChunkLayout& layout) {
+Result<EngineManifest> ReadEngineManifest(const json& manifest, const ChunkLayout& layout,
+                                          OptimizerType optimizer) {
   EngineManifest saved;
   try {
     STRATA_RETURN_IF_ERROR(CheckLayoutMatches(manifest, layout));
     const json& engine = Member(manifest, "", "engine");
-    saved.step_count = Field<int64_t>(engine, "engine", "step_count");
-    if (saved.step_count < 0) throw BadField{"engine.step_count", "is negative"};
+    STRATA_RETURN_IF_ERROR(CheckOptimizer(engine, optimizer));
+    saved.step_count = Count(engine, "engine", "step_count");
+    const std::string dtype = Field<std::string>(engine, "engine", "working_dtype");
+    const Result<DType> working_dtype = ParseDType(dtype);
+    if (!working_dtype.ok()) {
+      throw BadField{"engine.working_dtype", "is \"" + dtype + "\", not a dtype"};
+    }
+    saved.working_dtype = *working_dtype;
     saved.scaler = ReadScaler(engine);
     const json& chunks = manifest.at("chunks");  // An array of layout.chunk_count(): checked.
     for (size_t i = 0; i < chunks.size(); ++i) {
@@ -224,8 +263,8 @@ Result<EngineManifest> ReadEngineManifest(const json& manifest, const ChunkLayou
       // Checkpoints from before per-chunk step counts: every chunk took every step.
       int64_t steps = saved.step_count;
       if (chunk.contains("steps")) {
-        steps = Field<int64_t>(chunk, path, "steps");
-        if (steps < 0 || steps > saved.step_count) {
+        steps = Count(chunk, path, "steps");
+        if (steps > saved.step_count) {
           throw BadField{path + ".steps", "is " + std::to_string(steps) +
                                               "; a chunk takes between 0 and step_count (" +
                                               std::to_string(saved.step_count) + ") updates"};

@@ -239,6 +239,19 @@ Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& s
   return write().WithContext(context);
 }
 
+LossScalerState Engine::Impl::ScalerAfterLoad(const internal::EngineManifest& saved) const {
+  // The saved scale is this engine's to continue only when both scale fp16 losses dynamically.
+  // Otherwise this engine's configuration sets it (a static scale, or none: a bf16 checkpoint's
+  // scale of 1 would leave fp16 gradients to underflow); the iteration count carries over.
+  LossScalerState scaler = LossScaler(options_.precision).state();
+  const bool both_dynamic_fp16 = saved.working_dtype == DType::kFp16 &&
+                                 working_dtype() == DType::kFp16 &&
+                                 options_.precision.loss_scale == 0.0;
+  if (both_dynamic_fp16) return saved.scaler;
+  scaler.iteration = saved.scaler.iteration;
+  return scaler;
+}
+
 Status Engine::Impl::Load(const std::filesystem::path& dir) {
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Load"));
   if (std::optional<size_t> held = residency_.FirstAcquired()) {
@@ -247,7 +260,8 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
                               "parameters)");
   }
   STRATA_ASSIGN_OR_RETURN(internal::CheckpointReader reader, internal::CheckpointReader::Open(dir));
-  Result<internal::EngineManifest> read = internal::ReadEngineManifest(reader.manifest(), layout_);
+  Result<internal::EngineManifest> read =
+      internal::ReadEngineManifest(reader.manifest(), layout_, options_.optimizer.type);
   if (!read.ok()) return read.status().WithContext("checkpoint " + dir.string());
   const internal::EngineManifest& saved = *read;
   const std::vector<internal::FileDigest>& digests = saved.digests;
@@ -294,7 +308,7 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
   std::vector<size_t> all(chunks_.size());
   std::iota(all.begin(), all.end(), size_t(0));
   STRATA_RETURN_IF_ERROR(SwitchToNewState(all));
-  pipeline_.Restore(saved.scaler, saved.step_count, saved.chunk_steps);
+  pipeline_.Restore(ScalerAfterLoad(saved), saved.step_count, saved.chunk_steps);
   return Status();
 }
 

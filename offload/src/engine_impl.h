@@ -25,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "checkpoint_manifest.h"
 #include "chunk.h"
 #include "engine_metrics.h"
 #include "loop_sync.h"
@@ -61,6 +62,9 @@ class Engine::Impl {
   // engine_checkpoint.cpp.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options);
   Status Load(const std::filesystem::path& dir);
+  /// The loss scaler's state after loading `saved` (the saved one, or this engine's fresh one
+  /// when their precisions differ).
+  LossScalerState ScalerAfterLoad(const internal::EngineManifest& saved) const;
   Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
   Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
   /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)

@@ -43,7 +43,8 @@ const strata::offload::ChunkLayout& Layout() {
 
 /// What Load would take from the manifest: an error, or values it can use as they are.
 void CheckEngineFields(const nlohmann::json& manifest) {
-  auto read = strata::offload::internal::ReadEngineManifest(manifest, Layout());
+  auto read = strata::offload::internal::ReadEngineManifest(manifest, Layout(),
+                                                            strata::OptimizerType::kAdamW);
   if (!read.ok()) {
     const strata::StatusCode code = read.status().code();
     if (code != strata::StatusCode::kDataLoss && code != strata::StatusCode::kInvalidArgument) {
@@ -51,7 +52,8 @@ void CheckEngineFields(const nlohmann::json& manifest) {
     }
     return;
   }
-  if (read->step_count < 0 || !(read->scaler.scale > 0.0) || read->scaler.hysteresis_left < 1 ||
+  if (read->step_count < 0 || read->step_count > (int64_t{1} << 53) ||
+      !(read->scaler.scale > 0.0) || read->scaler.hysteresis_left < 1 ||
       read->digests.size() != Layout().chunk_count() ||
       read->chunk_steps.size() != Layout().chunk_count()) {
     __builtin_trap();

@@ -614,6 +614,22 @@ TEST(CheckpointFilesTest, BeginRefusesACheckpointThatCannotFitAndKeepsThePreviou
   EXPECT_TRUE(CheckpointWriter::Begin(dir, 4096).ok());
 }
 
+TEST(CheckpointFilesTest, UsableBytesFollowWhatTheWriterMayFill) {
+  struct statvfs space {};
+  space.f_frsize = 4096;
+  space.f_blocks = 1000;
+  space.f_bfree = 100;  // 50 of them reserved for root, as ext4 does.
+  space.f_bavail = 50;
+  EXPECT_EQ(UsableBytes(space, /*privileged=*/false), 50u * 4096);
+  EXPECT_EQ(UsableBytes(space, /*privileged=*/true), 100u * 4096);
+  // No capacity reported (libfuse's default statfs): nothing to check against.
+  const struct statvfs no_capacity {};
+  EXPECT_EQ(UsableBytes(no_capacity, false), std::nullopt);
+  // A near-infinite count saturates instead of wrapping to a small number.
+  space.f_bavail = space.f_bfree = space.f_blocks = UINT64_MAX / 2;
+  EXPECT_EQ(UsableBytes(space, false), UINT64_MAX);
+}
+
 TEST(CheckpointFilesTest, BeginOnFileOrBadPathIsInvalidArgument) {
   ScratchDir tmp;
   WriteText(tmp.path() / "file", "x");

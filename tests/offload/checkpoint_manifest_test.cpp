@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -35,7 +36,7 @@ json Valid() {
 TEST(CheckpointManifestTest, ReadsWhatSaveWrites) {
   const ChunkLayout layout = Layout();
   ASSERT_EQ(layout.chunk_count(), 2u);
-  Result<EngineManifest> read = ReadEngineManifest(Valid(), layout);
+  Result<EngineManifest> read = ReadEngineManifest(Valid(), layout, OptimizerType::kAdamW);
   ASSERT_TRUE(read.ok()) << read.status().message();
   EXPECT_EQ(read->step_count, 5);
   EXPECT_EQ(
@@ -48,12 +49,14 @@ TEST(CheckpointManifestTest, ReadsWhatSaveWrites) {
   // Before per-chunk step counts every chunk took every step.
   json old = Valid();
   old["chunks"][0].erase("steps");
-  EXPECT_EQ(ReadEngineManifest(old, layout)->chunk_steps, (std::vector<int64_t>{5, 0}));
+  EXPECT_EQ(ReadEngineManifest(old, layout, OptimizerType::kAdamW)->chunk_steps,
+            (std::vector<int64_t>{5, 0}));
   // A trained chunk saved frozen (values only) starts its moments afresh.
   json frozen_then = Valid();
   frozen_then["chunks"][0]["bytes"] = 4096 * 4;
   frozen_then["chunks"][0]["frozen"] = true;
-  EXPECT_EQ(ReadEngineManifest(frozen_then, layout)->chunk_steps, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(ReadEngineManifest(frozen_then, layout, OptimizerType::kAdamW)->chunk_steps,
+            (std::vector<int64_t>{0, 0}));
 }
 
 TEST(CheckpointManifestTest, EachBadFieldIsDataLossNamingIt) {
@@ -66,17 +69,26 @@ TEST(CheckpointManifestTest, EachBadFieldIsDataLossNamingIt) {
       {[](json& m) { m["engine"].erase("step_count"); }, "step_count"},
       {[](json& m) { m["engine"]["step_count"] = 2.5; },
        "engine.step_count is 2.5, not an integer"},
-      {[](json& m) { m["engine"]["step_count"] = -1; }, "engine.step_count is negative"},
+      {[](json& m) { m["engine"]["step_count"] = -1; }, "engine.step_count is -1; a count"},
+      {[](json& m) {
+         m["engine"]["step_count"] = INT64_MAX;
+         m["chunks"][0]["steps"] = INT64_MAX;
+       },
+       "engine.step_count is 9223372036854775807"},
+      {[](json& m) { m["engine"]["working_dtype"] = "fp8"; }, "engine.working_dtype is \"fp8\""},
+      {[](json& m) { m["engine"]["optimizer"] = "sgd"; }, "engine.optimizer is \"sgd\", not known"},
       {[](json& m) { m["engine"]["step_count"] = "5"; }, "step_count is \"5\", not an integer"},
       {[](json& m) { m["engine"]["loss_scaler"]["scale"] = 0.0; }, "engine.loss_scaler.scale"},
       {[](json& m) { m["engine"]["loss_scaler"]["scale"] = -2.0; }, "engine.loss_scaler.scale"},
-      {[](json& m) { m["engine"]["loss_scaler"]["iteration"] = -3; }, "loss_scaler.iteration"},
+      {[](json& m) { m["engine"]["loss_scaler"]["iteration"] = -3; },
+       "loss_scaler.iteration is -3"},
       {[](json& m) { m["engine"]["loss_scaler"]["last_overflow_iteration"] = 9; },
        "last_overflow_iteration is 9"},
       {[](json& m) { m["engine"]["loss_scaler"]["hysteresis_left"] = 0; }, "hysteresis_left"},
       {[](json& m) { m["engine"]["loss_scaler"].erase("scale"); }, "scale"},
       {[](json& m) { m["chunks"][0]["steps"] = 6; }, "chunks[0].steps is 6"},
       {[](json& m) { m["chunks"][0]["steps"] = -1; }, "chunks[0].steps is -1"},
+      {[](json& m) { m["engine"]["loss_scaler"]["iteration"] = INT64_MAX; }, "iteration is 9223"},
       {[](json& m) { m["chunks"][0]["steps"] = true; }, "chunks[0].steps is true, not an integer"},
       {[](json& m) { m["chunks"][0]["bytes"] = 100; }, "holds 100 bytes; chunk 0 needs 49152"},
       {[](json& m) { m["chunks"][1].erase("xxh3"); }, "chunks[1].xxh3 is missing"},
@@ -92,11 +104,25 @@ TEST(CheckpointManifestTest, EachBadFieldIsDataLossNamingIt) {
   for (const Case& c : cases) {
     json manifest = Valid();
     c.edit(manifest);
-    Result<EngineManifest> read = ReadEngineManifest(manifest, layout);
+    Result<EngineManifest> read = ReadEngineManifest(manifest, layout, OptimizerType::kAdamW);
     ASSERT_FALSE(read.ok()) << manifest.dump();
     EXPECT_EQ(read.status().code(), StatusCode::kDataLoss) << read.status().message();
     EXPECT_NE(read.status().message().find(c.named), std::string::npos)
         << c.named << " not in: " << read.status().message();
+  }
+}
+
+TEST(CheckpointManifestTest, MomentsOfAnotherKindOfOptimizerAreRefused) {
+  const ChunkLayout layout = Layout();
+  EXPECT_TRUE(ReadEngineManifest(Valid(), layout, OptimizerType::kAdam).ok());
+  for (OptimizerType other : {OptimizerType::kLion, OptimizerType::kAdagrad}) {
+    Result<EngineManifest> read = ReadEngineManifest(Valid(), layout, other);
+    ASSERT_FALSE(read.ok());
+    EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(read.status().message().find("holds adamw's optimizer states and this engine runs " +
+                                           std::string(OptimizerTypeName(other))),
+              std::string::npos)
+        << read.status().message();
   }
 }
 
@@ -115,7 +141,7 @@ TEST(CheckpointManifestTest, AnotherModelIsInvalidArgumentSayingWhy) {
   for (const auto& [edit, named] : cases) {
     json manifest = Valid();
     edit(manifest);
-    Result<EngineManifest> read = ReadEngineManifest(manifest, layout);
+    Result<EngineManifest> read = ReadEngineManifest(manifest, layout, OptimizerType::kAdamW);
     ASSERT_FALSE(read.ok()) << manifest.dump();
     EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument) << read.status().message();
     EXPECT_NE(read.status().message().find(named), std::string::npos)

@@ -324,6 +324,44 @@ TEST(EngineTest, CorruptedCheckpointIsDataLossAndChangesNothing) {
   EXPECT_EQ(engine->step_count(), 2);
 }
 
+TEST(EngineTest, TheLossScaleCarriesOverOnlyBetweenDynamicFp16Engines) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  const Placement host{"host", Tier::kHost, Tier::kDevice};
+  auto options = [&](DType dtype, double static_scale, int initial_power) {
+    EngineOptions o = MakeOptions(host, dir.path(), dtype);
+    o.precision.loss_scale = static_scale;
+    o.precision.initial_scale_power = initial_power;
+    return o;
+  };
+  auto train_and_save = [&](const EngineOptions& o, const std::string& name) {
+    auto engine = std::move(Engine::Create(o, *device, specs)).value();
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    ASSERT_TRUE(engine->Save(dir.path() / name).ok());
+  };
+  auto scale_after_loading = [&](const EngineOptions& o, const std::string& name) {
+    auto engine = std::move(Engine::Create(o, *device, specs)).value();
+    const Status loaded = engine->Load(dir.path() / name);
+    EXPECT_TRUE(loaded.ok()) << loaded.ToString();
+    EXPECT_EQ(engine->iteration_count(), 2) << name;
+    return engine->loss_scale();
+  };
+  train_and_save(options(DType::kBf16, 0.0, 16), "bf16");
+  train_and_save(options(DType::kFp16, 0.0, 10), "fp16-dynamic-1024");
+
+  // fp16 from a bf16 checkpoint starts at its own initial scale, not bf16's 1.
+  EXPECT_EQ(scale_after_loading(options(DType::kFp16, 0.0, 16), "bf16"), 65536.0);
+  // Dynamic to dynamic continues the saved scale.
+  EXPECT_EQ(scale_after_loading(options(DType::kFp16, 0.0, 16), "fp16-dynamic-1024"), 1024.0);
+  // A static scale is the configuration's; bf16 has none.
+  EXPECT_EQ(scale_after_loading(options(DType::kFp16, 128.0, 16), "fp16-dynamic-1024"), 128.0);
+  EXPECT_EQ(scale_after_loading(options(DType::kBf16, 0.0, 16), "fp16-dynamic-1024"), 1.0);
+}
+
 TEST(EngineTest, CheckpointOfAnotherModelIsRejected) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);

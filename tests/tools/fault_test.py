@@ -7,8 +7,9 @@
   needed; either way the previous checkpoint is intact and resumes exactly.
 - The NVMe path's file system filled up while training runs: swap space is reserved at Create
   (posix_fallocate), so training goes on with the losses of an undisturbed run.
-- kill -9 at random moments of `train --checkpoint DIR --checkpoint-every 2`: DIR is always
-  either absent or a checkpoint that resumes with the losses of an uninterrupted run.
+- kill -9 at random moments of `train --checkpoint DIR --checkpoint-every 2`, and at the moment
+  a save begins: DIR is always either absent or a checkpoint that resumes with the losses of an
+  uninterrupted run, and a dead writer's staging folder is cleaned up by the next.
 - Bytes flipped in the swap file while training runs: the step fails on the checksum, naming
   the chunk, and training stops (exit 1).
 
@@ -136,7 +137,7 @@ def disk_fills_while_training(reference):
     return f"filled with {filler >> 20} MiB mid-run; 200 steps, losses identical"
 
 
-def kill_at_random_moments(reference, runs=10):
+def kill_at_random_moments(reference, runs=12):
     rng = random.Random(SEED)
     start = time.monotonic()
     train("--steps", "40")
@@ -148,13 +149,23 @@ def kill_at_random_moments(reference, runs=10):
             run = subprocess.Popen([STRATA, *TRAIN, "--steps", "40", "--checkpoint", ck,
                                     "--checkpoint-every", "2"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            delay = rng.uniform(0.3, 0.95) * duration
-            time.sleep(delay)
+            if i % 3 == 2:
+                # Every third run: the moment a save after the first begins (its staging
+                # folder appears next to the checkpoint).
+                deadline = time.monotonic() + duration * 2 + 10
+                while time.monotonic() < deadline and not (
+                        os.path.exists(ck) and glob.glob(f"{scratch}/ck.tmp-*")):
+                    pass
+                delay = -1.0
+            else:
+                delay = rng.uniform(0.3, 0.95) * duration
+                time.sleep(delay)
             run.kill()
             run.wait()
             staged = [n for n in os.listdir(scratch) if n.startswith("ck.tmp-")]
+            moment = "mid-save" if delay < 0 else f"{delay:.2f}s"
             if not os.path.exists(ck):
-                outcomes.append(f"{delay:.2f}s: before the first checkpoint")
+                outcomes.append(f"{moment}: before the first checkpoint")
                 continue
             step = checkpoint_step(ck)
             # Resumed as a job is restarted: from DIR, checkpointing into it again.
@@ -164,8 +175,8 @@ def kill_at_random_moments(reference, runs=10):
             assert resumed == expected, f"run {i} (seed {SEED}): resume from {step} differs"
             assert not [n for n in os.listdir(scratch) if n.startswith("ck.tmp-")], \
                 "the next writer did not clean up a dead one's staging folder"
-            outcomes.append(f"{delay:.2f}s: at step {step}" +
-                            (", mid-save (staging left, cleaned up)" if staged else ""))
+            outcomes.append(f"{moment}: at step {step}" +
+                            (" (a staging folder left, cleaned up)" if staged else ""))
     resumed_runs = sum("at step" in o for o in outcomes)
     assert resumed_runs >= runs // 2, f"too few kills after a checkpoint: {outcomes}"
     return f"seed {SEED}: " + "; ".join(outcomes)

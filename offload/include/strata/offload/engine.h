@@ -216,11 +216,14 @@ class Engine {
   void SetLearningRate(double lr);
 
   /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
-  /// atomically). Must not be called while a step is running.
+  /// atomically). Must not be called while a step is running. ResourceExhausted, before writing,
+  /// when the file system cannot hold it next to the previous one; any later error (a disk that
+  /// filled meanwhile) names the size it needed. On any error the previous checkpoint is intact.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options = {});
   /// Loads a checkpoint written by Save, possibly with a different placement. DataLoss for a
-  /// corrupted or incomplete checkpoint; InvalidArgument when its parameters do not match the
-  /// registered ones. On error the engine's state is unchanged.
+  /// corrupted or incomplete checkpoint, or a manifest field missing, mistyped or out of range
+  /// (the message names it); InvalidArgument when its parameters do not match the registered
+  /// ones. On error the engine's state is unchanged.
   Status Load(const std::filesystem::path& dir);
 
   /// Copies the current fp32 master value of `parameter` (registration index) into `out`
