@@ -513,6 +513,7 @@ Status VisitStrataFields(O& o, Visitor& v) {
   STRATA_RETURN_IF_ERROR(v.Field("offload_ratio", o.placement.offload_ratio));
   STRATA_RETURN_IF_ERROR(v.Field("params", o.placement.params));
   STRATA_RETURN_IF_ERROR(v.Field("max_params_in_host", o.placement.max_params_in_host));
+  STRATA_RETURN_IF_ERROR(v.Field("max_states_in_host", o.placement.max_states_in_host));
   STRATA_RETURN_IF_ERROR(v.Field("pipeline_read", o.placement.pipeline_read));
   STRATA_RETURN_IF_ERROR(v.Field("pipeline_write", o.placement.pipeline_write));
   STRATA_RETURN_IF_ERROR(v.Field("chunk_bytes", o.placement.chunk_bytes));

@@ -299,6 +299,13 @@ Status EngineOptions::Validate() const {
         "placement.params is \"nvme\" but nvme.paths is empty; set nvme.paths "
         "(DeepSpeed: offload_param.nvme_path)");
   }
+  if (placement.max_states_in_host > 0 && placement.optimizer_states != Tier::kNvme) {
+    return InvalidArgument(
+        "placement.max_states_in_host is set but placement.optimizer_states is \"" +
+        std::string(TierName(placement.optimizer_states)) +
+        "\": it keeps part of NVMe-homed states in host memory, so set optimizer_states to nvme "
+        "(or drop it)");
+  }
   // The device steps the states it keeps where the parameters are: it needs them resident.
   const bool device_states =
       placement.optimizer_states == Tier::kDevice || placement.offload_ratio < 1.0;

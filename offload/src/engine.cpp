@@ -202,6 +202,16 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       c.placement.optimizer_states = Tier::kHost;  // Did not fit: the CPU updates it.
     }
   }
+  // States homed on NVMe fill max_states_in_host first, in the same order: the chunks whose
+  // gradients arrive last, with the least time left to read their states, read nothing.
+  uint64_t states_in_host = 0;
+  for (size_t i : trained) {
+    Chunk& c = chunks_[i];
+    if (c.placement.optimizer_states != Tier::kNvme) continue;
+    if (states_in_host + c.state_bytes() > place.max_states_in_host) break;
+    c.placement.optimizer_states = Tier::kHost;
+    states_in_host += c.state_bytes();
+  }
 
   // Offloaded parameters fetch into whatever the device has left: it must hold any one chunk.
   if (place.params != Tier::kDevice) {

@@ -105,9 +105,16 @@ Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
   return SecondsSince(start);
 }
 
-/// Reads, then writes, every chunk's optimizer states through a swap space, with as many in
+/// Chunks whose states the engine keeps on NVMe: those past max_states_in_host.
+int NvmeStateChunks(const PipelineBenchmarkOptions& o, size_t numel) {
+  const uint64_t in_host = o.max_states_in_host / ChunkStateBytes(numel);
+  return o.chunks - int(std::min<uint64_t>(in_host, uint64_t(o.chunks)));
+}
+
+/// Reads, then writes, `chunks` chunks' optimizer states through a swap space, with as many in
 /// flight as the engine has staging buffers. Returns {read seconds, write seconds}.
-Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, size_t numel) {
+Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, size_t numel,
+                                           int chunks) {
   const EngineOptions defaults;
   const NvmeOptions& nv = defaults.nvme;
   STRATA_ASSIGN_OR_RETURN(auto io,
@@ -116,7 +123,7 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
                                                   .queue_depth = uint32_t(nv.queue_depth)}));
   const uint64_t bytes = ChunkStateBytes(numel);
   const uint64_t per_path =
-      AlignUp(AlignUp(bytes, kMiB) * o.chunks / o.nvme_paths.size() + 16 * kMiB, kMiB);
+      AlignUp(AlignUp(bytes, kMiB) * chunks / o.nvme_paths.size() + 16 * kMiB, kMiB);
   STRATA_ASSIGN_OR_RETURN(
       auto swap,
       nvme::SwapSpace::Create(
@@ -132,7 +139,7 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
     std::memset(buffers.back().data(), 0x3c, buffers.back().size());
   }
   std::vector<nvme::ExtentId> extents;
-  for (int c = 0; c < o.chunks; ++c) {
+  for (int c = 0; c < chunks; ++c) {
     STRATA_ASSIGN_OR_RETURN(nvme::ExtentId e, swap->Allocate(bytes));
     extents.push_back(e);
   }
@@ -147,7 +154,7 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
       int chunk;
       {
         std::lock_guard lock(mutex);
-        if (next >= o.chunks) return;
+        if (next >= chunks) return;
         chunk = next++;
       }
       auto finished = [&, slot](Status s) {
@@ -167,7 +174,7 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
     const auto start = Clock::now();
     for (int slot = 0; slot < in_flight; ++slot) start_one(slot);
     std::unique_lock lock(mutex);
-    done_cv.wait(lock, [&] { return done == o.chunks; });
+    done_cv.wait(lock, [&] { return done == chunks; });
     if (!failure.ok()) return failure;
     return SecondsSince(start);
   };
@@ -216,6 +223,9 @@ Status PipelineBenchmarkOptions::Validate() const {
   if (optimizer_states == Tier::kNvme && nvme_paths.empty()) {
     return InvalidArgument("--offload-optimizer nvme needs --nvme-path DIR");
   }
+  if (max_states_in_host > 0 && optimizer_states != Tier::kNvme) {
+    return InvalidArgument("--max-states-in-host needs --offload-optimizer nvme");
+  }
   if (warmup_steps < 0 || timed_steps < 1) {
     return InvalidArgument("--warmup must be >= 0 and --steps >= 1");
   }
@@ -240,11 +250,12 @@ Result<std::vector<ResourceTime>> TimeResourcesAlone(const PipelineBenchmarkOpti
   say("cpu adam alone");
   STRATA_ASSIGN_OR_RETURN(double adam, TimeCpuAdam(o, numel));
   resources.push_back({"cpu_adam", adam, uint64_t(28) * numel * o.chunks});
-  if (o.optimizer_states == Tier::kNvme) {
+  if (const int nvme_chunks = NvmeStateChunks(o, numel);
+      o.optimizer_states == Tier::kNvme && nvme_chunks > 0) {
     say("nvme reads and writes alone");
-    STRATA_ASSIGN_OR_RETURN(auto nvme, TimeNvme(o, numel));
-    resources.push_back({"nvme_read", nvme.first, ChunkStateBytes(numel) * o.chunks});
-    resources.push_back({"nvme_write", nvme.second, ChunkStateBytes(numel) * o.chunks});
+    STRATA_ASSIGN_OR_RETURN(auto nvme, TimeNvme(o, numel, nvme_chunks));
+    resources.push_back({"nvme_read", nvme.first, ChunkStateBytes(numel) * nvme_chunks});
+    resources.push_back({"nvme_write", nvme.second, ChunkStateBytes(numel) * nvme_chunks});
   }
   say("host->device copies alone");
   STRATA_ASSIGN_OR_RETURN(double h2d, TimeCopies(*device, o, /*to_device=*/true));
@@ -284,6 +295,7 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   options.placement.chunk_bytes = o.chunk_bytes;
   options.optimizer.cpu_threads = o.threads;
   options.nvme.paths = o.nvme_paths;
+  options.placement.max_states_in_host = o.max_states_in_host;
   std::vector<ParameterSpec> specs;
   for (int c = 0; c < o.chunks; ++c) {
     specs.push_back({"chunk" + std::to_string(c) + ".weight", {int64_t(numel)}, {}});

@@ -191,6 +191,9 @@ TEST(OptionsTest, ValidateNamesFieldValueAndReason) {
       {"params nvme without paths",
        [](EngineOptions& o) { o.placement.params = Tier::kNvme; },
        {"placement.params is \"nvme\"", "nvme.paths is empty", "offload_param.nvme_path"}},
+      {"states in host without states on nvme",
+       [](EngineOptions& o) { o.placement.max_states_in_host = kMiB; },
+       {"placement.max_states_in_host is set but placement.optimizer_states is \"host\""}},
       {"beta1 = 1",
        [](EngineOptions& o) { o.optimizer.beta1 = 1.0; },
        {"optimizer.beta1 is 1", "[0, 1)"}},
@@ -359,6 +362,7 @@ EngineOptions NonDefaultOptions() {
                  .offload_ratio = 1.0,  // < 1 needs params on the device: RoundTripOffloadRatio.
                  .params = Tier::kHost,
                  .max_params_in_host = 5 * kGiB,
+                 .max_states_in_host = 3 * kGiB,
                  .pipeline_read = true,
                  .pipeline_write = true,
                  .chunk_bytes = 128 * kMiB,

@@ -89,12 +89,49 @@ INSTANTIATE_TEST_SUITE_P(
                       Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
                       Placement{"states_host_ratio_half", Tier::kHost, Tier::kDevice, 0.5},
                       Placement{"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5},
+                      // Three of the six chunks' states (5120 fp32 x 3) fit in host memory.
+                      Placement{"states_nvme_half_in_host", Tier::kNvme, Tier::kDevice, 1.0,
+                                64 << 20, 3 * 5120 * 12},
                       // Two chunks' worth of device memory for six chunks: evictions.
                       Placement{"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes},
                       Placement{"params_nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes},
                       Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0,
                                 2 * kSlotBytes}),
     [](const ::testing::TestParamInfo<Placement>& param) { return param.param.name; });
+
+TEST(EngineTest, StatesFillMaxStatesInHostAndSpillTheRestToNvme) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  const uint64_t chunk_states = 5120 * 12;  // One fp32 chunk's master and moments.
+  // NVMe bytes read in 5 steps (after the first, which writes the states out) per placement.
+  auto nvme_reads = [&](uint64_t states_in_host) -> std::pair<uint64_t, uint64_t> {
+    EngineOptions options = MakeOptions({"split", Tier::kNvme, Tier::kDevice}, nvme.path());
+    options.placement.max_states_in_host = states_in_host;
+    auto engine = std::move(Engine::Create(options, *device, specs)).value();
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    EXPECT_TRUE(trainer.TrainStep(0, &loss).ok());
+    const uint64_t before = engine->counters().nvme_read_bytes;
+    for (int step = 1; step < 6; ++step) EXPECT_TRUE(trainer.TrainStep(step, &loss).ok());
+    // The first chunks (backward reaches them last) are the ones kept in host memory.
+    for (size_t c = 0; c < engine->chunk_count(); ++c) {
+      const Tier expected = (c + 1) * chunk_states <= states_in_host ? Tier::kHost : Tier::kNvme;
+      EXPECT_EQ(engine->placement(c).optimizer_states, expected) << "chunk " << c;
+    }
+    return {engine->counters().nvme_read_bytes - before,
+            engine->tier_usage(Tier::kNvme).used_bytes};
+  };
+  const auto [all_reads, all_nvme] = nvme_reads(0);
+  // Three and a half chunks' worth: three whole chunks fit.
+  const auto [half_reads, half_nvme] = nvme_reads(chunk_states * 7 / 2);
+  EXPECT_GT(all_reads, 0u);
+  EXPECT_EQ(half_reads * 2, all_reads);
+  EXPECT_EQ(half_nvme * 2, all_nvme);
+  // Everything in host: nothing left for NVMe to do.
+  EXPECT_EQ(nvme_reads(6 * chunk_states).first, 0u);
+}
 
 TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
   ScratchDir nvme;

@@ -28,6 +28,7 @@ struct Placement {
   Tier params;
   double ratio = 1.0;
   uint64_t device_budget = 64 << 20;
+  uint64_t states_in_host = 0;  ///< placement.max_states_in_host (states on nvme).
 };
 
 inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_path,
@@ -37,6 +38,7 @@ inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_pat
   o.placement.optimizer_states = p.states;
   o.placement.params = p.params;
   o.placement.offload_ratio = p.ratio;
+  o.placement.max_states_in_host = p.states_in_host;
   o.placement.chunk_bytes = kChunkBytes;
   o.placement.prefetch_depth = 1;
   o.nvme.paths = {nvme_path};

@@ -432,6 +432,28 @@ TEST(CliTest, TrainReportsWhereAPartialOffloadPutTheStates) {
       << placement.dump();
 }
 
+TEST(CliTest, TrainSpillsStatesPastMaxStatesInHostToNvme) {
+  // The tiny model in 64 KiB chunks: a full chunk's states are 32768 x 12 bytes = 384 KiB.
+  auto r = RunCli(
+      "train --model tiny --batch 2 --seq 32 --eval-every 0 --steps 2 --json --chunk-size 64KiB "
+      "--offload-optimizer nvme --max-states-in-host 800KiB --nvme-path " +
+          ::testing::TempDir(),
+      /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  const auto chunks = j["placement"]["optimizer_state_chunks"];
+  ASSERT_TRUE(chunks.contains("host") && chunks.contains("nvme")) << j["placement"].dump();
+  EXPECT_GE(chunks["host"].get<int>(), 2) << j["placement"].dump();
+  EXPECT_EQ(chunks["host"].get<int>() + chunks["nvme"].get<int>(),
+            j["placement"]["chunks"].get<int>());
+  EXPECT_GT(j["steps"][1]["nvme_read_bytes"].get<uint64_t>(), 0u);
+
+  // Without states on nvme the option has nothing to spill: a command-line error saying so.
+  r = RunCli("train --model tiny --steps 1 --offload-optimizer host --max-states-in-host 1MiB");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("max_states_in_host is set but"), std::string::npos) << r.out;
+}
+
 TEST(CliTest, TrainResumesFromACheckpointWithTheSameLosses) {
   const std::string checkpoint = ::testing::TempDir() + "strata-cli-ckpt";
   auto straight = RunCli(TinyTrain("--steps 8 --json"), /*merge_stderr=*/false);

@@ -26,6 +26,10 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
       o.chunks, FormatBytes(o.chunk_bytes).c_str(), std::string(DTypeName(o.working_dtype)).c_str(),
       FormatCount(r.params).c_str(), o.forward_ms, o.backward_ms, o.copy_gbps,
       std::string(TierName(o.optimizer_states)).c_str());
+  if (o.max_states_in_host > 0) {
+    std::printf("(up to %s of the states in host memory instead)\n\n",
+                FormatBytes(o.max_states_in_host).c_str());
+  }
   std::printf("  %-26s %12s %12s %12s\n", "alone", "seconds", "bytes", "GB/s");
   for (const auto& resource : r.resources) {
     if (resource.bytes > 0) {
@@ -53,6 +57,7 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["params"] = r.params;
   j["precision"] = DTypeName(o.working_dtype);
   j["offload_optimizer"] = TierName(o.optimizer_states);
+  j["max_states_in_host"] = o.max_states_in_host;
   j["forward_ms"] = o.forward_ms;
   j["backward_ms"] = o.backward_ms;
   j["copy_gbps"] = o.copy_gbps;
@@ -90,6 +95,8 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   flags.AddString("offload-optimizer", &offload_optimizer, "TIER",
                   "where optimizer states live: host (default) or nvme");
   flags.AddString("nvme-path", &nvme_path, "DIR", "directory for NVMe swap (with nvme)");
+  flags.AddBytes("max-states-in-host", &o.max_states_in_host,
+                 "with nvme: this much of the states (the first chunks) in host memory instead");
   flags.AddInt("threads", &threads, "CPU optimizer threads; 0 (default) = all");
   flags.AddInt("warmup", &warmup, "untimed engine steps first (default 2)");
   flags.AddInt("steps", &steps, "timed engine steps; the median is reported (default 5)");

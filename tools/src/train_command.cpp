@@ -44,7 +44,7 @@ struct TrainFlags {
                       metrics_address = "127.0.0.1";
   int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
           checkpoint_every = 0, metrics_port = -1, eval_every = 50;
-  uint64_t device_memory = 0, host_memory = 0, chunk_size = 0;
+  uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
   double lr = std::numeric_limits<double>::quiet_NaN();
   bool json = false;
 };
@@ -118,6 +118,7 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
     STRATA_ASSIGN_OR_RETURN(o.device.kind, ParseDeviceKind(f.device));
   }
   if (f.host_memory > 0) o.host.pinned_memory_bytes = f.host_memory;
+  if (f.max_states_in_host > 0) o.placement.max_states_in_host = f.max_states_in_host;
   if (f.chunk_size > 0) o.placement.chunk_bytes = f.chunk_size;
   if (!f.nvme_path.empty()) o.nvme.paths = {f.nvme_path};
   const bool uses_nvme =
@@ -529,6 +530,9 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddBytes("device-memory", &f.device_memory,
                  "device memory budget (default: 3 chunks with offloaded parameters)");
   flags.AddBytes("host-memory", &f.host_memory, "pinned host memory budget (default: automatic)");
+  flags.AddBytes("max-states-in-host", &f.max_states_in_host,
+                 "with --offload-optimizer nvme: this much of the states (the first chunks) in "
+                 "host memory instead, the rest on NVMe");
   flags.AddBytes("chunk-size", &f.chunk_size,
                  "working parameters per chunk (default 288KiB: one block of the small model)");
   flags.AddString("precision", &f.precision, "DTYPE", "bf16 (default), fp16 or fp32");

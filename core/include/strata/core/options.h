@@ -184,6 +184,11 @@ struct PlacementOptions {
   /// live in host memory instead; 0 = none. DeepSpeed: offload_param.max_in_cpu, which counts
   /// elements; a DeepSpeed config is converted with the working dtype's size.
   uint64_t max_params_in_host = 0;
+  /// When optimizer_states is nvme, up to this many bytes of them (whole chunks, the first
+  /// trained ones: backward reaches them last) live in host memory instead, so the step reads
+  /// and writes only the rest on NVMe; 0 = none. Every tier at once: states larger than host
+  /// memory fill it and spill the rest. DeepSpeed has no such key.
+  uint64_t max_states_in_host = 0;
   /// Overlap the NVMe read of the next chunk's optimizer state with the step of the current
   /// one. DeepSpeed: offload_optimizer.pipeline_read. The Strata engine always overlaps reads,
   /// writes and steps of different chunks (bounded by optimizer_buffer_count); the field is

@@ -40,6 +40,9 @@ struct PipelineBenchmarkOptions {
   Tier optimizer_states = Tier::kHost;
   /// NVMe directories (required for nvme).
   std::vector<std::string> nvme_paths;
+  /// With states on nvme: this many bytes of them (whole chunks, the first) in host memory
+  /// instead (placement.max_states_in_host); NVMe alone is then timed on the rest.
+  uint64_t max_states_in_host = 0;
   /// CPU optimizer threads, 0 = all.
   int threads = 0;
   int warmup_steps = 2;
