@@ -68,4 +68,17 @@ std::vector<PlanRow> PlanMemory(const PlanInput& in) {
   return rows;
 }
 
+std::optional<PlanRow> SplitStatesAcrossHostAndNvme(const PlanRow& row, int gpus,
+                                                    double host_bytes) {
+  if (row.optimizer_states != Tier::kNvme || gpus < 1) return std::nullopt;
+  const double states = row.nvme.optimizer_states;
+  const double room = kHostShareForStates * host_bytes / gpus - row.host.total();
+  if (!(room > 0.0) || room >= states) return std::nullopt;
+  PlanRow split = row;
+  split.host.optimizer_states += room;
+  split.nvme.optimizer_states -= room;
+  split.name += ", states split host + nvme";
+  return split;
+}
+
 }  // namespace strata::offload

@@ -50,7 +50,6 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
   const double psi = in.params;
   const double n = in.gpus;
   const double w = DTypeSize(in.working_dtype);
-  const double k = OptimizerBytesPerParam(in.optimizer, in.working_dtype);
   const bool offload_optimizer = row.optimizer_states != Tier::kDevice;
   const bool offload_params = row.params != Tier::kDevice;
 
@@ -90,8 +89,10 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     // Backward's parameter reads share the drives with the states' traffic.
     double nvme = nvme_fetch / 2;
     if (row.optimizer_states == Tier::kNvme) {
-      nvme += tally.Add("nvme", k * psi, rates.nvme_read_bytes_per_second, "nvme read");
-      nvme += tally.Add("nvme", k * psi, rates.nvme_write_bytes_per_second, "nvme write");
+      // Every rank's share that lives there (a split placement keeps part in host memory).
+      const double states = n * row.nvme.optimizer_states;
+      nvme += tally.Add("nvme", states, rates.nvme_read_bytes_per_second, "nvme read");
+      nvme += tally.Add("nvme", states, rates.nvme_write_bytes_per_second, "nvme write");
     }
     if (row.params == Tier::kNvme) {
       nvme += tally.Add("nvme", w * psi, rates.nvme_write_bytes_per_second, "nvme write");

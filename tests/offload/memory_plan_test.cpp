@@ -57,6 +57,36 @@ TEST(MemoryPlanTest, PrecisionAndOptimizerChangeTheBytesPerParameter) {
                    16e9);
 }
 
+TEST(MemoryPlanTest, StatesSplitAcrossHostAndNvmeFillWhatHostMemoryHolds) {
+  // 10e9 fp16 AdamW parameters on one GPU, states on NVMe: 120 GB of states, 20 GB of
+  // gradients in host memory.
+  const std::vector<PlanRow> rows = PlanMemory({.params = 10e9, .gpus = 1});
+  const PlanRow* nvme = nullptr;
+  for (const PlanRow& row : rows) {
+    if (row.name == "ZeRO-2, optimizer -> nvme") nvme = &row;
+  }
+  ASSERT_NE(nvme, nullptr);
+  const std::optional<PlanRow> split = SplitStatesAcrossHostAndNvme(*nvme, 1, 100e9);
+  ASSERT_TRUE(split.has_value());
+  EXPECT_EQ(split->name, "ZeRO-2, optimizer -> nvme, states split host + nvme");
+  EXPECT_DOUBLE_EQ(split->host.optimizer_states, 0.9 * 100e9 - 20e9);
+  EXPECT_DOUBLE_EQ(split->nvme.optimizer_states, 120e9 - 70e9);
+  EXPECT_DOUBLE_EQ(split->host.total() + split->nvme.total(),
+                   nvme->host.total() + nvme->nvme.total());
+  // All fit (the host row is the one), none fit, or states not on NVMe: no split row.
+  EXPECT_FALSE(SplitStatesAcrossHostAndNvme(*nvme, 1, 1000e9).has_value());
+  EXPECT_FALSE(SplitStatesAcrossHostAndNvme(*nvme, 1, 10e9).has_value());
+  EXPECT_FALSE(SplitStatesAcrossHostAndNvme(rows[2], 1, 100e9).has_value());
+  // Per GPU: eight GPUs share the node's host memory.
+  const std::vector<PlanRow> eight = PlanMemory({.params = 10e9, .gpus = 8});
+  for (const PlanRow& row : eight) {
+    if (row.name != "ZeRO-2, optimizer -> nvme") continue;
+    const auto shared = SplitStatesAcrossHostAndNvme(row, 8, 100e9);
+    ASSERT_TRUE(shared.has_value());
+    EXPECT_DOUBLE_EQ(shared->host.optimizer_states, 0.9 * 100e9 / 8 - 20e9 / 8);
+  }
+}
+
 TEST(MemoryPlanTest, BadInputIsRejected) {
   EXPECT_EQ(PlanInput{.params = 0}.Validate().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ((PlanInput{.params = 1e9, .gpus = 0}).Validate().code(), StatusCode::kInvalidArgument);

@@ -131,6 +131,25 @@ TEST(StepPlanTest, CollectivesCountOnTheLinkWithSeveralGpus) {
   EXPECT_DOUBLE_EQ(Seconds(host, "device_to_host"), 10e9 * 2 / 8 / 20e9);
 }
 
+TEST(StepPlanTest, ASplitPlacementPaysNvmeOnlyForWhatIsThere) {
+  const std::vector<PlanRow> rows = PlanMemory(kModel);
+  for (const PlanRow& row : rows) {
+    if (row.name != "ZeRO-2, optimizer -> nvme") continue;
+    // 12 GB of states; 9 GB of a 10 GB host less 2 GB of gradients hold 7 GB of them.
+    const std::optional<PlanRow> split = SplitStatesAcrossHostAndNvme(row, 1, 10e9);
+    ASSERT_TRUE(split.has_value());
+    const StepPrediction all = PredictStep(kModel, row, kRates, {});
+    const StepPrediction part = PredictStep(kModel, *split, kRates, {});
+    // NVMe: 12/4 + 12/2 = 9 s for all of it, 5/4 + 5/2 = 3.75 s for the 5 GB left.
+    EXPECT_DOUBLE_EQ(Seconds(all, "nvme"), 9.0);
+    EXPECT_DOUBLE_EQ(Seconds(part, "nvme"), 3.75);
+    EXPECT_DOUBLE_EQ(part.step_seconds, 1.0 + 3.75 + 0.1);
+    // It fits where the all-host row does not.
+    const MachineMemory small_host{.host_bytes = 10e9};
+    EXPECT_TRUE(PredictStep(kModel, *split, kRates, small_host).fits);
+  }
+}
+
 TEST(StepPlanTest, PicksTheFastestPlacementThatFits) {
   // Everything fits: keeping all on the GPU is fastest (ties go to the less offloaded row).
   EXPECT_EQ(Plan(kModel, kRates).Chosen(), "data parallel");

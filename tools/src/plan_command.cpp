@@ -120,6 +120,12 @@ std::string Gb(double bytes) {
   return text;
 }
 
+/// The placement.max_states_in_host a split row runs with (per GPU); 0 for the others.
+uint64_t MaxStatesInHost(const PlanRow& row) {
+  const bool split = row.optimizer_states == Tier::kNvme && row.host.optimizer_states > 0;
+  return split ? uint64_t(row.host.optimizer_states) : 0;
+}
+
 nlohmann::ordered_json ToJson(const PlanInput& in, const std::vector<PlanRow>& rows) {
   auto bytes = [](const offload::StateBytes& s) {
     return nlohmann::ordered_json{{"params", s.params},
@@ -139,6 +145,7 @@ nlohmann::ordered_json ToJson(const PlanInput& in, const std::vector<PlanRow>& r
                           {"zero_stage", r.zero_stage},
                           {"optimizer_states", TierName(r.optimizer_states)},
                           {"params_tier", TierName(r.params)},
+                          {"max_states_in_host", MaxStatesInHost(r)},
                           {"device_bytes", bytes(r.device)},
                           {"host_bytes", bytes(r.host)},
                           {"nvme_bytes", bytes(r.nvme)},
@@ -250,6 +257,10 @@ void PrintPredictions(const MachineRates& r, const MachineMemory& m,
                 predictions[chosen].step_seconds,
                 predictions[chosen].bound_by.empty() ? "nothing measured"
                                                      : predictions[chosen].bound_by.c_str());
+    if (const uint64_t in_host = MaxStatesInHost(rows[chosen]); in_host > 0) {
+      std::printf("Run it with --max-states-in-host %s (placement.max_states_in_host).\n",
+                  FormatBytes(in_host).c_str());
+    }
   }
   for (size_t i = 0; i < rows.size(); ++i) {
     if (!predictions[i].fits) {
@@ -341,7 +352,17 @@ int RunPlan(const std::vector<std::string>& args) {
   input.gradient_clipping = machine.gradient_clipping;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);
-  const std::vector<PlanRow> rows = offload::PlanMemory(input);
+  std::vector<PlanRow> rows = offload::PlanMemory(input);
+  if (machine.host_memory > 0) {
+    // With the machine's host memory known: each NVMe placement also split, as much of its
+    // states in host memory as fits (placement.max_states_in_host), right after it.
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (auto split = offload::SplitStatesAcrossHostAndNvme(rows[i], input.gpus,
+                                                             double(machine.host_memory))) {
+        rows.insert(rows.begin() + long(++i), *split);
+      }
+    }
+  }
   if (!machine.given()) {
     if (json) {
       std::cout << ToJson(input, rows).dump(2) << "\n";

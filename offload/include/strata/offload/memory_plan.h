@@ -19,6 +19,7 @@
 // ZeRO-3 (parameters are all-gathered in forward and again in backward).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,5 +70,17 @@ double OptimizerBytesPerParam(OptimizerType optimizer, DType working_dtype);
 /// on host and on NVMe, ZeRO-3 with optimizer and parameters on host, with the optimizer on NVMe
 /// and parameters on host (strata train's default), and with both on NVMe.
 std::vector<PlanRow> PlanMemory(const PlanInput& input);
+
+/// Of the node's host memory, the share a split placement fills with optimizer states; the rest
+/// is left for the process, staging buffers and the page cache.
+inline constexpr double kHostShareForStates = 0.9;
+
+/// `row`, whose optimizer states are on NVMe, with as much of them as fits in the node's host
+/// memory (`host_bytes`, kHostShareForStates of it, after what the row keeps there already)
+/// moved there: what placement.max_states_in_host does, named "<row>, states split host + nvme".
+/// Its host.optimizer_states is the max_states_in_host to run it with. nullopt unless some but
+/// not all of the states fit (none: the NVMe row is it; all: the host row is).
+std::optional<PlanRow> SplitStatesAcrossHostAndNvme(const PlanRow& row, int gpus,
+                                                    double host_bytes);
 
 }  // namespace strata::offload
