@@ -203,12 +203,13 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
   // States homed on NVMe fill max_states_in_host first, in the same order: the chunks whose
-  // gradients arrive last, with the least time left to read their states, read nothing.
+  // gradients arrive last, with the least time left to read their states, read nothing. A
+  // chunk too large for what is left (an embedding) goes to NVMe and the next ones still fill.
   uint64_t states_in_host = 0;
   for (size_t i : trained) {
     Chunk& c = chunks_[i];
     if (c.placement.optimizer_states != Tier::kNvme) continue;
-    if (states_in_host + c.state_bytes() > place.max_states_in_host) break;
+    if (states_in_host + c.state_bytes() > place.max_states_in_host) continue;
     c.placement.optimizer_states = Tier::kHost;
     states_in_host += c.state_bytes();
   }
@@ -258,7 +259,11 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
     if (c.placement.optimizer_states == Tier::kHost) {
       STRATA_RETURN_IF_ERROR(
-          host_alloc(c.host_states, c.state_bytes(), "the optimizer states of " + name));
+          host_alloc(c.host_states, c.state_bytes(),
+                     "the optimizer states of " + name +
+                         (place.max_states_in_host > 0
+                              ? " (kept there by placement.max_states_in_host: lower it)"
+                              : "")));
     }
   }
   // Gradients land in, and new parameters leave from, pinned memory so device copies run at
@@ -280,10 +285,12 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   uint64_t nvme_bytes = 0;
   bool nvme_states = false;
   bool nvme_params = false;
+  size_t max_nvme_state_numel = 0;  // Sizes the state staging buffers: only NVMe states use them.
   for (const Chunk& c : chunks_) {
     if (c.placement.optimizer_states == Tier::kNvme) {
       nvme_bytes += 2 * AlignUp(c.state_bytes(), kMiB);
       nvme_states = true;
+      max_nvme_state_numel = std::max(max_nvme_state_numel, c.numel);
     }
     if (c.placement.params == Tier::kNvme) {
       nvme_bytes += 2 * AlignUp(c.working_bytes(wsize), kMiB);
@@ -338,7 +345,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       return Status();
     };
     if (nvme_states) {
-      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(max_trained_numel()),
+      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(max_nvme_state_numel),
                                        options_.host.optimizer_buffer_count,
                                        "the optimizer state staging buffers"));
       state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),

@@ -133,6 +133,41 @@ TEST(EngineTest, StatesFillMaxStatesInHostAndSpillTheRestToNvme) {
   EXPECT_EQ(nvme_reads(6 * chunk_states).first, 0u);
 }
 
+TEST(EngineTest, AStateChunkTooLargeForMaxStatesInHostLeavesTheSmallerOnesThere) {
+  // An embedding-like first parameter five chunks large, then small ones: with room for the
+  // small chunks only, they stay in host memory (the big one goes to NVMe), and the NVMe
+  // staging buffers are sized by what is on NVMe.
+  ScratchDir nvme;
+  std::vector<ParameterSpec> specs;
+  specs.push_back({"embedding", {5 * 5120}, {}});
+  for (int i = 0; i < 4; ++i) specs.push_back({"w" + std::to_string(i), {5120}, {}});
+  const uint64_t small_states = 5120 * 12, big_states = 5 * small_states;
+  auto device = MakeDevice(64 << 20);
+  auto host_used = [&](uint64_t states_in_host) {
+    EngineOptions options = MakeOptions({"split", Tier::kNvme, Tier::kDevice}, nvme.path());
+    options.placement.max_states_in_host = states_in_host;
+    auto engine = std::move(Engine::Create(options, *device, specs)).value();
+    EXPECT_EQ(engine->chunk_count(), 5u);
+    return std::make_pair(engine->tier_usage(Tier::kHost).used_bytes,
+                          std::vector<Tier>{*engine->placement(0).optimizer_states,
+                                            *engine->placement(1).optimizer_states,
+                                            *engine->placement(4).optimizer_states});
+  };
+  const auto [all_nvme, all_tiers] = host_used(0);
+  EXPECT_EQ(all_tiers, (std::vector<Tier>{Tier::kNvme, Tier::kNvme, Tier::kNvme}));
+  // Room for the four small chunks, not the big one: they go to host, it to NVMe.
+  const auto [small_in_host, small_tiers] = host_used(4 * small_states);
+  EXPECT_EQ(small_tiers, (std::vector<Tier>{Tier::kNvme, Tier::kHost, Tier::kHost}));
+  // Host memory grows by the four small chunks' states; the staging buffers stay as large as
+  // the big chunk's, which still goes through them.
+  EXPECT_EQ(small_in_host, all_nvme + 4 * small_states);
+  // Room for the big one only: it is in host memory, and the staging buffers (3 of them here)
+  // shrink to the small chunks' size.
+  const auto [big_in_host, big_tiers] = host_used(big_states);
+  EXPECT_EQ(big_tiers, (std::vector<Tier>{Tier::kHost, Tier::kNvme, Tier::kNvme}));
+  EXPECT_EQ(big_in_host, all_nvme + big_states - 3 * (big_states - small_states));
+}
+
 TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);

@@ -185,9 +185,10 @@ struct PlacementOptions {
   /// elements; a DeepSpeed config is converted with the working dtype's size.
   uint64_t max_params_in_host = 0;
   /// When optimizer_states is nvme, up to this many bytes of them (whole chunks, the first
-  /// trained ones: backward reaches them last) live in host memory instead, so the step reads
-  /// and writes only the rest on NVMe; 0 = none. Every tier at once: states larger than host
-  /// memory fill it and spill the rest. DeepSpeed has no such key.
+  /// trained ones first: backward reaches them last; one too large for what is left is skipped)
+  /// live in host memory instead, so the step reads and writes only the rest on NVMe; 0 = none.
+  /// Every tier at once for states larger than host memory: `strata plan --host-memory` gives
+  /// the value that fills it. The host budget must hold them. DeepSpeed has no such key.
   uint64_t max_states_in_host = 0;
   /// Overlap the NVMe read of the next chunk's optimizer state with the step of the current
   /// one. DeepSpeed: offload_optimizer.pipeline_read. The Strata engine always overlaps reads,
