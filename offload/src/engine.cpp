@@ -32,6 +32,11 @@ uint64_t DeviceBudgetBytes(const Device& device) {
   return std::min(info.free_bytes, budget_left);
 }
 
+/// Host budget a staging pool of `count` buffers of `bytes` takes.
+uint64_t StagingPoolBytes(size_t bytes, int count) {
+  return AlignUp(bytes, kHostAlignment) * uint64_t(count);
+}
+
 uint64_t HostBudgetBytes(const EngineOptions& options) {
   if (options.host.pinned_memory_bytes > 0) return options.host.pinned_memory_bytes;
   return PhysicalMemoryBytes() / 10 * 8;  // Automatic: 80% of physical memory.
@@ -238,32 +243,10 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     STRATA_ASSIGN_OR_RETURN(out, AllocateZeroed(bytes));
     return Status();
   };
+  SpillStatesToNvme();
   for (size_t i = 0; i < n_chunks; ++i) {
-    Chunk& c = chunks_[i];
-    const std::string name = "chunk " + std::to_string(i);
-    if (c.placement.params == Tier::kHost) {
-      STRATA_RETURN_IF_ERROR(
-          host_alloc(c.host_params, c.working_bytes(wsize), "the parameters of " + name));
-    }
-    // Frozen chunks have no gradients; device-kept ones keep theirs there.
-    if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) continue;
-    STRATA_RETURN_IF_ERROR(
-        host_alloc(c.grads_landing, c.working_bytes(wsize), "the gradients of " + name));
-    if (gas > 1) {
-      STRATA_RETURN_IF_ERROR(
-          host_alloc(c.grads_sum, c.numel * sizeof(float), "the gradient sum of " + name));
-    }
-    if (c.placement.params != Tier::kNvme) {
-      STRATA_RETURN_IF_ERROR(host_alloc(c.param_copy, c.working_bytes(wsize),
-                                        "the updated working parameters of " + name));
-    }
-    if (c.placement.optimizer_states == Tier::kHost) {
-      STRATA_RETURN_IF_ERROR(
-          host_alloc(c.host_states, c.state_bytes(),
-                     "the optimizer states of " + name +
-                         (place.max_states_in_host > 0
-                              ? " (kept there by placement.max_states_in_host: lower it)"
-                              : "")));
+    for (const HostBuffer& b : HostBuffersOf(i)) {
+      STRATA_RETURN_IF_ERROR(host_alloc(*b.buffer, b.bytes, b.what));
     }
   }
   // Gradients land in, and new parameters leave from, pinned memory so device copies run at
@@ -285,12 +268,10 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   uint64_t nvme_bytes = 0;
   bool nvme_states = false;
   bool nvme_params = false;
-  size_t max_nvme_state_numel = 0;  // Sizes the state staging buffers: only NVMe states use them.
   for (const Chunk& c : chunks_) {
     if (c.placement.optimizer_states == Tier::kNvme) {
       nvme_bytes += 2 * AlignUp(c.state_bytes(), kMiB);
       nvme_states = true;
-      max_nvme_state_numel = std::max(max_nvme_state_numel, c.numel);
     }
     if (c.placement.params == Tier::kNvme) {
       nvme_bytes += 2 * AlignUp(c.working_bytes(wsize), kMiB);
@@ -334,7 +315,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
     auto make_pool = [&](std::optional<LoopStagingPool>& pool, size_t bytes, int count,
                          const char* what) -> Status {
-      const uint64_t total = AlignUp(bytes, kHostAlignment) * count;
+      const uint64_t total = StagingPoolBytes(bytes, count);
       STRATA_RETURN_IF_ERROR(host_budget_.Reserve(total, what));
       static_reservations_.emplace_back(&host_budget_, total);
       STRATA_ASSIGN_OR_RETURN(
@@ -345,7 +326,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       return Status();
     };
     if (nvme_states) {
-      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(max_nvme_state_numel),
+      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(max_nvme_state_numel()),
                                        options_.host.optimizer_buffer_count,
                                        "the optimizer state staging buffers"));
       state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
@@ -385,6 +366,90 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   UpdateTierGauges();
   pipeline_.Initialize();
   return Status();
+}
+
+std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) {
+  Chunk& c = chunks_[chunk];
+  const size_t wsize = working_size();
+  const std::string name = "chunk " + std::to_string(chunk);
+  std::vector<HostBuffer> buffers;
+  if (c.placement.params == Tier::kHost) {
+    buffers.push_back({&c.host_params, c.working_bytes(wsize), "the parameters of " + name});
+  }
+  // Frozen chunks have no gradients; device-kept ones keep theirs there.
+  if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) return buffers;
+  buffers.push_back({&c.grads_landing, c.working_bytes(wsize), "the gradients of " + name});
+  if (options_.optimizer.gradient_accumulation_steps > 1) {
+    buffers.push_back({&c.grads_sum, c.numel * sizeof(float), "the gradient sum of " + name});
+  }
+  if (c.placement.params != Tier::kNvme) {
+    buffers.push_back(
+        {&c.param_copy, c.working_bytes(wsize), "the updated working parameters of " + name});
+  }
+  if (c.placement.optimizer_states == Tier::kHost) {
+    const bool kept_by_option = options_.placement.max_states_in_host > 0;
+    buffers.push_back(
+        {&c.host_states, c.state_bytes(),
+         "the optimizer states of " + name +
+             (kept_by_option ? " (kept there by placement.max_states_in_host: lower it)" : "")});
+  }
+  return buffers;
+}
+
+uint64_t Engine::Impl::HostBytesNeeded() {
+  uint64_t bytes = 0;
+  bool nvme_params = false;
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    for (const HostBuffer& b : HostBuffersOf(i)) {
+      if (b.bytes > 0) bytes += AlignUp(b.bytes, kHostAlignment);
+    }
+    nvme_params = nvme_params || chunks_[i].placement.params == Tier::kNvme;
+  }
+  if (const size_t numel = max_nvme_state_numel(); numel > 0) {
+    bytes += StagingPoolBytes(ChunkStateBytes(numel), options_.host.optimizer_buffer_count);
+  }
+  if (nvme_params) {
+    bytes += StagingPoolBytes(layout_.max_chunk_numel() * working_size(),
+                              options_.host.param_buffer_count);
+  }
+  return bytes;
+}
+
+void Engine::Impl::SpillStatesToNvme() {
+  const PlacementOptions& place = options_.placement;
+  if (place.optimizer_states != Tier::kHost || options_.nvme.paths.empty()) return;
+  const uint64_t budget = host_budget_.free_bytes();
+  uint64_t need = HostBytesNeeded();  // No states on NVMe yet: no state staging in it.
+  if (need <= budget) return;
+  size_t spilled = 0, largest = 0;
+  uint64_t staging = 0;
+  for (size_t i = chunks_.size(); i-- > 0 && need > budget;) {
+    Chunk& c = chunks_[i];
+    if (c.placement.optimizer_states != Tier::kHost) continue;
+    c.placement.optimizer_states = Tier::kNvme;
+    ++spilled;
+    // Its states leave host memory; NVMe states need staging buffers as large as the largest.
+    need -= AlignUp(c.state_bytes(), kHostAlignment);
+    largest = std::max(largest, c.numel);
+    const uint64_t now =
+        StagingPoolBytes(ChunkStateBytes(largest), options_.host.optimizer_buffer_count);
+    need += now - staging;
+    staging = now;
+  }
+  if (need > budget) return;  // Not even so: the allocation that fails says what.
+  Log(LogLevel::kWarning,
+      "the host budget of " + FormatBytes(host_budget_.usage().budget_bytes) +
+          " cannot hold every chunk's optimizer states: the last " + std::to_string(spilled) +
+          " chunks' spill to NVMe (" + options_.nvme.paths.front() +
+          "), the rest stay in host memory; raise host.pinned_memory_bytes to keep more");
+}
+
+size_t Engine::Impl::max_nvme_state_numel() const {
+  size_t numel = 0;
+  for (const Chunk& c : chunks_) {
+    if (c.placement.optimizer_states == Tier::kNvme) numel = std::max(numel, c.numel);
+  }
+  return numel;
 }
 
 size_t Engine::Impl::max_state_bytes() const {

@@ -86,6 +86,23 @@ class Engine::Impl {
   /// stale, and reads ahead again. Trainer thread, between steps.
   Status SwitchToNewState(const std::vector<size_t>& chunks);
 
+  /// A host buffer a chunk needs where it is placed: what Initialize allocates and reserves.
+  struct HostBuffer {
+    AlignedBuffer* buffer;
+    size_t bytes;
+    std::string what;
+  };
+  std::vector<HostBuffer> HostBuffersOf(size_t chunk);
+  /// Host budget the engine's own allocations take with the chunks placed as they are: every
+  /// chunk's host buffers and the NVMe staging pools.
+  uint64_t HostBytesNeeded();
+  /// With states on host that the host budget cannot hold next to the rest, and NVMe paths to
+  /// put them on: the last chunks' states (their gradients arrive first, leaving the most time
+  /// to read states back) move to NVMe until the rest fits. Says what it did.
+  void SpillStatesToNvme();
+  /// Elements of the largest chunk whose states are on NVMe (what state staging holds).
+  size_t max_nvme_state_numel() const;
+
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
   /// The largest of the chunks' state_bytes (a frozen chunk's are just its values).
   size_t max_state_bytes() const;

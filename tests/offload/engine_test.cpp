@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 
 #include "engine_test_support.h"
 #include "strata/core/host_device.h"
+#include "strata/core/log.h"
 #include "strata/nvme/fault_injection.h"
 #include "support/scratch_dir.h"
 #include "tiny_model.h"
@@ -166,6 +168,57 @@ TEST(EngineTest, AStateChunkTooLargeForMaxStatesInHostLeavesTheSmallerOnesThere)
   const auto [big_in_host, big_tiers] = host_used(big_states);
   EXPECT_EQ(big_tiers, (std::vector<Tier>{Tier::kHost, Tier::kNvme, Tier::kNvme}));
   EXPECT_EQ(big_in_host, all_nvme + big_states - 3 * (big_states - small_states));
+}
+
+TEST(EngineTest, StatesOnHostSpillToNvmeWhenTheHostBudgetCannotHoldThem) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme.path());
+  // What everything on host takes: one byte less cannot hold it.
+  const uint64_t all_host = std::move(Engine::Create(options, *device, specs))
+                                .value()
+                                ->tier_usage(Tier::kHost)
+                                .used_bytes;
+  options.host.pinned_memory_bytes = all_host - 1;
+  options.host.buffer_size = 4096;  // DeepSpeed's aio buffer: below the tiny budget.
+  std::vector<std::string> warnings;
+  SetLogSink([&](LogLevel level, std::string_view message) {
+    if (level == LogLevel::kWarning && message.find("optimizer states") != std::string::npos) {
+      warnings.emplace_back(message);
+    }
+  });
+  auto engine = Engine::Create(options, *device, specs);
+  SetLogSink(nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  // The first chunks keep their states in host memory, the last ones spill, and it fits.
+  std::vector<Tier> tiers;
+  for (size_t c = 0; c < (*engine)->chunk_count(); ++c) {
+    tiers.push_back(*(*engine)->placement(c).optimizer_states);
+  }
+  EXPECT_EQ(tiers.front(), Tier::kHost);
+  EXPECT_EQ(tiers.back(), Tier::kNvme);
+  EXPECT_TRUE(std::is_sorted(tiers.begin(), tiers.end())) << "not host first, then nvme";
+  EXPECT_LE((*engine)->tier_usage(Tier::kHost).used_bytes, all_host - 1);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("spill to NVMe"), std::string::npos) << warnings[0];
+  // Trained, it is the reference loop bit for bit.
+  EngineTrainer trainer(**engine, model);
+  ReferenceTrainer reference(model, options);
+  for (int step = 0; step < 5; ++step) {
+    double loss = 0.0;
+    ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    EXPECT_EQ(loss, reference.TrainStep(step));
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+  EXPECT_GT((*engine)->counters().nvme_read_bytes, 0u);
+
+  // Without NVMe to spill to, the budget is a clear error, as before.
+  options.nvme.paths.clear();
+  auto refused = Engine::Create(options, *device, specs);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
 }
 
 TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {

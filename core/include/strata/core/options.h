@@ -172,6 +172,8 @@ struct PlacementOptions {
   int zero_stage = 2;
   /// Home tier of fp32 master params and optimizer moments. DeepSpeed:
   /// zero_optimization.offload_optimizer.device (none = device, cpu = host, nvme = nvme).
+  /// host: when the host budget cannot hold them all next to the rest and nvme.paths is set,
+  /// the last chunks' states spill to NVMe (with a warning) instead of Create failing.
   Tier optimizer_states = Tier::kHost;
   /// Fraction of optimizer states offloaded to optimizer_states' tier and updated by the CPU
   /// optimizer, in [0, 1]; the rest stays on the device. DeepSpeed:
@@ -188,7 +190,8 @@ struct PlacementOptions {
   /// trained ones first: backward reaches them last; one too large for what is left is skipped)
   /// live in host memory instead, so the step reads and writes only the rest on NVMe; 0 = none.
   /// Every tier at once for states larger than host memory: `strata plan --host-memory` gives
-  /// the value that fills it. The host budget must hold them. DeepSpeed has no such key.
+  /// the value that fills it (states on host spill by themselves, see optimizer_states). The host
+  /// budget must hold them. DeepSpeed has no such key.
   uint64_t max_states_in_host = 0;
   /// Overlap the NVMe read of the next chunk's optimizer state with the step of the current
   /// one. DeepSpeed: offload_optimizer.pipeline_read. The Strata engine always overlaps reads,
