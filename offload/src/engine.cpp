@@ -419,29 +419,48 @@ void Engine::Impl::SpillStatesToNvme() {
   const PlacementOptions& place = options_.placement;
   if (place.optimizer_states != Tier::kHost || options_.nvme.paths.empty()) return;
   const uint64_t budget = host_budget_.free_bytes();
-  uint64_t need = HostBytesNeeded();  // No states on NVMe yet: no state staging in it.
+  const uint64_t need = HostBytesNeeded();  // No states on NVMe yet: no state staging in it.
   if (need <= budget) return;
-  size_t spilled = 0, largest = 0;
-  uint64_t staging = 0;
-  for (size_t i = chunks_.size(); i-- > 0 && need > budget;) {
-    Chunk& c = chunks_[i];
-    if (c.placement.optimizer_states != Tier::kHost) continue;
-    c.placement.optimizer_states = Tier::kNvme;
-    ++spilled;
-    // Its states leave host memory; NVMe states need staging buffers as large as the largest.
-    need -= AlignUp(c.state_bytes(), kHostAlignment);
-    largest = std::max(largest, c.numel);
-    const uint64_t now =
-        StagingPoolBytes(ChunkStateBytes(largest), options_.host.optimizer_buffer_count);
-    need += now - staging;
-    staging = now;
+  // The chunks to spill for a cap on their size (NVMe states need staging buffers as large as
+  // the largest of them): from the last chunk back, skipping larger ones, until the rest fits.
+  auto spill_under = [&](size_t cap) {
+    std::vector<size_t> spill;
+    uint64_t left = need, staging = 0;
+    size_t largest = 0;
+    for (size_t i = chunks_.size(); i-- > 0 && left > budget;) {
+      const Chunk& c = chunks_[i];
+      if (c.placement.optimizer_states != Tier::kHost || c.numel > cap) continue;
+      spill.push_back(i);
+      left -= AlignUp(c.state_bytes(), kHostAlignment);
+      largest = std::max(largest, c.numel);
+      const uint64_t now =
+          StagingPoolBytes(ChunkStateBytes(largest), options_.host.optimizer_buffer_count);
+      left += now - staging;
+      staging = now;
+    }
+    return left <= budget ? spill : std::vector<size_t>{};
+  };
+  // The smallest cap that fits: a large last chunk (an untied lm_head) stays in host memory
+  // when spilling smaller ones is enough, instead of sizing every staging buffer by it.
+  std::vector<size_t> sizes;
+  for (const Chunk& c : chunks_) {
+    if (c.placement.optimizer_states == Tier::kHost) sizes.push_back(c.numel);
   }
-  if (need > budget) return;  // Not even so: the allocation that fails says what.
-  Log(LogLevel::kWarning,
-      "the host budget of " + FormatBytes(host_budget_.usage().budget_bytes) +
-          " cannot hold every chunk's optimizer states: the last " + std::to_string(spilled) +
-          " chunks' spill to NVMe (" + options_.nvme.paths.front() +
-          "), the rest stay in host memory; raise host.pinned_memory_bytes to keep more");
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  for (size_t cap : sizes) {
+    const std::vector<size_t> spill = spill_under(cap);
+    if (spill.empty()) continue;
+    for (size_t i : spill) chunks_[i].placement.optimizer_states = Tier::kNvme;
+    Log(LogLevel::kWarning,
+        "the host budget of " + FormatBytes(host_budget_.usage().budget_bytes) +
+            " cannot hold every chunk's optimizer states: " + std::to_string(spill.size()) +
+            (spill.size() == 1 ? " chunk's states spill" : " chunks' states spill") + " to NVMe (" +
+            options_.nvme.paths.front() +
+            "), the others stay in host memory; raise host.pinned_memory_bytes to keep more");
+    return;
+  }
+  // No spill fits: everything stays, and the host allocation that fails says what.
 }
 
 size_t Engine::Impl::max_nvme_state_numel() const {

@@ -98,7 +98,9 @@ class Engine::Impl {
   uint64_t HostBytesNeeded();
   /// With states on host that the host budget cannot hold next to the rest, and NVMe paths to
   /// put them on: the last chunks' states (their gradients arrive first, leaving the most time
-  /// to read states back) move to NVMe until the rest fits. Says what it did.
+  /// to read states back) move to NVMe until the rest fits, skipping chunks larger than needed
+  /// (their staging would cost more than they free). Says what it did; changes nothing when no
+  /// spill fits.
   void SpillStatesToNvme();
   /// Elements of the largest chunk whose states are on NVMe (what state staging holds).
   size_t max_nvme_state_numel() const;

@@ -294,7 +294,8 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   options.placement.params = Tier::kDevice;
   options.placement.chunk_bytes = o.chunk_bytes;
   options.optimizer.cpu_threads = o.threads;
-  options.nvme.paths = o.nvme_paths;
+  // NVMe only where the states are asked to be: states on host must not spill there unseen.
+  if (o.optimizer_states == Tier::kNvme) options.nvme.paths = o.nvme_paths;
   options.placement.max_states_in_host = o.max_states_in_host;
   std::vector<ParameterSpec> specs;
   for (int c = 0; c < o.chunks; ++c) {

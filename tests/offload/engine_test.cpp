@@ -221,6 +221,58 @@ TEST(EngineTest, StatesOnHostSpillToNvmeWhenTheHostBudgetCannotHoldThem) {
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
 }
 
+TEST(EngineTest, ASpillThatCannotFitChangesNothingAndSaysWhatDoesNotFit) {
+  // More staging buffers than chunks: spilling frees less than the staging takes, so no
+  // spill fits. The error is the host budget's, as without NVMe, and no swap file is made.
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme.path());
+  options.host.optimizer_buffer_count = kLayers + 2;
+  const uint64_t all_host = std::move(Engine::Create(options, *device, specs))
+                                .value()
+                                ->tier_usage(Tier::kHost)
+                                .used_bytes;
+  options.host.pinned_memory_bytes = all_host - 1;
+  options.host.buffer_size = 4096;
+  auto refused = Engine::Create(options, *device, specs);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("the optimizer states of chunk"), std::string::npos)
+      << refused.status().message();
+  EXPECT_NE(refused.status().message().find("pinned_memory_bytes"), std::string::npos);
+  EXPECT_TRUE(std::filesystem::is_empty(nvme.path())) << "a swap file was made";
+}
+
+TEST(EngineTest, ALargeLastChunkStaysInHostWhenSpillingSmallerOnesFits) {
+  // An untied lm_head as the last chunk, eight chunks large: spilling it would need staging
+  // buffers eight times as large. Spilling small chunks instead fits with fewer spilled.
+  ScratchDir nvme;
+  std::vector<ParameterSpec> specs;
+  for (int i = 0; i < 12; ++i) specs.push_back({"w" + std::to_string(i), {5120}, {}});
+  specs.push_back({"lm_head", {8 * 5120}, {}});
+  auto device = MakeDevice(64 << 20);
+  EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme.path());
+  const uint64_t all_host = std::move(Engine::Create(options, *device, specs))
+                                .value()
+                                ->tier_usage(Tier::kHost)
+                                .used_bytes;
+  options.host.pinned_memory_bytes = all_host - 1;
+  options.host.buffer_size = 4096;
+  auto engine = Engine::Create(options, *device, specs);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_EQ((*engine)->chunk_count(), 13u);
+  EXPECT_EQ((*engine)->placement(12).optimizer_states, Tier::kHost) << "lm_head spilled";
+  // One small chunk's states buy room for its share of the staging buffers (3 here): four
+  // spill, the last four small ones.
+  for (size_t c = 0; c < 12; ++c) {
+    EXPECT_EQ((*engine)->placement(c).optimizer_states, c >= 8 ? Tier::kNvme : Tier::kHost)
+        << "chunk " << c;
+  }
+  EXPECT_LE((*engine)->tier_usage(Tier::kHost).peak_bytes, all_host - 1);
+}
+
 TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
