@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <span>
 
 #include "engine_test_support.h"
 #include "strata/core/host_device.h"
@@ -170,19 +171,24 @@ TEST(EngineTest, AStateChunkTooLargeForMaxStatesInHostLeavesTheSmallerOnesThere)
   EXPECT_EQ(big_in_host, all_nvme + big_states - 3 * (big_states - small_states));
 }
 
+/// What `options` take of host memory with everything placed there (as Create measures it);
+/// then sets the host budget one byte short of it (and DeepSpeed's aio buffer below it).
+uint64_t BudgetOneByteShortOfAllOnHost(EngineOptions& options, Device& device,
+                                       std::span<const ParameterSpec> specs) {
+  const uint64_t all_host =
+      std::move(Engine::Create(options, device, specs)).value()->tier_usage(Tier::kHost).used_bytes;
+  options.host.pinned_memory_bytes = all_host - 1;
+  options.host.buffer_size = 4096;
+  return all_host;
+}
+
 TEST(EngineTest, StatesOnHostSpillToNvmeWhenTheHostBudgetCannotHoldThem) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   const auto specs = model.Specs();
   auto device = MakeDevice(64 << 20);
   EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme.path());
-  // What everything on host takes: one byte less cannot hold it.
-  const uint64_t all_host = std::move(Engine::Create(options, *device, specs))
-                                .value()
-                                ->tier_usage(Tier::kHost)
-                                .used_bytes;
-  options.host.pinned_memory_bytes = all_host - 1;
-  options.host.buffer_size = 4096;  // DeepSpeed's aio buffer: below the tiny budget.
+  const uint64_t all_host = BudgetOneByteShortOfAllOnHost(options, *device, specs);
   std::vector<std::string> warnings;
   SetLogSink([&](LogLevel level, std::string_view message) {
     if (level == LogLevel::kWarning && message.find("optimizer states") != std::string::npos) {
@@ -230,12 +236,7 @@ TEST(EngineTest, ASpillThatCannotFitChangesNothingAndSaysWhatDoesNotFit) {
   auto device = MakeDevice(64 << 20);
   EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme.path());
   options.host.optimizer_buffer_count = kLayers + 2;
-  const uint64_t all_host = std::move(Engine::Create(options, *device, specs))
-                                .value()
-                                ->tier_usage(Tier::kHost)
-                                .used_bytes;
-  options.host.pinned_memory_bytes = all_host - 1;
-  options.host.buffer_size = 4096;
+  BudgetOneByteShortOfAllOnHost(options, *device, specs);
   auto refused = Engine::Create(options, *device, specs);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
@@ -254,12 +255,7 @@ TEST(EngineTest, ALargeLastChunkStaysInHostWhenSpillingSmallerOnesFits) {
   specs.push_back({"lm_head", {8 * 5120}, {}});
   auto device = MakeDevice(64 << 20);
   EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme.path());
-  const uint64_t all_host = std::move(Engine::Create(options, *device, specs))
-                                .value()
-                                ->tier_usage(Tier::kHost)
-                                .used_bytes;
-  options.host.pinned_memory_bytes = all_host - 1;
-  options.host.buffer_size = 4096;
+  const uint64_t all_host = BudgetOneByteShortOfAllOnHost(options, *device, specs);
   auto engine = Engine::Create(options, *device, specs);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   ASSERT_EQ((*engine)->chunk_count(), 13u);
