@@ -108,32 +108,55 @@ TEST(EngineTest, StatesFillMaxStatesInHostAndSpillTheRestToNvme) {
   const auto specs = model.Specs();
   auto device = MakeDevice(64 << 20);
   const uint64_t chunk_states = 5120 * 12;  // One fp32 chunk's master and moments.
-  // NVMe bytes read in 5 steps (after the first, which writes the states out) per placement.
-  auto nvme_reads = [&](uint64_t states_in_host) -> std::pair<uint64_t, uint64_t> {
-    EngineOptions options = MakeOptions({"split", Tier::kNvme, Tier::kDevice}, nvme.path());
+  struct NvmeTraffic {
+    uint64_t writes = 0;     // Bytes written in steps 1..5 (each step's own, done by its end).
+    uint64_t reads = 0;      // Bytes read over the same window (see below).
+    uint64_t used = 0;       // NVMe bytes held.
+    size_t nvme_chunks = 0;  // Chunks whose states live there.
+  };
+  const EngineOptions split = MakeOptions({"split", Tier::kNvme, Tier::kDevice}, nvme.path());
+  auto traffic = [&](uint64_t states_in_host) {
+    EngineOptions options = split;
     options.placement.max_states_in_host = states_in_host;
     auto engine = std::move(Engine::Create(options, *device, specs)).value();
     EngineTrainer trainer(*engine, model);
     double loss = 0.0;
     EXPECT_TRUE(trainer.TrainStep(0, &loss).ok());
-    const uint64_t before = engine->counters().nvme_read_bytes;
+    const EngineCounters before = engine->counters();
     for (int step = 1; step < 6; ++step) EXPECT_TRUE(trainer.TrainStep(step, &loss).ok());
+    EngineCounters moved = engine->counters();
+    moved -= before;
+    NvmeTraffic t{.writes = moved.nvme_write_bytes,
+                  .reads = moved.nvme_read_bytes,
+                  .used = engine->tier_usage(Tier::kNvme).used_bytes};
     // The first chunks (backward reaches them last) are the ones kept in host memory.
     for (size_t c = 0; c < engine->chunk_count(); ++c) {
       const Tier expected = (c + 1) * chunk_states <= states_in_host ? Tier::kHost : Tier::kNvme;
       EXPECT_EQ(engine->placement(c).optimizer_states, expected) << "chunk " << c;
+      t.nvme_chunks += expected == Tier::kNvme ? 1 : 0;
     }
-    return {engine->counters().nvme_read_bytes - before,
-            engine->tier_usage(Tier::kNvme).used_bytes};
+    return t;
   };
-  const auto [all_reads, all_nvme] = nvme_reads(0);
+  const NvmeTraffic all = traffic(0);
   // Three and a half chunks' worth: three whole chunks fit.
-  const auto [half_reads, half_nvme] = nvme_reads(chunk_states * 7 / 2);
-  EXPECT_GT(all_reads, 0u);
-  EXPECT_EQ(half_reads * 2, all_reads);
-  EXPECT_EQ(half_nvme * 2, all_nvme);
+  const NvmeTraffic half = traffic(chunk_states * 7 / 2);
+  ASSERT_EQ(all.nvme_chunks, 6u);
+  ASSERT_EQ(half.nvme_chunks, 3u);
+  // Each step writes every NVMe chunk's states once, within the step.
+  EXPECT_EQ(all.writes, 5 * 6 * chunk_states);
+  EXPECT_EQ(half.writes * 2, all.writes);
+  EXPECT_EQ(half.used * 2, all.used);
+  // Each step reads them once too, but the next step's first chunks are read ahead as soon as a
+  // step commits, so a window between two steps may hold up to `depth` reads more or fewer.
+  const uint64_t depth = split.host.optimizer_buffer_count - 1;
+  for (const NvmeTraffic& t : {all, half}) {
+    const uint64_t per_window = 5 * t.nvme_chunks * chunk_states;
+    EXPECT_GE(t.reads + depth * chunk_states, per_window) << t.nvme_chunks << " chunks on NVMe";
+    EXPECT_LE(t.reads, per_window + depth * chunk_states) << t.nvme_chunks << " chunks on NVMe";
+  }
   // Everything in host: nothing left for NVMe to do.
-  EXPECT_EQ(nvme_reads(6 * chunk_states).first, 0u);
+  const NvmeTraffic none = traffic(6 * chunk_states);
+  EXPECT_EQ(none.reads + none.writes + none.nvme_chunks, 0u);
 }
 
 TEST(EngineTest, AStateChunkTooLargeForMaxStatesInHostLeavesTheSmallerOnesThere) {
