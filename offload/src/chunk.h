@@ -28,11 +28,13 @@ enum class ChunkPhase : uint8_t {
   kLanding,       ///< The last micro-step's gradients declared; they are on their way to the
                   ///< host and being measured (trainer: GradsReady).
   kArrived,       ///< Gradients landed and measured; the update has not run, or ran and failed
-                  ///< leaving the chunk's states as they were (loop: the chunk's journey).
+                  ///< leaving the chunk's states as they were, or ran ahead of the verdict and
+                  ///< was rolled back (loop: the chunk's journey).
   kUpdating,      ///< Its update runs (loop: the journey, or a retry).
   kStepped,       ///< An update failed after the optimizer changed host- or device-home states
                   ///< in place: a retry republishes the parameters and never steps again (loop).
-  kUpdated,       ///< New states and parameters are staged for the commit (loop).
+  kUpdated,       ///< New states and parameters are staged for the commit (loop); a
+                  ///< speculative update's until the verdict keeps them.
 };
 
 /// "idle", "accumulating", ... for messages.
@@ -53,6 +55,10 @@ struct Chunk {
   AlignedBuffer param_copy;     // New working parameters (device- and host-home parameters).
   AlignedBuffer host_params;    // Host-home working parameters.
   AlignedBuffer host_states;    // Host-home optimizer states.
+  // Host-home states as they were before a speculative update (StepPipeline): what a verdict
+  // that clips or overflows restores. Allocated where the host budget has room; a chunk
+  // without one waits for the verdict.
+  AlignedBuffer state_backup;
 
   // Device-home optimizer states (and their fp32 gradient sum for accumulation).
   DeviceBuffer device_states;
@@ -78,6 +84,9 @@ struct Chunk {
   bool params_uploaded = false;   // Device-home parameters already carry this step's update.
   // A device-kept chunk whose update is the commit's to make (loop thread).
   bool update_at_commit = false;
+  // Its update ran ahead of a gated step's verdict, as if the step neither clips nor
+  // overflows; the verdict keeps it or rolls it back (loop thread: the chunk's journey).
+  bool speculated = false;
   // Optimizer updates this chunk has had (its bias correction's step). A chunk that gets no
   // gradients in a step (an unused expert) is not updated and does not count it, as torch
   // skips a parameter whose .grad is None. Written by the commit and Load.

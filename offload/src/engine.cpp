@@ -339,6 +339,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
 
+  AllocateStateBackups();
+
   // --- Initial values: master = given values (padding zero), moments zero; a frozen chunk's
   // "states" are just the values (Chunk::state_bytes) ---
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
@@ -366,6 +368,41 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   UpdateTierGauges();
   pipeline_.Initialize();
   return Status();
+}
+
+void Engine::Impl::AllocateStateBackups() {
+  if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
+  size_t wanted = 0, given = 0;
+  uint64_t bytes = 0, missing = 0;
+  // Backward order: the chunks whose gradients land first have the most backward left to
+  // overlap their updates with.
+  for (size_t i = chunks_.size(); i-- > 0;) {
+    Chunk& c = chunks_[i];
+    if (c.frozen() || c.placement.optimizer_states != Tier::kHost) continue;
+    ++wanted;
+    const uint64_t size = AlignUp(c.state_bytes(), kHostAlignment);
+    BudgetReservation reserved;
+    if (host_budget_.TryReserve(size)) reserved = BudgetReservation(&host_budget_, size);
+    Result<AlignedBuffer> backup =
+        reserved.bytes() > 0 ? AllocateZeroed(c.state_bytes()) : ResourceExhausted("budget");
+    if (!backup.ok()) {
+      missing += size;
+      continue;
+    }
+    static_reservations_.push_back(std::move(reserved));
+    c.state_backup = std::move(*backup);
+    ++given;
+    bytes += size;
+  }
+  if (given < wanted) {
+    Log(LogLevel::kInfo,
+        "speculative updates: " + std::to_string(given) + " of " + std::to_string(wanted) +
+            " chunks with optimizer states in host memory have room for a copy of them (" +
+            FormatBytes(bytes) + "); the other " + std::to_string(wanted - given) +
+            " wait for the global gradient norm at the end of backward (" + FormatBytes(missing) +
+            " more of host.pinned_memory_bytes would let them update "
+            "during backward)");
+  }
 }
 
 std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) {
@@ -578,6 +615,8 @@ EngineCounters& EngineCounters::operator+=(const EngineCounters& o) {
   device_optimizer_params += o.device_optimizer_params;
   evictions += o.evictions;
   fetches += o.fetches;
+  speculative_updates += o.speculative_updates;
+  rolled_back_updates += o.rolled_back_updates;
   return *this;
 }
 
@@ -591,6 +630,8 @@ EngineCounters& EngineCounters::operator-=(const EngineCounters& o) {
   device_optimizer_params -= o.device_optimizer_params;
   evictions -= o.evictions;
   fetches -= o.fetches;
+  speculative_updates -= o.speculative_updates;
+  rolled_back_updates -= o.rolled_back_updates;
   return *this;
 }
 
@@ -605,7 +646,9 @@ EngineCounters Engine::counters() const {
           .optimizer_params = count(m.optimizer_params),
           .device_optimizer_params = count(m.device_optimizer_params),
           .evictions = count(m.evictions),
-          .fetches = count(m.fetches)};
+          .fetches = count(m.fetches),
+          .speculative_updates = count(m.speculative_updates),
+          .rolled_back_updates = count(m.rolled_back_updates)};
 }
 
 MetricsRegistry& Engine::metrics() {

@@ -42,6 +42,14 @@ void EngineMetrics::Register(MetricsRegistry& r) {
   steps = &r.GetCounter("strata_steps_total", "Optimizer steps taken.");
   skipped_steps =
       &r.GetCounter("strata_skipped_steps_total", "Steps skipped for fp16 gradient overflow.");
+  speculative_updates = &r.GetCounter(
+      "strata_speculative_updates_total",
+      "Chunk updates run ahead of a clipped or fp16 step's global norm, as if it were neither.");
+  rolled_back_updates = &r.GetCounter(
+      "strata_rolled_back_updates_total",
+      "Speculative chunk updates rolled back because the step clipped or overflowed.");
+  rolled_back_steps = &r.GetCounter("strata_rolled_back_steps_total",
+                                    "Steps whose speculative updates were rolled back.");
   step_seconds = &r.GetGauge("strata_step_seconds", "Duration of the last optimizer step.");
   loss_scale = &r.GetGauge("strata_loss_scale", "Loss scale for the next backward.");
   for (int t = 0; t < kTierCount; ++t) {

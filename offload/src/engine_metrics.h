@@ -55,6 +55,9 @@ struct EngineMetrics {
   Counter* fetches = nullptr;
   Counter* steps = nullptr;
   Counter* skipped_steps = nullptr;
+  Counter* speculative_updates = nullptr;
+  Counter* rolled_back_updates = nullptr;
+  Counter* rolled_back_steps = nullptr;
   Gauge* step_seconds = nullptr;
   Gauge* loss_scale = nullptr;
   Gauge* used_bytes[kTierCount] = {};

@@ -33,7 +33,10 @@ void Chunk::MoveTo(ChunkPhase to) {
     case P::kIdle: allowed = from == P::kArrived || from == P::kUpdated; break;  // The commit.
     case P::kAccumulating: allowed = from == P::kIdle || from == P::kAccumulating; break;
     case P::kLanding: allowed = from == P::kIdle || from == P::kAccumulating; break;
-    case P::kArrived: allowed = from == P::kLanding || from == P::kUpdating; break;
+    // The journey, a failed update, or the verdict rolling a speculative update back.
+    case P::kArrived:
+      allowed = from == P::kLanding || from == P::kUpdating || from == P::kUpdated;
+      break;
     case P::kUpdating: allowed = from == P::kArrived || from == P::kStepped; break;
     case P::kStepped: allowed = from == P::kUpdating; break;
     case P::kUpdated: allowed = from == P::kUpdating; break;
@@ -248,6 +251,7 @@ void StepPipeline::Decide() {
     // DeepSpeed's and torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when < 1.
     clip = std::min(1.0, max_norm / (step_.grad_norm + 1e-6));
   }
+  step_.clipped = clip < 1.0;
   step_.grad_scale = clip / scale;
   gate_.Open();
 }
@@ -262,6 +266,7 @@ void StepPipeline::Cancel() {
 
 void StepPipeline::MaybeFinish() {
   if (!step_.requested || step_.committing || step_.updates_running > 0) return;
+  if (step_.speculations_open > 0) return;  // Updated ahead of the verdict, not yet resolved.
   const std::vector<Chunk>& chunks = engine_.chunks_;
   for (const Chunk& c : chunks) {
     if (c.phase_now() == ChunkPhase::kLanding) return;  // Gradients still landing.
@@ -370,6 +375,7 @@ Awaitable<void> StepPipeline::Commit() {
   }
   e.m_.steps->Increment(skipped ? 0.0 : 1.0);
   e.m_.skipped_steps->Increment(skipped ? 1.0 : 0.0);
+  e.m_.rolled_back_steps->Increment(step_.rolled_back ? 1.0 : 0.0);
   e.m_.loss_scale->Set(loss_scale());
   e.residency_.StepCommitted();
   StartPreloads();  // The next step's first states, read while its forward runs.
@@ -389,6 +395,7 @@ Awaitable<void> StepPipeline::Commit() {
   FinishStep(StepReport{.step = step_count_.load(),
                         .iteration = scaler.iteration,
                         .skipped = skipped,
+                        .rolled_back = step_.rolled_back,
                         .grad_norm = norm,
                         .loss_scale = scaler.scale,
                         .seconds = seconds},

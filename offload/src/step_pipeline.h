@@ -7,6 +7,8 @@
 //                                              // sums them in stream order)
 //   stats = co_await AwaitJob(sum_and_measure) // micro-step sum, squares, finiteness (TBB)
 //   co_await gate                              // gated steps: the global norm / overflow verdict
+//                                              // (or update now, speculatively, and let the
+//                                              // verdict keep or roll back the update)
 //   states = co_await preload                  // NVMe -> staging buffer, read ahead
 //   co_await AwaitJob(optimizer + checksums)   // cpu_adam on TBB, new working params rounded
 //   co_await AwaitSwapWrite(shadow extents)    // write-behind; the commit flips them current
@@ -17,6 +19,15 @@
 // shadow extents (the point of no return), uploads what is still to upload, drops stale device
 // copies, and completes Step()'s future. Earlier micro-steps only land and sum
 // (gradient_landing.cpp).
+//
+// Speculation (gated steps, optimizer.speculative_updates): a chunk whose update can be rolled
+// back (states on NVMe, whose new values go to shadow extents; host-kept states with a backup
+// copy) does not wait for the gate. It is updated at once with the scale of a step that neither
+// clips nor overflows, which is the gated path's own scale whenever the verdict agrees, so the
+// results are the same bit for bit. Its uploads wait for the verdict. When the verdict clips or
+// overflows, the journey restores the backup (NVMe: nothing to restore), moves the chunk back to
+// kArrived and updates it again with the verdict's scale (or not at all, for an overflow). The
+// step commits only once every speculation is resolved.
 //
 // Retries: a failed step leaves each chunk in a phase that says what is left to do
 // (chunk.h): kArrived chunks are updated again from states that did not change, kStepped
@@ -67,6 +78,8 @@ class StepPipeline {
   Status CheckBetweenSteps(const std::string& operation) const;
 
   // --- Any thread ---
+  /// Whether updates need the step's verdict (global norm, overflow): clipping or fp16.
+  bool gated() const;
   double loss_scale() const;
   int64_t step_count() const { return step_count_.load(); }
   int64_t iteration_count() const;
@@ -98,6 +111,11 @@ class StepPipeline {
     size_t used = 0;       // Chunks with gradients this step, known once Step() is called.
     bool decided = false;  // Gated steps: the global norm/overflow verdict is in.
     bool skip = false;     // fp16 overflow.
+    bool clipped = false;  // The verdict scales the gradients down (clip coefficient < 1).
+    // Chunks updated ahead of the verdict whose journeys have not yet kept or rolled back the
+    // update: the step cannot commit before they do.
+    size_t speculations_open = 0;
+    bool rolled_back = false;  // Some speculative update of this step was rolled back.
     double grad_scale = 1.0;
     double grad_norm = 0.0;
     size_t updates_running = 0;
@@ -116,8 +134,6 @@ class StepPipeline {
     std::optional<LoopSemaphore> ready;  // Released once the read is done.
   };
 
-  bool gated() const;
-
   // gradient_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
                       bool last);
@@ -128,10 +144,20 @@ class StepPipeline {
 
   // update_journey.cpp
   Awaitable<void> Journey(size_t chunk, int micro_step);
-  Awaitable<void> Update(size_t chunk);
+  /// Whether the chunk's update may run ahead of the gated step's verdict: the verdict is not
+  /// in yet, and the update can be rolled back (see the top of this file).
+  bool CanSpeculate(size_t chunk) const;
+  /// Updates the chunk where one is left to do; `speculative`: ahead of the verdict.
+  Awaitable<void> Update(size_t chunk, bool speculative = false);
+  /// After the verdict: keeps the chunk's speculative update (and sends its parameters to the
+  /// device) or rolls it back to kArrived.
+  Awaitable<void> ResolveSpeculation(size_t chunk);
   /// Sets `stepped` when the chunk's home states hold this step's update (even if a later
-  /// stage failed), which decides the phase a failure leaves it in.
-  Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool& stepped);
+  /// stage failed), which decides the phase a failure leaves it in. A speculative update that
+  /// fails restores its backup, so it never leaves the chunk stepped.
+  Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool speculative, bool& stepped);
+  /// Copies host-home states into the chunk's backup, or back (TBB, off the loop).
+  Awaitable<void> CopyStateBackup(size_t chunk, bool restore);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
   Status UploadEarly(size_t chunk);
   Awaitable<Status> UpdateOnDevice(size_t chunk);

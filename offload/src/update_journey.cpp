@@ -54,17 +54,36 @@ Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, do
   return Internal("unknown optimizer type");
 }
 
+/// to[i] = from[i] for i < n, on the optimizer's threads (a chunk's states are far larger than
+/// the caches: one thread alone does not reach the memory bandwidth).
+void ParallelCopy(cpu_adam::CpuOptimizer& optimizer, float* to, const float* from, size_t n) {
+  optimizer.ParallelFor(n, [&](size_t begin, size_t end) {
+    std::memcpy(to + begin, from + begin, (end - begin) * sizeof(float));
+  });
+}
+
 }  // namespace
 
 Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
   co_await LandGrads(chunk, micro_step, /*last=*/true);
   Arrive(chunk);
-  if (gated()) co_await gate_.Wait();
+  if (gated()) {
+    if (CanSpeculate(chunk)) co_await Update(chunk, /*speculative=*/true);
+    co_await gate_.Wait();
+    if (engine_.chunks_[chunk].speculated) co_await ResolveSpeculation(chunk);
+  }
   if (!step_.skip && !step_.cancelled) co_await Update(chunk);
   MaybeFinish();
 }
 
-Awaitable<void> StepPipeline::Update(size_t chunk) {
+bool StepPipeline::CanSpeculate(size_t chunk) const {
+  if (!options_.optimizer.speculative_updates || step_.decided) return false;
+  const Chunk& c = engine_.chunks_[chunk];
+  const Tier states = *c.placement.optimizer_states;
+  return states == Tier::kNvme || (states == Tier::kHost && !c.state_backup.empty());
+}
+
+Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   const ChunkPhase from = c.phase_now();
@@ -99,12 +118,18 @@ Awaitable<void> StepPipeline::Update(size_t chunk) {
     c.MoveTo(ChunkPhase::kUpdating);
   }
   ++step_.updates_running;
+  if (speculative) {
+    c.speculated = true;
+    ++step_.speculations_open;
+    e.m_.speculative_updates->Increment(1.0);
+  }
   Status status;
   bool stepped = false;
   if (on_device) {
     status = co_await UpdateOnDevice(chunk);
   } else {
-    status = co_await UpdateOnHost(chunk, /*republish=*/from == ChunkPhase::kStepped, stepped);
+    status = co_await UpdateOnHost(chunk, /*republish=*/from == ChunkPhase::kStepped, speculative,
+                                   stepped);
   }
   --step_.updates_running;
   {
@@ -116,6 +141,49 @@ Awaitable<void> StepPipeline::Update(size_t chunk) {
   if (!status.ok() && step_.error.ok()) {
     step_.error = status.WithContext("updating chunk " + std::to_string(chunk));
   }
+}
+
+Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  c.speculated = false;
+  const bool updated = c.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
+  if (!step_.skip && !step_.clipped && !step_.cancelled) {
+    // The verdict agrees with the speculation: the update stands, and its parameters may go
+    // to the device now rather than at the commit.
+    if (updated) {
+      Status uploaded = UploadEarly(chunk);
+      if (!uploaded.ok() && step_.error.ok()) {
+        step_.error =
+            uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk));
+      }
+    }
+  } else if (updated) {
+    // NVMe-home states were updated in a staging buffer and written to the shadow extent,
+    // which the commit will not flip: only host-home states need their old values back.
+    if (c.placement.optimizer_states == Tier::kHost) {
+      co_await CopyStateBackup(chunk, /*restore=*/true);
+    }
+    {
+      std::lock_guard lock(mutex_);
+      c.MoveTo(ChunkPhase::kArrived);
+    }
+    step_.rolled_back = true;
+    e.m_.rolled_back_updates->Increment(1.0);
+  }
+  --step_.speculations_open;
+}
+
+Awaitable<void> StepPipeline::CopyStateBackup(size_t chunk, bool restore) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  auto copy = [&e, &c, restore] {
+    AlignedBuffer& from = restore ? c.state_backup : c.host_states;
+    AlignedBuffer& to = restore ? c.host_states : c.state_backup;
+    ParallelCopy(*e.optimizer_, reinterpret_cast<float*>(to.data()),
+                 reinterpret_cast<const float*>(from.data()), c.state_bytes() / sizeof(float));
+  };
+  co_await AwaitJob(e.jobs_, copy, &e.jobs_in_flight_);
 }
 
 Status StepPipeline::RunOptimizer(size_t chunk, float* states, const void* grads, DType grad_dtype,
@@ -147,14 +215,19 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, const void* grads
   return Status();
 }
 
-Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool& stepped) {
+Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool speculative,
+                                             bool& stepped) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   EngineMetrics& m = e.m_;
   const size_t wbytes = c.working_bytes(e.working_size());
   const bool nvme_states = c.placement.optimizer_states == Tier::kNvme;
   const bool nvme_params = c.placement.params == Tier::kNvme;
-  const double grad_scale = step_.grad_scale;
+  // Ahead of the verdict: the scale of a step that neither clips (coefficient 1) nor overflows,
+  // computed as Decide computes it, so that a verdict that agrees gives the same bits.
+  const double grad_scale = speculative ? 1.0 / loss_scale() : step_.grad_scale;
+  // Host-home states are stepped in place: a speculative update keeps their old values.
+  const bool backup = speculative && !nvme_states;
   Status status;
   stepped = republish;
 
@@ -193,6 +266,10 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool&
         // The states already hold this step: only the working parameters are made again.
         Fp32ToDType({states, c.numel}, e.working_dtype(), param_copy);
       } else {
+        if (backup) {
+          ParallelCopy(*e.optimizer_, reinterpret_cast<float*>(c.state_backup.data()), states,
+                       c.state_bytes() / sizeof(float));
+        }
         const auto start = Clock::now();
         s = RunOptimizer(chunk, states, grads, grad_dtype, param_copy, grad_scale);
         m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
@@ -234,6 +311,15 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool&
   write_time.reset();
   if (e.state_staging_) e.state_staging_->Release(state_buffer);
   if (e.param_staging_) e.param_staging_->Release(param_buffer);
+  if (speculative) {
+    // Uploads wait for the verdict (ResolveSpeculation). A failure must not leave stepped
+    // states behind: the retry's verdict may want another scale.
+    if (!status.ok() && stepped) {
+      co_await CopyStateBackup(chunk, /*restore=*/true);
+      stepped = false;
+    }
+    co_return status;
+  }
   if (status.ok()) status = UploadEarly(chunk);
   co_return status;
 }

@@ -135,6 +135,17 @@ struct OptimizerOptions {
   /// Clip gradients to this global L2 norm before the step; 0 = no clipping.
   /// DeepSpeed: gradient_clipping.
   double gradient_clipping = 0.0;
+  /// With gradient clipping or fp16 overflow checks, the update of a chunk needs the global
+  /// gradient norm, known only when backward ends. true: each chunk is updated as soon as its
+  /// gradients land, as if the step will neither clip nor overflow, and the verdict redoes those
+  /// updates with the clip coefficient (or undoes them for an overflow) when it says otherwise:
+  /// the same results bit for bit, with the updates overlapping backward in the common case.
+  /// Rolling back is free for states on NVMe (new values go to shadow extents); host-kept
+  /// states keep a copy from before the update, in host memory the budget
+  /// (host.pinned_memory_bytes) has left after everything else, and chunks it has no room for
+  /// wait for the norm. Device-kept states always wait. false: every update waits for the norm.
+  /// DeepSpeed has no such key (its SuperOffload does this on GH200).
+  bool speculative_updates = true;
   /// Micro-batches whose gradients are summed before one optimizer step; >= 1.
   /// DeepSpeed: gradient_accumulation_steps.
   int gradient_accumulation_steps = 1;

@@ -25,8 +25,9 @@
 //
 // What happens underneath: GradsReady queues the chunk's gradients device->host behind the
 // trainer's compute-stream work; on the last micro-step the chunk's optimizer step starts at
-// once (with gradient clipping or fp16 overflow checks, as soon as the last chunk's gradient
-// norm is in). Each chunk's journey (states NVMe->host, CPU Adam, parameters host->device,
+// once (with gradient clipping or fp16 overflow checks too: it runs as if the step will neither
+// clip nor overflow, and is redone or undone in the rare step that does; see
+// OptimizerOptions::speculative_updates). Each chunk's journey (states NVMe->host, CPU Adam, parameters host->device,
 // states host->NVMe) is a coroutine on the engine's event loop; journeys of different chunks
 // overlap each other and the trainer's backward, bounded by staging buffers. Step() completes
 // when every chunk is updated and its working parameters are where the next forward needs them.
@@ -95,6 +96,9 @@ struct StepReport {
   int64_t iteration = 0;    ///< Steps completed so far, skipped ones included (DeepSpeed's
                             ///< global_steps).
   bool skipped = false;     ///< fp16 overflow: nothing was updated and the scale was lowered.
+  /// Some chunks were updated ahead of the global norm (OptimizerOptions::speculative_updates)
+  /// and the step clipped or overflowed, so those updates were redone or undone.
+  bool rolled_back = false;
   double grad_norm = 0.0;   ///< Global L2 norm of the (unscaled) gradients; NaN when skipped.
   double loss_scale = 1.0;  ///< The scale the next backward should use.
   double seconds = 0.0;     ///< From Step() to completion.
@@ -111,6 +115,10 @@ struct EngineCounters {
   uint64_t device_optimizer_params = 0;  ///< Parameters updated on the device.
   uint64_t evictions = 0;                ///< Offloaded parameter chunks dropped from the device.
   uint64_t fetches = 0;                  ///< Offloaded parameter chunks brought to the device.
+  /// Chunk updates run ahead of a gated step's verdict (speculative_updates), and how many of
+  /// them the verdict rolled back (a clipped or overflowing step).
+  uint64_t speculative_updates = 0;
+  uint64_t rolled_back_updates = 0;
 
   /// Field by field, for totals over steps and traffic between two readings.
   EngineCounters& operator+=(const EngineCounters& other);

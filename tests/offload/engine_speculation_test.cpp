@@ -1,0 +1,340 @@
+// Speculative updates (OptimizerOptions::speculative_updates): with gradient clipping or fp16, a
+// chunk is updated as soon as its gradients land, as if the step will neither clip nor
+// overflow, and the verdict keeps or rolls the update back. Every result must equal the gated
+// path's (every update waits for the global norm) bit for bit, in every placement, on steps
+// that clip, steps that do not, steps that overflow and steps that fail and are retried.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine_test_support.h"
+#include "strata/core/log.h"
+#include "strata/nvme/fault_injection.h"
+#include "support/scratch_dir.h"
+#include "tiny_model.h"
+
+namespace strata::offload {
+namespace {
+
+using namespace std::chrono_literals;
+using strata::testing::ScratchDir;
+using testing::BitEqual;
+using testing::EngineTrainer;
+using testing::kBatch;
+using testing::kLayers;
+using testing::kSlotBytes;
+using testing::kWidth;
+using testing::MakeDevice;
+using testing::MakeEngine;
+using testing::MakeOptions;
+using testing::MaxAbsDiff;
+using testing::Placement;
+using testing::TinyModel;
+
+constexpr int kSteps = 12;
+
+/// What kSteps steps of training gave.
+struct Trajectory {
+  std::vector<double> losses;
+  std::vector<StepReport> reports;
+  std::vector<std::vector<float>> master;
+  EngineCounters counters;
+  size_t speculative_chunks = 0;  // Chunks whose updates may run ahead of the verdict.
+};
+
+/// Chunks an engine can update ahead of the verdict: states on NVMe, or on host with a backup
+/// (the tests' automatic host budget has room for every backup).
+size_t SpeculativeChunks(const Engine& engine) {
+  size_t n = 0;
+  for (size_t c = 0; c < engine.chunk_count(); ++c) {
+    const Tier states = *engine.placement(c).optimizer_states;
+    n += states == Tier::kNvme || states == Tier::kHost ? 1 : 0;
+  }
+  return n;
+}
+
+/// Trains kSteps steps; `poison_step` overflows that step's gradients (fp16).
+Trajectory Train(const EngineOptions& options, uint64_t device_budget, const TinyModel& model,
+                 int poison_step = -1) {
+  Trajectory run;
+  auto device = MakeDevice(device_budget);
+  auto engine = MakeEngine(options, *device, model);
+  if (engine == nullptr) return run;
+  run.speculative_chunks = SpeculativeChunks(*engine);
+  EngineTrainer trainer(*engine, model);
+  for (int step = 0; step < kSteps; ++step) {
+    double loss = 0.0;
+    Result<StepReport> report = trainer.TrainStep(step, &loss, step == poison_step);
+    EXPECT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
+    if (!report.ok()) return run;
+    run.losses.push_back(loss);
+    run.reports.push_back(*report);
+
+  }
+  run.master = trainer.MasterParameters();
+  run.counters = engine->counters();
+  return run;
+}
+
+/// The two runs agree bit for bit: losses, norms, skips, scales and master parameters.
+void ExpectSameBits(const Trajectory& gated, const Trajectory& speculative,
+                    const std::string& what) {
+  ASSERT_EQ(gated.reports.size(), speculative.reports.size()) << what;
+  for (size_t s = 0; s < gated.reports.size(); ++s) {
+    EXPECT_EQ(gated.losses[s], speculative.losses[s]) << what << ", step " << s;
+    const StepReport& a = gated.reports[s];
+    const StepReport& b = speculative.reports[s];
+    EXPECT_EQ(a.skipped, b.skipped) << what << ", step " << s;
+    EXPECT_EQ(a.loss_scale, b.loss_scale) << what << ", step " << s;
+    if (!a.skipped) {
+      EXPECT_EQ(a.grad_norm, b.grad_norm) << what << ", step " << s;
+    }
+  }
+  EXPECT_TRUE(BitEqual(gated.master, speculative.master))
+      << what << ": max |diff| " << MaxAbsDiff(gated.master, speculative.master);
+}
+
+int RolledBackSteps(const Trajectory& run) {
+  return int(std::count_if(run.reports.begin(), run.reports.end(),
+                           [](const StepReport& r) { return r.rolled_back; }));
+}
+
+class SpeculationTest : public ::testing::TestWithParam<Placement> {};
+
+TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
+  const Placement& placement = GetParam();
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options = MakeOptions(placement, nvme.path());
+
+  // The norms of an unclipped run: a threshold at their median clips some steps, not all.
+  options.optimizer.gradient_clipping = 1e9;
+  options.optimizer.speculative_updates = false;
+  const Trajectory unclipped = Train(options, placement.device_budget, model);
+  ASSERT_EQ(unclipped.reports.size(), size_t(kSteps));
+  std::vector<double> norms;
+  for (const StepReport& r : unclipped.reports) norms.push_back(r.grad_norm);
+  std::sort(norms.begin(), norms.end());
+
+  struct Threshold {
+    const char* name;
+    double max_norm;
+  };
+  for (const Threshold& t : {Threshold{"never clips", 1e9}, Threshold{"always clips", 1e-4},
+                             Threshold{"clips some steps", norms[kSteps / 2]}}) {
+    SCOPED_TRACE(t.name);
+    options.optimizer.gradient_clipping = t.max_norm;
+    options.optimizer.speculative_updates = false;
+    const Trajectory gated = Train(options, placement.device_budget, model);
+    options.optimizer.speculative_updates = true;
+    const Trajectory speculative = Train(options, placement.device_budget, model);
+    ExpectSameBits(gated, speculative, std::string(placement.name) + ", " + t.name);
+    EXPECT_EQ(gated.counters.speculative_updates, 0u);
+
+    // Every speculative chunk but the one whose gradients land last (which makes the verdict)
+    // is updated ahead of it, in every step.
+    const uint64_t n = speculative.speculative_chunks;
+    const uint64_t ahead = speculative.counters.speculative_updates;
+    EXPECT_GE(ahead, kSteps * (n > 0 ? n - 1 : 0));
+    EXPECT_LE(ahead, kSteps * n);
+    const int rolled_back = RolledBackSteps(speculative);
+    if (t.max_norm == 1e9) {
+      EXPECT_EQ(rolled_back, 0);
+      EXPECT_EQ(speculative.counters.rolled_back_updates, 0u);
+    } else if (t.max_norm == 1e-4) {
+      if (n >= 2) {
+        EXPECT_EQ(rolled_back, kSteps);
+      }
+      EXPECT_EQ(speculative.counters.rolled_back_updates, ahead);
+    } else if (n >= 2) {
+      EXPECT_GT(rolled_back, 0);
+      EXPECT_LT(rolled_back, kSteps);
+    }
+    // What a rolled-back step redoes shows in the optimizer's work, and only there.
+    EXPECT_EQ(speculative.counters.optimizer_params,
+              gated.counters.optimizer_params +
+                  speculative.counters.rolled_back_updates * uint64_t(5120));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, SpeculationTest,
+    ::testing::Values(Placement{"states_device", Tier::kDevice, Tier::kDevice},
+                      Placement{"states_host", Tier::kHost, Tier::kDevice},
+                      Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
+                      Placement{"states_host_ratio_half", Tier::kHost, Tier::kDevice, 0.5},
+                      Placement{"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5},
+                      Placement{"states_nvme_half_in_host", Tier::kNvme, Tier::kDevice, 1.0,
+                                64 << 20, 3 * 5120 * 12},
+                      Placement{"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes},
+                      Placement{"params_nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes},
+                      Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0,
+                                2 * kSlotBytes}),
+    [](const ::testing::TestParamInfo<Placement>& param) { return param.param.name; });
+
+// fp16: the overflowing step undoes every update made ahead of the verdict and skips; the
+// trajectory equals the gated path's bit for bit.
+TEST(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  for (const Placement& placement : {Placement{"host", Tier::kHost, Tier::kDevice},
+                                     Placement{"nvme", Tier::kNvme, Tier::kDevice},
+                                     Placement{"params_host", Tier::kHost, Tier::kHost}}) {
+    SCOPED_TRACE(placement.name);
+    EngineOptions options = MakeOptions(placement, nvme.path(), DType::kFp16);
+    options.precision.hysteresis = 1;
+    options.optimizer.speculative_updates = false;
+    const Trajectory gated = Train(options, placement.device_budget, model, /*poison_step=*/3);
+    options.optimizer.speculative_updates = true;
+    const Trajectory speculative =
+        Train(options, placement.device_budget, model, /*poison_step=*/3);
+    ExpectSameBits(gated, speculative, placement.name);
+    ASSERT_EQ(speculative.reports.size(), size_t(kSteps));
+    EXPECT_TRUE(speculative.reports[3].skipped);
+    EXPECT_TRUE(speculative.reports[3].rolled_back);
+    EXPECT_EQ(RolledBackSteps(speculative), 1);
+    // fp16 packs two layers per chunk: three chunks, two ahead of the verdict.
+    EXPECT_EQ(speculative.speculative_chunks, 3u);
+    EXPECT_EQ(speculative.counters.rolled_back_updates, 2u);
+  }
+}
+
+// The point of it: with clipping on, updates run before the verdict can be made. Chunk 0's
+// gradients are held back, so no global norm exists; the other chunks are updated anyway, and
+// only with speculation.
+TEST(SpeculationTest, UpdatesRunBeforeTheGlobalNormIsKnown) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  for (const Placement& placement : {Placement{"host", Tier::kHost, Tier::kDevice},
+                                     Placement{"nvme", Tier::kNvme, Tier::kDevice}}) {
+    for (const bool speculative : {false, true}) {
+      SCOPED_TRACE(std::string(placement.name) + (speculative ? ", speculative" : ", gated"));
+      EngineOptions options = MakeOptions(placement, nvme.path());
+      options.optimizer.gradient_clipping = 1e9;
+      options.optimizer.speculative_updates = speculative;
+      auto device = MakeDevice(64 << 20);
+      auto engine = MakeEngine(options, *device, model);
+      ASSERT_NE(engine, nullptr);
+      EngineTrainer trainer(*engine, model);
+      std::vector<bool> unused(kLayers, false);
+      unused[0] = true;
+      trainer.SetUnusedChunks(unused);
+      double loss = 0.0;
+      ASSERT_TRUE(trainer.ForwardBackward(0, &loss).ok());
+      const uint64_t expected = speculative ? uint64_t(kLayers - 1) * 5120 : 0;
+      const auto deadline = std::chrono::steady_clock::now() + (speculative ? 10s : 200ms);
+      while (engine->counters().optimizer_params < expected &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(1ms);
+      }
+      if (!speculative) std::this_thread::sleep_for(200ms);
+      EXPECT_EQ(engine->counters().optimizer_params, expected);
+      Result<StepReport> report = engine->Step().get();
+      ASSERT_TRUE(report.ok()) << report.status().ToString();
+      EXPECT_FALSE(report->rolled_back);
+      EXPECT_EQ(engine->counters().optimizer_params, uint64_t(kLayers - 1) * 5120);
+    }
+  }
+}
+
+// Backups come out of what the host budget has left: none fit, and the chunks wait for the
+// verdict (saying so); two fit, and the two whose gradients land first go ahead. Results are
+// the same either way.
+TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBackups) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const Placement placement{"host", Tier::kHost, Tier::kDevice};
+  EngineOptions options = MakeOptions(placement, nvme.path());
+  options.optimizer.gradient_clipping = 1e-4;  // Every step clips: every speculation rolls back.
+  options.optimizer.speculative_updates = false;
+  const Trajectory gated = Train(options, placement.device_budget, model);
+  // What the engine takes without backups, and one chunk's backup.
+  auto device = MakeDevice(64 << 20);
+  const uint64_t without = MakeEngine(options, *device, model)->tier_usage(Tier::kHost).used_bytes;
+  const uint64_t backup = 5120 * 12;
+  options.optimizer.speculative_updates = true;
+
+  std::vector<std::string> said;
+  SetLogSink([&](LogLevel, std::string_view message) {
+    if (message.find("speculative updates") != std::string_view::npos) said.emplace_back(message);
+  });
+  options.host.buffer_size = 4096;  // DeepSpeed's aio buffer, checked against the budget.
+  options.host.pinned_memory_bytes = without;
+  const Trajectory no_room = Train(options, placement.device_budget, model);
+  options.host.pinned_memory_bytes = without + 2 * backup + backup / 2;
+  const Trajectory two = Train(options, placement.device_budget, model);
+  SetLogSink(nullptr);
+
+  ExpectSameBits(gated, no_room, "no room");
+  ExpectSameBits(gated, two, "room for two");
+  EXPECT_EQ(no_room.counters.speculative_updates, 0u);
+  // Chunks 5 and 4 each step, unless one of them is the last to land and makes the verdict.
+  EXPECT_GE(two.counters.speculative_updates, uint64_t(kSteps));
+  EXPECT_LE(two.counters.speculative_updates, uint64_t(2 * kSteps));
+  EXPECT_EQ(two.counters.rolled_back_updates, two.counters.speculative_updates);
+  ASSERT_EQ(said.size(), 2u);
+  EXPECT_NE(said[0].find("0 of 6 chunks"), std::string::npos) << said[0];
+  EXPECT_NE(said[1].find("2 of 6 chunks"), std::string::npos) << said[1];
+}
+
+// A step that fails after some chunks were updated ahead of the verdict (an NVMe write fails)
+// is retried to the same result as the gated path's, clipped or not; host-kept states stepped
+// speculatively are restored by the failure, not left for the retry to republish.
+TEST(SpeculationTest, AFailedSpeculativeStepRetriesToTheGatedResult) {
+  for (const double max_norm : {1e9, 1e-4}) {
+    for (const Placement& placement :
+         {Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
+          Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0, 2 * kSlotBytes}}) {
+      SCOPED_TRACE(std::string(placement.name) + (max_norm < 1 ? ", clipped" : ", unclipped"));
+      ScratchDir nvme;
+      const TinyModel model(kLayers, kWidth, kBatch);
+      EngineOptions options = MakeOptions(placement, nvme.path());
+      options.optimizer.gradient_clipping = max_norm;
+      options.optimizer.speculative_updates = false;
+      const Trajectory gated = Train(options, placement.device_budget, model);
+
+      options.optimizer.speculative_updates = true;
+      auto plan = std::make_shared<nvme::FaultPlan>();
+      EngineEnvironment environment;
+      environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+        return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+      };
+      auto device = MakeDevice(placement.device_budget);
+      auto engine = MakeEngine(options, *device, model, std::move(environment));
+      ASSERT_NE(engine, nullptr);
+      EngineTrainer trainer(*engine, model);
+      Trajectory retried;
+      for (int step = 0; step < kSteps; ++step) {
+        double loss = 0.0;
+        // Step 4 fails one chunk's write, after others have been written.
+        if (step == 4) {
+          plan->Add({.kind = nvme::FaultKind::kError,
+                     .op = nvme::IoOp::kWrite,
+                     .skip = 2,
+                     .times = 1,
+                     .error = EIO});
+        }
+        Result<StepReport> report = trainer.TrainStep(step, &loss);
+        if (step == 4) {
+          ASSERT_FALSE(report.ok());
+          EXPECT_EQ(plan->fired(), 1);
+          report = engine->Step().get();
+        }
+        ASSERT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
+        retried.losses.push_back(loss);
+        retried.reports.push_back(*report);
+      }
+      retried.master = trainer.MasterParameters();
+      ExpectSameBits(gated, retried, placement.name);
+      EXPECT_GT(engine->counters().speculative_updates, 0u);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::offload
