@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -185,8 +186,30 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
   return std::make_pair(read_seconds, write_seconds);
 }
 
-/// One training step of the synthetic model through the engine.
-Result<double> TimeEngineStep(Engine& engine, Device& device, const PipelineBenchmarkOptions& o) {
+/// With clip_triggered: fills every chunk's gradient buffer, once (backward of the synthetic
+/// model writes nothing, so the buffers keep it), with one value whose global norm, unscaled,
+/// is twice the clipping threshold.
+Status FillGradients(Engine& engine, Device& device, const PipelineBenchmarkOptions& o,
+                     uint64_t params) {
+  if (!o.clip_triggered) return Status();
+  const float value =
+      float(2.0 * o.gradient_clipping / std::sqrt(double(params)) * engine.loss_scale());
+  for (size_t c = 0; c < engine.chunk_count(); ++c) {
+    STRATA_ASSIGN_OR_RETURN(ChunkView view, engine.Acquire(c));
+    std::vector<float> values(view.numel, value);
+    std::vector<std::byte> stored(view.numel * DTypeSize(view.dtype));
+    Fp32ToDType(values, view.dtype, stored.data());
+    Status copied = device.CopyToDevice(view.grads, stored.data(), stored.size());
+    if (copied.ok()) copied = device.SynchronizeStream(Stream::kHostToDevice);
+    engine.Release(c);
+    STRATA_RETURN_IF_ERROR(copied);
+  }
+  return Status();
+}
+
+/// One training step of the synthetic model through the engine: its seconds and report.
+Result<std::pair<double, StepReport>> TimeEngineStep(Engine& engine, Device& device,
+                                                     const PipelineBenchmarkOptions& o) {
   const auto start = Clock::now();
   for (size_t c = 0; c < engine.chunk_count(); ++c) {
     STRATA_RETURN_IF_ERROR(engine.Acquire(c).status());
@@ -199,8 +222,8 @@ Result<double> TimeEngineStep(Engine& engine, Device& device, const PipelineBenc
     STRATA_RETURN_IF_ERROR(engine.GradsReady(c));
     engine.Release(c);
   }
-  STRATA_RETURN_IF_ERROR(engine.Step().get().status());
-  return SecondsSince(start);
+  STRATA_ASSIGN_OR_RETURN(StepReport report, engine.Step().get());
+  return std::make_pair(SecondsSince(start), report);
 }
 
 }  // namespace
@@ -225,6 +248,12 @@ Status PipelineBenchmarkOptions::Validate() const {
   }
   if (max_states_in_host > 0 && optimizer_states != Tier::kNvme) {
     return InvalidArgument("--max-states-in-host needs --offload-optimizer nvme");
+  }
+  if (!std::isfinite(gradient_clipping) || gradient_clipping < 0) {
+    return InvalidArgument("--gradient-clipping must be a finite number >= 0");
+  }
+  if (clip_triggered && gradient_clipping == 0) {
+    return InvalidArgument("--clip-triggered needs --gradient-clipping X > 0");
   }
   if (warmup_steps < 0 || timed_steps < 1) {
     return InvalidArgument("--warmup must be >= 0 and --steps >= 1");
@@ -294,6 +323,8 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   options.placement.params = Tier::kDevice;
   options.placement.chunk_bytes = o.chunk_bytes;
   options.optimizer.cpu_threads = o.threads;
+  options.optimizer.gradient_clipping = o.gradient_clipping;
+  options.optimizer.speculative_updates = o.speculative_updates;
   // NVMe only where the states are asked to be: states on host must not spill there unseen.
   if (o.optimizer_states == Tier::kNvme) options.nvme.paths = o.nvme_paths;
   options.placement.max_states_in_host = o.max_states_in_host;
@@ -303,13 +334,17 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   }
   STRATA_ASSIGN_OR_RETURN(auto device, CreateBenchmarkDevice(o));
   STRATA_ASSIGN_OR_RETURN(auto engine, Engine::Create(options, *device, specs));
+  STRATA_RETURN_IF_ERROR(FillGradients(*engine, *device, o, result.params));
   for (int s = 0; s < o.warmup_steps + o.timed_steps; ++s) {
     const bool timed = s >= o.warmup_steps;
     say(timed ? "engine step " + std::to_string(s - o.warmup_steps + 1) + "/" +
                     std::to_string(o.timed_steps)
               : "engine warm-up step " + std::to_string(s + 1));
-    STRATA_ASSIGN_OR_RETURN(double seconds, TimeEngineStep(*engine, *device, o));
-    if (timed) result.step_seconds.push_back(seconds);
+    STRATA_ASSIGN_OR_RETURN(auto step, TimeEngineStep(*engine, *device, o));
+    if (timed) {
+      result.step_seconds.push_back(step.first);
+      result.rolled_back_steps += step.second.rolled_back ? 1 : 0;
+    }
   }
   std::vector<double> sorted = result.step_seconds;
   std::sort(sorted.begin(), sorted.end());

@@ -24,10 +24,11 @@
 // back (states on NVMe, whose new values go to shadow extents; host-kept states with a backup
 // copy) does not wait for the gate. It is updated at once with the scale of a step that neither
 // clips nor overflows, which is the gated path's own scale whenever the verdict agrees, so the
-// results are the same bit for bit. Its uploads wait for the verdict. When the verdict clips or
-// overflows, the journey restores the backup (NVMe: nothing to restore), moves the chunk back to
-// kArrived and updates it again with the verdict's scale (or not at all, for an overflow). The
-// step commits only once every speculation is resolved.
+// results are the same bit for bit, and its new parameters go to the device early where the
+// step allows it (host-kept states without NVMe). When the verdict clips or overflows, the
+// journey restores the backup (NVMe: nothing to restore), moves the chunk back to kArrived and
+// updates it again with the verdict's scale, or, for an overflow, puts back the parameters
+// the device held. The step commits only once every speculation is resolved.
 //
 // Retries: a failed step leaves each chunk in a phase that says what is left to do
 // (chunk.h): kArrived chunks are updated again from states that did not change, kStepped
@@ -156,6 +157,9 @@ class StepPipeline {
   /// stage failed), which decides the phase a failure leaves it in. A speculative update that
   /// fails restores its backup, so it never leaves the chunk stepped.
   Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool speculative, bool& stepped);
+  /// Rounds a host-kept chunk's master to its working parameters and uploads them, as the
+  /// device held them before a speculative upload (a skipped step).
+  Awaitable<Status> RepublishParameters(size_t chunk);
   /// Copies host-home states into the chunk's backup, or back (TBB, off the loop).
   Awaitable<void> CopyStateBackup(size_t chunk, bool restore);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.

@@ -148,30 +148,46 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   Chunk& c = e.chunks_[chunk];
   c.speculated = false;
   const bool updated = c.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
-  if (!step_.skip && !step_.clipped && !step_.cancelled) {
-    // The verdict agrees with the speculation: the update stands, and its parameters may go
-    // to the device now rather than at the commit.
-    if (updated) {
-      Status uploaded = UploadEarly(chunk);
-      if (!uploaded.ok() && step_.error.ok()) {
-        step_.error =
-            uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk));
+  // The verdict agrees with the speculation: the update stands.
+  if (!updated || (!step_.skip && !step_.clipped && !step_.cancelled)) {
+    --step_.speculations_open;
+    co_return;
+  }
+  // NVMe-home states were updated in a staging buffer and written to the shadow extent, which
+  // the commit will not flip: only host-home states need their old values back.
+  const bool host_states = c.placement.optimizer_states == Tier::kHost;
+  if (host_states) co_await CopyStateBackup(chunk, /*restore=*/true);
+  {
+    std::lock_guard lock(mutex_);
+    c.MoveTo(ChunkPhase::kArrived);
+  }
+  step_.rolled_back = true;
+  e.m_.rolled_back_updates->Increment(1.0);
+  if (c.params_uploaded) {
+    // The device already has the speculative parameters (host-home states, no NVMe: uploads go
+    // early). A redo uploads its own; a skipped step puts back what the restored master rounds
+    // to, which is what the device held before.
+    c.params_uploaded = false;
+    if (step_.skip && host_states) {
+      Status republished = co_await RepublishParameters(chunk);
+      if (!republished.ok() && step_.error.ok()) {
+        step_.error = republished.WithContext("restoring the parameters of chunk " +
+                                              std::to_string(chunk));
       }
     }
-  } else if (updated) {
-    // NVMe-home states were updated in a staging buffer and written to the shadow extent,
-    // which the commit will not flip: only host-home states need their old values back.
-    if (c.placement.optimizer_states == Tier::kHost) {
-      co_await CopyStateBackup(chunk, /*restore=*/true);
-    }
-    {
-      std::lock_guard lock(mutex_);
-      c.MoveTo(ChunkPhase::kArrived);
-    }
-    step_.rolled_back = true;
-    e.m_.rolled_back_updates->Increment(1.0);
   }
   --step_.speculations_open;
+}
+
+Awaitable<Status> StepPipeline::RepublishParameters(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  auto round = [&e, &c] {
+    Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel},
+                e.working_dtype(), c.param_copy.data());
+  };
+  co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);
+  co_return UploadEarly(chunk);
 }
 
 Awaitable<void> StepPipeline::CopyStateBackup(size_t chunk, bool restore) {
@@ -311,16 +327,15 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   write_time.reset();
   if (e.state_staging_) e.state_staging_->Release(state_buffer);
   if (e.param_staging_) e.param_staging_->Release(param_buffer);
-  if (speculative) {
-    // Uploads wait for the verdict (ResolveSpeculation). A failure must not leave stepped
-    // states behind: the retry's verdict may want another scale.
-    if (!status.ok() && stepped) {
-      co_await CopyStateBackup(chunk, /*restore=*/true);
-      stepped = false;
-    }
-    co_return status;
-  }
+  // Speculative parameters go up early too, where the step allows it (ResolveSpeculation
+  // takes them back).
   if (status.ok()) status = UploadEarly(chunk);
+  if (speculative && !status.ok() && stepped) {
+    // A failed speculative update must not leave stepped states behind: the retry's verdict
+    // may want another scale. (Nothing was uploaded: the upload is the last thing done.)
+    co_await CopyStateBackup(chunk, /*restore=*/true);
+    stepped = false;
+  }
   co_return status;
 }
 

@@ -31,6 +31,12 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
     std::printf("(up to %s of the states in host memory instead)\n\n",
                 FormatBytes(o.max_states_in_host).c_str());
   }
+  if (o.gradient_clipping > 0) {
+    std::printf("gradient clipping at %g, %s; speculative updates %s\n\n", o.gradient_clipping,
+                o.clip_triggered ? "gradients of twice that norm: every step clips"
+                                 : "zero gradients: no step clips",
+                o.speculative_updates ? "on" : "off");
+  }
   std::printf("  %-26s %12s %12s %12s\n", "alone", "seconds", "bytes", "GB/s");
   for (const auto& resource : r.resources) {
     if (resource.bytes > 0) {
@@ -50,6 +56,10 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
   std::printf("  %-26s %12.3f  (target <= %.2f)\n", "step / slowest", r.ratio_to_slowest,
               nvme_used ? 1.15 : 1.10);
   std::printf("  %-26s %12.3f\n", "step / serial sum", r.ratio_to_serial);
+  if (o.gradient_clipping > 0 || o.working_dtype == DType::kFp16) {
+    std::printf("  %-26s %12d  (of %zu; updates made ahead of the verdict, redone)\n",
+                "rolled-back steps", r.rolled_back_steps, r.step_seconds.size());
+  }
 }
 
 }  // namespace
@@ -65,6 +75,9 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["forward_ms"] = o.forward_ms;
   j["backward_ms"] = o.backward_ms;
   j["copy_gbps"] = o.copy_gbps;
+  j["gradient_clipping"] = o.gradient_clipping;
+  j["clip_triggered"] = o.clip_triggered;
+  j["speculative_updates"] = o.speculative_updates;
   nlohmann::ordered_json resources = nlohmann::ordered_json::object();
   for (const auto& resource : r.resources) {
     resources[resource.name] = {{"seconds", resource.seconds}, {"bytes", resource.bytes}};
@@ -77,6 +90,7 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["step_median_seconds"] = r.step_median_seconds;
   j["ratio_to_slowest"] = r.ratio_to_slowest;
   j["ratio_to_serial"] = r.ratio_to_serial;
+  j["rolled_back_steps"] = r.rolled_back_steps;
   return j;
 }
 
@@ -85,7 +99,7 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   PipelineBenchmarkOptions o;
   std::string precision = "bf16", offload_optimizer = "host", nvme_path;
   int64_t chunks = o.chunks, threads = 0, warmup = o.warmup_steps, steps = o.timed_steps;
-  bool json = false;
+  bool json = false, no_speculation = false;
   FlagParser flags(command,
                    "Time a synthetic model's training step through the offload engine on "
                    "HostDevice against each resource alone (compute, copies, CPU Adam, NVMe).");
@@ -101,6 +115,14 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   flags.AddString("nvme-path", &nvme_path, "DIR", "directory for NVMe swap (with nvme)");
   flags.AddBytes("max-states-in-host", &o.max_states_in_host,
                  "with nvme: this much of the states (the first chunks) in host memory instead");
+  flags.AddDouble("gradient-clipping", &o.gradient_clipping,
+                  "clip to this global gradient norm (default 0 = off); the synthetic "
+                  "gradients are zero, so no step clips unless --clip-triggered");
+  flags.AddBool("clip-triggered", &o.clip_triggered,
+                "gradients of twice the --gradient-clipping norm (default 1.0): every step "
+                "clips and rolls back its speculative updates");
+  flags.AddBool("no-speculation", &no_speculation,
+                "clipped and fp16 steps wait for the global norm (speculative_updates false)");
   flags.AddInt("threads", &threads, "CPU optimizer threads; 0 (default) = all");
   flags.AddInt("warmup", &warmup, "untimed engine steps first (default 2)");
   flags.AddInt("steps", &steps, "timed engine steps; the median is reported (default 5)");
@@ -115,6 +137,8 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   auto tier = ParseTier(offload_optimizer);
   if (!tier.ok()) return Fail(kExitUsage, tier.status().message(), command);
   o.working_dtype = *dtype;
+  o.speculative_updates = !no_speculation;
+  if (o.clip_triggered && o.gradient_clipping == 0) o.gradient_clipping = 1.0;
   o.optimizer_states = *tier;
   if (!nvme_path.empty()) o.nvme_paths = {nvme_path};
   o.chunks = static_cast<int>(std::clamp<int64_t>(chunks, -1, 1 << 30));

@@ -43,6 +43,16 @@ struct PipelineBenchmarkOptions {
   /// With states on nvme: this many bytes of them (whole chunks, the first) in host memory
   /// instead (placement.max_states_in_host); NVMe alone is then timed on the rest.
   uint64_t max_states_in_host = 0;
+  /// Clip gradients to this global norm (OptimizerOptions::gradient_clipping); 0 = off. The
+  /// synthetic model's gradients are zero, so this alone never clips: it measures a gated step
+  /// whose verdict agrees with the speculation.
+  double gradient_clipping = 0.0;
+  /// Gives the gradients a global norm of twice gradient_clipping (which must be set), so that
+  /// every step clips: the worst case, in which every update made ahead of the verdict is
+  /// rolled back and done again.
+  bool clip_triggered = false;
+  /// OptimizerOptions::speculative_updates: false makes gated steps wait for the norm.
+  bool speculative_updates = true;
   /// CPU optimizer threads, 0 = all.
   int threads = 0;
   int warmup_steps = 2;
@@ -69,6 +79,7 @@ struct PipelineBenchmarkResult {
   double step_median_seconds = 0.0;
   double ratio_to_slowest = 0.0;  ///< step_median / slowest (target <= 1.10 / 1.15).
   double ratio_to_serial = 0.0;   ///< step_median / serial.
+  int rolled_back_steps = 0;      ///< Timed steps whose speculative updates were rolled back.
   uint64_t params = 0;            ///< Parameters of the synthetic model.
 };
 
