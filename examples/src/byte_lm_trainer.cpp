@@ -275,6 +275,7 @@ Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
   record.step = report.step;
   record.iteration = report.iteration;
   record.skipped = report.skipped;
+  record.rolled_back = report.rolled_back;
   record.seconds = SecondsSince(start);
   record.tokens_per_second = double(settings_.batch) * settings_.seq * micro_steps / record.seconds;
   record.counters = engine_->counters() - before;

@@ -171,8 +171,8 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     if (step_.skip && host_states) {
       Status republished = co_await RepublishParameters(chunk);
       if (!republished.ok() && step_.error.ok()) {
-        step_.error = republished.WithContext("restoring the parameters of chunk " +
-                                              std::to_string(chunk));
+        step_.error =
+            republished.WithContext("restoring the parameters of chunk " + std::to_string(chunk));
       }
     }
   }
@@ -183,8 +183,8 @@ Awaitable<Status> StepPipeline::RepublishParameters(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   auto round = [&e, &c] {
-    Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel},
-                e.working_dtype(), c.param_copy.data());
+    Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel}, e.working_dtype(),
+                c.param_copy.data());
   };
   co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);
   co_return UploadEarly(chunk);

@@ -74,7 +74,6 @@ Trajectory Train(const EngineOptions& options, uint64_t device_budget, const Tin
     if (!report.ok()) return run;
     run.losses.push_back(loss);
     run.reports.push_back(*report);
-
   }
   run.master = trainer.MasterParameters();
   run.counters = engine->counters();

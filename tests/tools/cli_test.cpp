@@ -196,6 +196,30 @@ TEST(CliTest, BenchPipelineMeasuresEveryResourceAndTheStep) {
   }
 }
 
+// Gated steps: with zero synthetic gradients nothing clips and no speculative update is
+// undone; --clip-triggered clips every step, each rolled back and redone.
+TEST(CliTest, BenchPipelineClipsWhenAskedToAndSaysWhatRolledBack) {
+  for (const char* clip : {"--gradient-clipping 1.0", "--clip-triggered",
+                           "--gradient-clipping 0.5 --no-speculation --precision fp16"}) {
+    for (const char* tier : {"host", "nvme"}) {
+      auto r = RunCli(std::string("bench pipeline --chunks 3 --chunk-size 256KiB --forward-ms 1 ") +
+                          "--backward-ms 1 --copy-gbps 0 --warmup 1 --steps 2 --json " + clip +
+                          " --offload-optimizer " + tier + " --nvme-path " + ::testing::TempDir(),
+                      /*merge_stderr=*/false);
+      ASSERT_EQ(r.exit_code, 0) << clip << ", " << tier << ": " << r.out;
+      auto j = nlohmann::json::parse(r.out);
+      const bool triggered = std::string(clip) == "--clip-triggered";
+      EXPECT_EQ(j["clip_triggered"], triggered) << clip;
+      EXPECT_DOUBLE_EQ(
+          j["gradient_clipping"].get<double>(),
+          triggered ? 1.0 : std::stod(std::string(clip).substr(std::string(clip).find(' ') + 1)));
+      EXPECT_EQ(j["speculative_updates"],
+                std::string(clip).find("--no-speculation") == std::string::npos);
+      EXPECT_EQ(j["rolled_back_steps"], triggered ? 2 : 0) << clip << ", " << tier;
+    }
+  }
+}
+
 TEST(CliTest, BenchPipelineBadInput) {
   auto r = RunCli("bench pipeline --offload-optimizer nvme");
   EXPECT_EQ(r.exit_code, 2);
@@ -209,9 +233,13 @@ TEST(CliTest, BenchPipelineBadInput) {
   r = RunCli("bench pipeline --offload-optimizer nvme --nvme-path /nonexistent/dir --chunks 1");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("/nonexistent/dir"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --gradient-clipping -1");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--gradient-clipping must be"), std::string::npos) << r.out;
   r = RunCli("bench pipeline --help");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("--offload-optimizer"), std::string::npos);
+  EXPECT_NE(r.out.find("--clip-triggered"), std::string::npos);
 }
 
 // The run itself, its files and its charts: bench_all_test.py (ctest bench_all_to_charts).
@@ -376,6 +404,34 @@ TEST(CliTest, TrainEndsWhenEveryFp16StepOverflows) {
     EXPECT_EQ(j["steps"][i]["iteration"].get<int>(), int(i) + 1) << i;
   }
   EXPECT_EQ(j["summary"]["skipped_steps"].get<int>(), 3);
+}
+
+// Clipping that fires every step: train's updates ran ahead of the norm and each step says it
+// redid them.
+TEST(CliTest, TrainSaysWhichStepsRedidTheirSpeculativeUpdates) {
+  const std::string config = WriteTemp("ds_clip.json", R"({
+    "train_batch_size": 2, "gradient_clipping": 1e-6,
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})");
+  auto r = RunCli(TinyTrain("--steps 2 --chunk-size 16KiB --json --config " + config),
+                  /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_GT(j["placement"]["chunks"].get<int>(), 2);
+  for (const auto& step : j["steps"]) EXPECT_TRUE(step["rolled_back"].get<bool>()) << step;
+  EXPECT_EQ(j["summary"]["rolled_back_steps"].get<int>(), 2);
+  // Clipping that never fires: nothing redone, and the table says nothing of it.
+  const std::string loose = WriteTemp("ds_clip_loose.json", R"({
+    "train_batch_size": 2, "gradient_clipping": 1e6,
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})");
+  r = RunCli(TinyTrain("--steps 2 --chunk-size 16KiB --config " + loose));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out.find("redid updates"), std::string::npos) << r.out;
+  r = RunCli(TinyTrain("--steps 2 --chunk-size 16KiB --config " + config));
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const size_t line = r.out.find("steps that redid updates (clip)");
+  ASSERT_NE(line, std::string::npos) << r.out;
+  EXPECT_NE(r.out.substr(line, r.out.find('\n', line) - line).find(" 2 of 2"), std::string::npos)
+      << r.out;
 }
 
 // DeepSpeed's batch sizes drive train: 6 = 3 x 2 x 1 gives micro-batches of 3 sequences and

@@ -34,7 +34,7 @@ struct MachineFlags {
   double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, optimizer_gparams = 0,
          link_gbps = 0, compute_seconds = 0, tokens = 0, tflops = 0;
   double gradient_clipping = 0;
-  bool measure = false;
+  bool measure = false, no_speculation = false;
   std::string nvme_path;
 
   /// Whether any flag asks for step times and a placement choice.
@@ -217,7 +217,7 @@ void PrintPredictions(const MachineRates& r, const MachineMemory& m,
   };
   std::printf(
       "\nStep time per resource, seconds (step = forward + max(backward, update) + commit; with "
-      "fp16 or clipping, forward + backward + update + commit):\n");
+      "fp16 or clipping and --no-speculation, forward + backward + update + commit):\n");
   std::printf("  memory: GPU %s, host %s, nvme %s\n", limit(m.device_bytes).c_str(),
               limit(m.host_bytes).c_str(), limit(m.nvme_bytes).c_str());
   std::printf(
@@ -329,7 +329,10 @@ int RunPlan(const std::vector<std::string>& args) {
   flags.AddDouble("tflops", &machine.tflops, "achieved TFLOP/s per GPU (with --tokens)");
   flags.AddDouble("gradient-clipping", &machine.gradient_clipping,
                   "max global gradient norm, as DeepSpeed's gradient_clipping (0 = none): "
-                  "updates then wait for backward to end, as with fp16");
+                  "updates need the global norm, as with fp16's overflow check");
+  flags.AddBool("no-speculation", &machine.no_speculation,
+                "with clipping or fp16, predict updates that wait for backward to end "
+                "(optimizer.speculative_updates false)");
   flags.AddBool("measure", &machine.measure,
                 "measure on this machine the rates not given (the engine's chunk copies, swap "
                 "space and optimizer)");
@@ -350,6 +353,7 @@ int RunPlan(const std::vector<std::string>& args) {
   input.working_dtype = *dtype;
   input.optimizer = *type;
   input.gradient_clipping = machine.gradient_clipping;
+  input.speculative_updates = !machine.no_speculation;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);
   std::vector<PlanRow> rows = offload::PlanMemory(input);

@@ -237,6 +237,7 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                      {"iteration", r.iteration},
                      {"loss", r.loss},
                      {"skipped", r.skipped},
+                     {"rolled_back", r.rolled_back},
                      {"loss_scale", r.loss_scale},
                      {"seconds", r.seconds},
                      {"compute_seconds", r.compute_seconds},
@@ -250,8 +251,11 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
   const RunTotals t = Totals(s.records);
   const size_t skipped = size_t(std::count_if(s.records.begin(), s.records.end(),
                                               [](const TrainStepRecord& r) { return r.skipped; }));
+  const size_t rolled_back = size_t(std::count_if(
+      s.records.begin(), s.records.end(), [](const TrainStepRecord& r) { return r.rolled_back; }));
   j["summary"] = {{"steps", s.records.size()},
                   {"skipped_steps", skipped},
+                  {"rolled_back_steps", rolled_back},
                   {"train_seconds", t.step_seconds},
                   {"compute_seconds", t.compute_seconds},
                   {"optimizer_seconds", t.moved.optimizer_seconds},
@@ -304,6 +308,12 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   if (skipped > 0) {
     std::printf("  %-34s %10lld of %zu\n", "steps skipped (fp16 overflow)",
                 static_cast<long long>(skipped), s.records.size());
+  }
+  const auto rolled_back = std::count_if(s.records.begin(), s.records.end(),
+                                         [](const TrainStepRecord& r) { return r.rolled_back; });
+  if (rolled_back > 0) {
+    std::printf("  %-34s %10lld of %zu\n", "steps that redid updates (clip)",
+                static_cast<long long>(rolled_back), s.records.size());
   }
   std::printf("  %-34s %10.2f s\n", "model forward/backward", t.compute_seconds);
   std::printf("  %-34s %10.2f s\n", "CPU optimizer (busy)", total.optimizer_seconds);

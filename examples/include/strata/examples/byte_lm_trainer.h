@@ -58,6 +58,7 @@ struct TrainStepRecord {
   int64_t iteration = 0;         ///< Iteration number after it, skipped steps included.
   double loss = 0.0;             ///< Mean training loss over its micro-batches, nats per byte.
   bool skipped = false;          ///< fp16 overflow.
+  bool rolled_back = false;      ///< Updates made ahead of the verdict were redone or undone.
   double loss_scale = 1.0;       ///< The scale its loss was multiplied by (fp16; 1 otherwise).
   double seconds = 0.0;          ///< Wall time of the whole step.
   double compute_seconds = 0.0;  ///< Forward and backward of the model on the trainer thread.

@@ -27,10 +27,11 @@
 // trainer's compute-stream work; on the last micro-step the chunk's optimizer step starts at
 // once (with gradient clipping or fp16 overflow checks too: it runs as if the step will neither
 // clip nor overflow, and is redone or undone in the rare step that does; see
-// OptimizerOptions::speculative_updates). Each chunk's journey (states NVMe->host, CPU Adam, parameters host->device,
-// states host->NVMe) is a coroutine on the engine's event loop; journeys of different chunks
-// overlap each other and the trainer's backward, bounded by staging buffers. Step() completes
-// when every chunk is updated and its working parameters are where the next forward needs them.
+// OptimizerOptions::speculative_updates). Each chunk's journey (states NVMe->host, CPU Adam,
+// parameters host->device, states host->NVMe) is a coroutine on the engine's event loop; journeys
+// of different chunks overlap each other and the trainer's backward, bounded by staging buffers.
+// Step() completes when every chunk is updated and its working parameters are where the next
+// forward needs them.
 //
 // Gradients written by backward are summed over micro-steps by the engine (in host fp32); like
 // DeepSpeed, the trainer divides its loss by gradient_accumulation_steps if it wants a mean.
@@ -92,10 +93,10 @@ struct TrainerStream {
 
 /// What one Step() did.
 struct StepReport {
-  int64_t step = 0;         ///< Optimizer steps taken so far (skipped steps do not count).
-  int64_t iteration = 0;    ///< Steps completed so far, skipped ones included (DeepSpeed's
-                            ///< global_steps).
-  bool skipped = false;     ///< fp16 overflow: nothing was updated and the scale was lowered.
+  int64_t step = 0;       ///< Optimizer steps taken so far (skipped steps do not count).
+  int64_t iteration = 0;  ///< Steps completed so far, skipped ones included (DeepSpeed's
+                          ///< global_steps).
+  bool skipped = false;   ///< fp16 overflow: nothing was updated and the scale was lowered.
   /// Some chunks were updated ahead of the global norm (OptimizerOptions::speculative_updates)
   /// and the step clipped or overflowed, so those updates were redone or undone.
   bool rolled_back = false;

@@ -36,8 +36,11 @@ struct PlanInput {
   DType working_dtype = DType::kFp16;
   OptimizerType optimizer = OptimizerType::kAdamW;
   /// Gradient clipping by global norm (DeepSpeed's gradient_clipping); 0 = none. Clipping, like
-  /// fp16's overflow check, makes every update wait for the last gradient (step_plan.h).
+  /// fp16's overflow check, needs every gradient before an update is final (step_plan.h).
   double gradient_clipping = 0.0;
+  /// OptimizerOptions::speculative_updates: gated steps update during backward, as if nothing
+  /// clips or overflows, and redo the rare step that does; false: they wait for backward.
+  bool speculative_updates = true;
 
   Status Validate() const;
 };

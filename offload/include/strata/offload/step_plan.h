@@ -17,7 +17,13 @@
 //   Reads and writes of the same drives add up, backward's parameter reads included. States
 //   kept on the GPU cost no update time.
 // - a gated step (fp16, whose overflow check needs every gradient, or gradient clipping, which
-//   needs the global norm) starts no update before backward ends: update follows backward.
+//   needs the global norm) updates during backward all the same, speculatively (as if it will
+//   neither clip nor overflow; OptimizerOptions::speculative_updates), so it costs what an
+//   ungated step costs plus, for states in host memory, the copy each update keeps to roll
+//   back (12 bytes per parameter read and written: 24/28 of the optimizer's own traffic,
+//   counted as optimizer time). The model is of the common step, whose verdict keeps the
+//   updates; a step that clips redoes them after backward. Without speculation no update starts
+//   before backward ends: update follows backward.
 // - commit: with states on NVMe a step is transactional, and the new working parameters of
 //   device-home chunks go up only once every chunk is updated, after the pipeline.
 //
