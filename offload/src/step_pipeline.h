@@ -92,8 +92,9 @@ class StepPipeline {
                const std::vector<int64_t>& chunk_steps);
 
   // --- Loop thread ---
-  /// Reads ahead the optimizer states of the chunks whose gradients come first in backward
-  /// (the last chunks), so NVMe works while the next forward runs.
+  /// Reads ahead the optimizer states of the chunks whose gradients come next in backward (the
+  /// last chunks, at a commit: NVMe works while the next forward runs), as many as the staging
+  /// buffers allow; called again whenever an update returns its buffer.
   void StartPreloads();
   /// Waits for preloads in flight and returns every preloaded buffer.
   Awaitable<void> DropPreloads();

@@ -87,14 +87,13 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
       cpu += tally.Add("cpu_optimizer", psi * kBackupCopyPerUpdate,
                        rates.optimizer_params_per_second, "optimizer params/s");
     }
-    // The new working parameters of device-home chunks go up in the pipeline, or after it when
-    // the step is transactional (states on NVMe).
+    // The new working parameters of device-home chunks go up in the pipeline, each as soon as
+    // its chunk is updated.
     double h2d = 0.0;
     if (!offload_params) {
       h2d = tally.Add("host_to_device", w * psi / n, rates.host_to_device_bytes_per_second,
                       "host->device");
     }
-    if (row.optimizer_states == Tier::kNvme) std::swap(h2d, p.commit_seconds);
     // Backward's parameter reads share the drives with the states' traffic.
     double nvme = nvme_fetch / 2;
     if (row.optimizer_states == Tier::kNvme) {

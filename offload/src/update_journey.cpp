@@ -148,8 +148,16 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   Chunk& c = e.chunks_[chunk];
   c.speculated = false;
   const bool updated = c.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
-  // The verdict agrees with the speculation: the update stands.
   if (!updated || (!step_.skip && !step_.clipped && !step_.cancelled)) {
+    // The verdict agrees with the speculation: the update stands, and parameters that waited
+    // for the verdict go up now.
+    if (updated) {
+      Status uploaded = UploadEarly(chunk);
+      if (!uploaded.ok() && step_.error.ok()) {
+        step_.error =
+            uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk));
+      }
+    }
     --step_.speculations_open;
     co_return;
   }
@@ -326,10 +334,12 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   writing.reset();
   write_time.reset();
   if (e.state_staging_) e.state_staging_->Release(state_buffer);
+  if (nvme_states) StartPreloads();  // The buffer reads ahead for a chunk to come.
   if (e.param_staging_) e.param_staging_->Release(param_buffer);
-  // Speculative parameters go up early too, where the step allows it (ResolveSpeculation
-  // takes them back).
-  if (status.ok()) status = UploadEarly(chunk);
+  // Speculative parameters of host-kept states go up early too (ResolveSpeculation puts back
+  // what the device held if the step is skipped); NVMe-kept ones wait for the verdict, since
+  // putting them back would mean reading the states again.
+  if (status.ok() && !(speculative && nvme_states)) status = UploadEarly(chunk);
   if (speculative && !status.ok() && stepped) {
     // A failed speculative update must not leave stepped states behind: the retry's verdict
     // may want another scale. (Nothing was uploaded: the upload is the last thing done.)
@@ -342,12 +352,11 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
 Status StepPipeline::UploadEarly(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  // Nothing can fail after the update in a step that is not transactional, so device-home
-  // parameters go up at once, behind the trainer's last use of them; the commit uploads those
-  // the trainer still holds, and every upload of a transactional step.
-  if (e.transactional_ || c.placement.params != Tier::kDevice || c.params_uploaded) {
-    return Status();
-  }
+  // Device-home parameters go up as soon as their chunk's update is complete, behind the
+  // trainer's last use of them; the commit uploads those the trainer still holds. A step that
+  // fails later leaves these new: its retry does not update the chunk again, and the commit
+  // makes its states (NVMe shadows included) current with them.
+  if (c.placement.params != Tier::kDevice || c.params_uploaded) return Status();
   STRATA_ASSIGN_OR_RETURN(const bool released,
                           e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
   if (!released) return Status();
@@ -387,10 +396,15 @@ void StepPipeline::StartPreloads() {
   const int depth = options_.host.optimizer_buffer_count - 1;
   int held = 0;
   for (const Preload& preload : preloads_) held += preload.active ? 1 : 0;
+  // In the order backward produces gradients (the last chunk first), the chunks whose update
+  // still has to read its states: reading ahead of backward, so that the last chunks' reads
+  // are not left to the end of the step.
   for (size_t i = preloads_.size(); i-- > 0 && held < depth;) {
-    if (engine_.chunks_[i].placement.optimizer_states != Tier::kNvme || preloads_[i].active) {
-      continue;
-    }
+    const Chunk& c = engine_.chunks_[i];
+    if (c.placement.optimizer_states != Tier::kNvme || preloads_[i].active) continue;
+    const ChunkPhase phase = c.phase_now();
+    if (phase == ChunkPhase::kUpdating || phase == ChunkPhase::kUpdated) continue;  // Read.
+    if (step_.requested && c.micro_steps == 0) continue;  // Sits this step out.
     StartPreload(i);
     ++held;
   }

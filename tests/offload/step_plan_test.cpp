@@ -59,13 +59,14 @@ TEST(StepPlanTest, EachPlacementCostsForwardPlusTheLongerOfBackwardAndTheUpdate)
   EXPECT_DOUBLE_EQ(host.update_seconds, 1.0);
   EXPECT_DOUBLE_EQ(host.step_seconds, 3.0);
 
-  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward, and
-  // the transactional step uploads the new parameters (0.1 s) after the last chunk's update.
+  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward; the
+  // new parameters (0.1 s) go up in the pipeline, as each chunk's update completes.
   const StepPrediction& nvme = plan.Of("ZeRO-2, optimizer -> nvme");
   EXPECT_DOUBLE_EQ(Seconds(nvme, "nvme"), 9.0);
+  EXPECT_DOUBLE_EQ(Seconds(nvme, "host_to_device"), 0.1);
   EXPECT_DOUBLE_EQ(nvme.update_seconds, 9.0);
-  EXPECT_DOUBLE_EQ(nvme.commit_seconds, 0.1);
-  EXPECT_DOUBLE_EQ(nvme.step_seconds, 1.0 + 9.0 + 0.1);
+  EXPECT_DOUBLE_EQ(nvme.commit_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(nvme.step_seconds, 1.0 + 9.0);
   EXPECT_EQ(nvme.bound_by, "nvme");
 
   // Parameters on NVMe too: fetched in forward and backward (4 GB read, 1 s), written once
@@ -162,7 +163,7 @@ TEST(StepPlanTest, ASplitPlacementPaysNvmeOnlyForWhatIsThere) {
     // NVMe: 12/4 + 12/2 = 9 s for all of it, 5/4 + 5/2 = 3.75 s for the 5 GB left.
     EXPECT_DOUBLE_EQ(Seconds(all, "nvme"), 9.0);
     EXPECT_DOUBLE_EQ(Seconds(part, "nvme"), 3.75);
-    EXPECT_DOUBLE_EQ(part.step_seconds, 1.0 + 3.75 + 0.1);
+    EXPECT_DOUBLE_EQ(part.step_seconds, 1.0 + 3.75);
     // It fits where the all-host row does not.
     const MachineMemory small_host{.host_bytes = 10e9};
     EXPECT_TRUE(PredictStep(kModel, *split, kRates, small_host).fits);

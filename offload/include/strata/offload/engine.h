@@ -42,8 +42,9 @@
 // step exactly once (no chunk is stepped twice). What a failed step leaves: NVMe-home states
 // and parameters are as before it (new values go to shadow extents that only a successful
 // commit makes current); host- and device-home states of chunks that got that far are already
-// stepped in place, and with no NVMe-home state at all, device-home parameters of such chunks
-// may already be the new ones. Until the retry succeeds, only Step() and reads are accepted.
+// stepped in place, and device-home parameters of chunks whose update was complete may already
+// be the new ones (the retry does not update those chunks again). Until the retry succeeds,
+// only Step() and reads are accepted.
 //
 // Thread safety: Acquire, Release, GradsReady, Step, Save and Load are called by one trainer
 // thread (not concurrently with each other). metrics(), tier_usage() and the const accessors may

@@ -24,8 +24,9 @@
 //   counted as optimizer time). The model is of the common step, whose verdict keeps the
 //   updates; a step that clips redoes them after backward. Without speculation no update starts
 //   before backward ends: update follows backward.
-// - commit: with states on NVMe a step is transactional, and the new working parameters of
-//   device-home chunks go up only once every chunk is updated, after the pipeline.
+// - commit: flipping NVMe shadow extents and bookkeeping, no transfer: the new working
+//   parameters of device-home chunks go up in the pipeline, each as its update completes (a
+//   failed step that leaves some new is finished by its retry, which does not redo them).
 //
 // Rates are what the engine achieves, not device peaks: NVMe bandwidth at the engine's chunk
 // sizes and staging concurrency (`strata plan --measure` times the engine's own swap space and
@@ -70,9 +71,9 @@ struct StepPrediction {
   double forward_seconds = 0.0;
   double backward_seconds = 0.0;
   double update_seconds = 0.0;
-  double commit_seconds = 0.0;
-  double step_seconds = 0.0;  ///< See the file comment.
-  std::string bound_by;       ///< The resource with the most time.
+  double commit_seconds = 0.0;  ///< Transfers after the pipeline: none (kept for --json).
+  double step_seconds = 0.0;    ///< See the file comment.
+  std::string bound_by;         ///< The resource with the most time.
   /// Resources the placement uses whose rate was not given ("nvme read", ...).
   std::vector<std::string> unknown;
   /// Whether it fits MachineMemory; if not, `why_not` says which tier and by how much.
