@@ -276,6 +276,7 @@ Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
   record.iteration = report.iteration;
   record.skipped = report.skipped;
   record.rolled_back = report.rolled_back;
+  record.grad_norm = report.grad_norm;
   record.seconds = SecondsSince(start);
   record.tokens_per_second = double(settings_.batch) * settings_.seq * micro_steps / record.seconds;
   record.counters = engine_->counters() - before;

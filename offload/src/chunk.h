@@ -82,6 +82,10 @@ struct Chunk {
   cpu_adam::GradientStats stats;  // Of the summed gradients (loop thread).
   Status land_status;             // Failure while summing or measuring them (loop thread).
   bool params_uploaded = false;   // Device-home parameters already carry this step's update.
+  // The device holds the parameters of a speculative update that was rolled back, and putting
+  // back param_copy (the restored master, rounded) failed: the commit of a skipped step uploads
+  // it, any upload of the chunk clears it (loop thread).
+  bool restore_params = false;
   // A device-kept chunk whose update is the commit's to make (loop thread).
   bool update_at_commit = false;
   // Its update ran ahead of a gated step's verdict, as if the step neither clips nor

@@ -383,8 +383,10 @@ void Engine::Impl::AllocateStateBackups() {
     const uint64_t size = AlignUp(c.state_bytes(), kHostAlignment);
     BudgetReservation reserved;
     if (host_budget_.TryReserve(size)) reserved = BudgetReservation(&host_budget_, size);
-    Result<AlignedBuffer> backup =
-        reserved.bytes() > 0 ? AllocateZeroed(c.state_bytes()) : ResourceExhausted("budget");
+    // Not zeroed: each update writes its copy before anything reads it, and the optimizer's
+    // threads touching it first is what the NUMA placement wants.
+    Result<AlignedBuffer> backup = reserved.bytes() > 0 ? AlignedBuffer::Allocate(c.state_bytes())
+                                                        : ResourceExhausted("budget");
     if (!backup.ok()) {
       missing += size;
       continue;
@@ -394,15 +396,19 @@ void Engine::Impl::AllocateStateBackups() {
     ++given;
     bytes += size;
   }
+  if (wanted == 0) return;
+  std::string message = "speculative updates: " + std::to_string(given) + " of " +
+                        std::to_string(wanted) +
+                        " chunks with optimizer states in host memory have room for a copy of "
+                        "them (" +
+                        FormatBytes(bytes) + " of host memory) and update during backward";
   if (given < wanted) {
-    Log(LogLevel::kInfo,
-        "speculative updates: " + std::to_string(given) + " of " + std::to_string(wanted) +
-            " chunks with optimizer states in host memory have room for a copy of them (" +
-            FormatBytes(bytes) + "); the other " + std::to_string(wanted - given) +
-            " wait for the global gradient norm at the end of backward (" + FormatBytes(missing) +
-            " more of host.pinned_memory_bytes would let them update "
-            "during backward)");
+    message += "; the other " + std::to_string(wanted - given) +
+               " wait for the global gradient norm at the end of backward (" +
+               FormatBytes(missing) +
+               " more of host.pinned_memory_bytes would let them update during backward)";
   }
+  Log(LogLevel::kInfo, message + "; optimizer.speculative_updates = false saves the copies");
 }
 
 std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) {

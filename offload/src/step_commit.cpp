@@ -216,6 +216,11 @@ void StepPipeline::Arrive(size_t chunk) {
     c.MoveTo(ChunkPhase::kArrived);
   }
   ++step_.arrived;
+  if (c.stats.all_finite) {
+    step_.arrived_sum_of_squares += c.stats.sum_of_squares;
+  } else {
+    step_.arrived_non_finite = true;
+  }
   if (!c.land_status.ok() && step_.error.ok()) {
     step_.error =
         c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk));
@@ -324,9 +329,11 @@ Awaitable<void> StepPipeline::Commit() {
   // Device-home parameters not uploaded yet go up behind the trainer's last use of every chunk;
   // one wait covers them, and that use, before stale device copies are dropped.
   status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
-  for (size_t i = 0; i < chunks.size() && status.ok() && !skipped; ++i) {
+  for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
     Chunk& c = chunks[i];
-    if (c.placement.params != Tier::kDevice || c.params_uploaded || c.micro_steps == 0) continue;
+    if (c.placement.params != Tier::kDevice || c.micro_steps == 0) continue;
+    // A skipped step uploads only what a rolled-back speculation failed to put back.
+    if (skipped ? !c.restore_params : c.params_uploaded) continue;
     const size_t wbytes = c.working_bytes(e.working_size());
     status = e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
     if (status.ok()) e.m_.h2d_bytes->Increment(double(wbytes));
@@ -369,6 +376,7 @@ Awaitable<void> StepPipeline::Commit() {
       c.stats = {};
       c.land_status = Status();
       c.params_uploaded = false;
+      c.restore_params = false;
       c.update_at_commit = false;
     }
     step_open_ = false;

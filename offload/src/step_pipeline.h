@@ -117,6 +117,11 @@ class StepPipeline {
     // Chunks updated ahead of the verdict whose journeys have not yet kept or rolled back the
     // update: the step cannot commit before they do.
     size_t speculations_open = 0;
+    // What the chunks arrived so far say of the verdict: the global norm only grows, and one
+    // non-finite chunk makes an fp16 step skip. Once either says "roll back", no chunk more
+    // updates ahead of the verdict.
+    double arrived_sum_of_squares = 0.0;
+    bool arrived_non_finite = false;
     bool rolled_back = false;  // Some speculative update of this step was rolled back.
     double grad_scale = 1.0;
     double grad_norm = 0.0;
@@ -147,20 +152,22 @@ class StepPipeline {
   // update_journey.cpp
   Awaitable<void> Journey(size_t chunk, int micro_step);
   /// Whether the chunk's update may run ahead of the gated step's verdict: the verdict is not
-  /// in yet, and the update can be rolled back (see the top of this file).
+  /// in yet, what has arrived does not already show it will clip or overflow, and the update
+  /// can be rolled back (see the top of this file).
   bool CanSpeculate(size_t chunk) const;
   /// Updates the chunk where one is left to do; `speculative`: ahead of the verdict.
   Awaitable<void> Update(size_t chunk, bool speculative = false);
-  /// After the verdict: keeps the chunk's speculative update (and sends its parameters to the
-  /// device) or rolls it back to kArrived.
+  /// After the verdict: keeps the chunk's speculative update (uploading parameters that waited
+  /// for it) or rolls it back to kArrived, with the device's parameters.
   Awaitable<void> ResolveSpeculation(size_t chunk);
   /// Sets `stepped` when the chunk's home states hold this step's update (even if a later
   /// stage failed), which decides the phase a failure leaves it in. A speculative update that
   /// fails restores its backup, so it never leaves the chunk stepped.
   Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool speculative, bool& stepped);
-  /// Rounds a host-kept chunk's master to its working parameters and uploads them, as the
-  /// device held them before a speculative upload (a skipped step).
-  Awaitable<Status> RepublishParameters(size_t chunk);
+  /// Rounds a host-kept chunk's restored master to its working parameters and uploads them: what
+  /// the device held before a speculative upload the verdict rolled back. Sets restore_params
+  /// when the upload fails.
+  Awaitable<Status> RestoreParameters(size_t chunk);
   /// Copies host-home states into the chunk's backup, or back (TBB, off the loop).
   Awaitable<void> CopyStateBackup(size_t chunk, bool restore);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.

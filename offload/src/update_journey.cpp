@@ -2,6 +2,7 @@
 // commit": land, wait for the gate, read the states, step them, write them back, and send the
 // new working parameters toward the device. See step_pipeline.h for the picture.
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "engine_impl.h"
@@ -77,7 +78,14 @@ Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
 }
 
 bool StepPipeline::CanSpeculate(size_t chunk) const {
-  if (!options_.optimizer.speculative_updates || step_.decided) return false;
+  if (!options_.optimizer.speculative_updates || step_.decided || step_.cancelled) return false;
+  // A speculation the verdict is sure to roll back is work thrown away: the step overflows, or
+  // the norm of the gradients arrived so far already needs clipping (Decide's test).
+  if (loss_scaler_.checks_overflow() && step_.arrived_non_finite) return false;
+  const double max_norm = options_.optimizer.gradient_clipping;
+  if (max_norm > 0.0 && std::sqrt(step_.arrived_sum_of_squares) / loss_scale() + 1e-6 > max_norm) {
+    return false;
+  }
   const Chunk& c = engine_.chunks_[chunk];
   const Tier states = *c.placement.optimizer_states;
   return states == Tier::kNvme || (states == Tier::kHost && !c.state_backup.empty());
@@ -172,30 +180,36 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   step_.rolled_back = true;
   e.m_.rolled_back_updates->Increment(1.0);
   if (c.params_uploaded) {
-    // The device already has the speculative parameters (host-home states, no NVMe: uploads go
-    // early). A redo uploads its own; a skipped step puts back what the restored master rounds
-    // to, which is what the device held before.
-    c.params_uploaded = false;
-    if (step_.skip && host_states) {
-      Status republished = co_await RepublishParameters(chunk);
-      if (!republished.ok() && step_.error.ok()) {
-        step_.error =
-            republished.WithContext("restoring the parameters of chunk " + std::to_string(chunk));
-      }
+    // The device has the speculative parameters (host-kept states go up early). Put back what
+    // the restored master rounds to, which is what it held before, so that however this
+    // attempt ends the device never keeps an update the verdict rolled back; a redo uploads
+    // its own after. If that upload fails, the commit of a skipped step (or the redo) makes it.
+    Status restored = co_await RestoreParameters(chunk);
+    if (!restored.ok() && step_.error.ok()) {
+      step_.error =
+          restored.WithContext("restoring the parameters of chunk " + std::to_string(chunk));
     }
   }
   --step_.speculations_open;
 }
 
-Awaitable<Status> StepPipeline::RepublishParameters(size_t chunk) {
+Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  // The speculative upload has read param_copy once the stream is through it.
+  Status status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
   auto round = [&e, &c] {
     Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel}, e.working_dtype(),
                 c.param_copy.data());
   };
-  co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);
-  co_return UploadEarly(chunk);
+  co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);  // What any later upload must send.
+  c.params_uploaded = false;
+  if (status.ok()) status = UploadEarly(chunk);
+  // Read before a redo rewrites param_copy.
+  if (status.ok()) status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  c.params_uploaded = false;  // Not this step's parameters: a redo or the commit sends those.
+  c.restore_params = !status.ok();
+  co_return status;
 }
 
 Awaitable<void> StepPipeline::CopyStateBackup(size_t chunk, bool restore) {
@@ -364,6 +378,7 @@ Status StepPipeline::UploadEarly(size_t chunk) {
   STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
   e.m_.h2d_bytes->Increment(double(wbytes));
   c.params_uploaded = true;
+  c.restore_params = false;
   return Status();
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,6 +18,7 @@
 #include "strata/nvme/fault_injection.h"
 #include "support/scratch_dir.h"
 #include "tiny_model.h"
+#include "wrapped_device.h"
 
 namespace strata::offload {
 namespace {
@@ -35,6 +37,7 @@ using testing::MakeOptions;
 using testing::MaxAbsDiff;
 using testing::Placement;
 using testing::TinyModel;
+using testing::WrappedDevice;
 
 constexpr int kSteps = 12;
 
@@ -44,7 +47,8 @@ struct Trajectory {
   std::vector<StepReport> reports;
   std::vector<std::vector<float>> master;
   EngineCounters counters;
-  size_t speculative_chunks = 0;  // Chunks whose updates may run ahead of the verdict.
+  size_t speculative_chunks = 0;           // Chunks whose updates may run ahead of the verdict.
+  std::vector<EngineCounters> after_step;  // The engine's counters after each step.
 };
 
 /// Chunks an engine can update ahead of the verdict: states on NVMe, or on host with a backup
@@ -74,6 +78,7 @@ Trajectory Train(const EngineOptions& options, uint64_t device_budget, const Tin
     if (!report.ok()) return run;
     run.losses.push_back(loss);
     run.reports.push_back(*report);
+    run.after_step.push_back(engine->counters());
   }
   run.master = trainer.MasterParameters();
   run.counters = engine->counters();
@@ -135,22 +140,25 @@ TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
     ExpectSameBits(gated, speculative, std::string(placement.name) + ", " + t.name);
     EXPECT_EQ(gated.counters.speculative_updates, 0u);
 
-    // Every speculative chunk but the one whose gradients land last (which makes the verdict)
-    // is updated ahead of it, in every step.
     const uint64_t n = speculative.speculative_chunks;
     const uint64_t ahead = speculative.counters.speculative_updates;
-    EXPECT_GE(ahead, kSteps * (n > 0 ? n - 1 : 0));
-    EXPECT_LE(ahead, kSteps * n);
     const int rolled_back = RolledBackSteps(speculative);
+    EXPECT_LE(ahead, kSteps * n);
+    EXPECT_LE(speculative.counters.rolled_back_updates, ahead);
     if (t.max_norm == 1e9) {
+      // Every speculative chunk but the one whose gradients land last (which makes the
+      // verdict) is updated ahead of it, in every step, and every such update stands.
+      EXPECT_GE(ahead, kSteps * (n > 0 ? n - 1 : 0));
       EXPECT_EQ(rolled_back, 0);
       EXPECT_EQ(speculative.counters.rolled_back_updates, 0u);
     } else if (t.max_norm == 1e-4) {
-      if (n >= 2) {
-        EXPECT_EQ(rolled_back, kSteps);
-      }
-      EXPECT_EQ(speculative.counters.rolled_back_updates, ahead);
+      // The first chunk to land already needs clipping: nothing is updated ahead, for nothing.
+      EXPECT_EQ(ahead, 0u);
+      EXPECT_EQ(rolled_back, 0);
     } else if (n >= 2) {
+      // Steps near the threshold update their first chunks ahead, and roll them back when the
+      // rest of the norm tips it over.
+      EXPECT_GT(ahead, 0u);
       EXPECT_GT(rolled_back, 0);
       EXPECT_LT(rolled_back, kSteps);
     }
@@ -197,9 +205,15 @@ TEST(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
     EXPECT_TRUE(speculative.reports[3].skipped);
     EXPECT_TRUE(speculative.reports[3].rolled_back);
     EXPECT_EQ(RolledBackSteps(speculative), 1);
-    // fp16 packs two layers per chunk: three chunks, two ahead of the verdict.
+    // fp16 packs two layers per chunk: three chunks. Chunk 0 overflows and lands last; the
+    // others update ahead of it (unless it lands before them), and all of those roll back.
     EXPECT_EQ(speculative.speculative_chunks, 3u);
-    EXPECT_EQ(speculative.counters.rolled_back_updates, 2u);
+    EngineCounters poisoned = speculative.after_step[3];
+    poisoned -= speculative.after_step[2];
+    EXPECT_GE(poisoned.speculative_updates, 1u);
+    EXPECT_LE(poisoned.speculative_updates, 2u);
+    EXPECT_EQ(poisoned.rolled_back_updates, poisoned.speculative_updates);
+    EXPECT_EQ(speculative.counters.rolled_back_updates, poisoned.rolled_back_updates);
   }
 }
 
@@ -249,7 +263,7 @@ TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBacku
   const TinyModel model(kLayers, kWidth, kBatch);
   const Placement placement{"host", Tier::kHost, Tier::kDevice};
   EngineOptions options = MakeOptions(placement, nvme.path());
-  options.optimizer.gradient_clipping = 1e-4;  // Every step clips: every speculation rolls back.
+  options.optimizer.gradient_clipping = 1e9;  // Never clips: every speculation stands.
   options.optimizer.speculative_updates = false;
   const Trajectory gated = Train(options, placement.device_budget, model);
   // What the engine takes without backups, and one chunk's backup.
@@ -275,7 +289,7 @@ TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBacku
   // Chunks 5 and 4 each step, unless one of them is the last to land and makes the verdict.
   EXPECT_GE(two.counters.speculative_updates, uint64_t(kSteps));
   EXPECT_LE(two.counters.speculative_updates, uint64_t(2 * kSteps));
-  EXPECT_EQ(two.counters.rolled_back_updates, two.counters.speculative_updates);
+  EXPECT_EQ(two.counters.rolled_back_updates, 0u);
   ASSERT_EQ(said.size(), 2u);
   EXPECT_NE(said[0].find("0 of 6 chunks"), std::string::npos) << said[0];
   EXPECT_NE(said[1].find("2 of 6 chunks"), std::string::npos) << said[1];
@@ -285,16 +299,22 @@ TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBacku
 // is retried to the same result as the gated path's, clipped or not; host-kept states stepped
 // speculatively are restored by the failure, not left for the retry to republish.
 TEST(SpeculationTest, AFailedSpeculativeStepRetriesToTheGatedResult) {
-  for (const double max_norm : {1e9, 1e-4}) {
+  for (const bool clipped : {false, true}) {
     for (const Placement& placement :
          {Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
           Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0, 2 * kSlotBytes}}) {
-      SCOPED_TRACE(std::string(placement.name) + (max_norm < 1 ? ", clipped" : ", unclipped"));
+      SCOPED_TRACE(std::string(placement.name) + (clipped ? ", clipped" : ", unclipped"));
       ScratchDir nvme;
       const TinyModel model(kLayers, kWidth, kBatch);
       EngineOptions options = MakeOptions(placement, nvme.path());
-      options.optimizer.gradient_clipping = max_norm;
+      options.optimizer.gradient_clipping = 1e9;
       options.optimizer.speculative_updates = false;
+      if (clipped) {
+        // Just under the failing step's norm: its first chunks update ahead, then roll back.
+        const Trajectory unclipped = Train(options, placement.device_budget, model);
+        ASSERT_EQ(unclipped.reports.size(), size_t(kSteps));
+        options.optimizer.gradient_clipping = 0.9 * unclipped.reports[4].grad_norm;
+      }
       const Trajectory gated = Train(options, placement.device_budget, model);
 
       options.optimizer.speculative_updates = true;
@@ -331,8 +351,98 @@ TEST(SpeculationTest, AFailedSpeculativeStepRetriesToTheGatedResult) {
       retried.master = trainer.MasterParameters();
       ExpectSameBits(gated, retried, placement.name);
       EXPECT_GT(engine->counters().speculative_updates, 0u);
+      if (clipped) {
+        EXPECT_GT(engine->counters().rolled_back_updates, 0u);
+      }
     }
   }
+}
+
+// A skipped fp16 step puts back the parameters the device held before its speculative
+// uploads, even when that upload fails: the retry of the skipped step does it.
+TEST(SpeculationFp16Test, ARetriedSkipPutsBackParametersWhoseRestoreUploadFailed) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const Placement placement{"host", Tier::kHost, Tier::kDevice};
+  EngineOptions options = MakeOptions(placement, nvme.path(), DType::kFp16);
+  options.precision.hysteresis = 1;
+  options.optimizer.speculative_updates = false;
+  const Trajectory gated = Train(options, placement.device_budget, model, /*poison_step=*/3);
+  options.optimizer.speculative_updates = true;
+  auto inner = MakeDevice(placement.device_budget);
+  WrappedDevice device(*inner);
+  auto engine = MakeEngine(options, device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  Trajectory retried;
+  for (int step = 0; step < kSteps; ++step) {
+    double loss = 0.0;
+    // Chunk 2's speculative upload goes through; chunk 1's fails, and so does the upload that
+    // puts chunk 2's parameters back when the overflow rolls it back.
+    if (step == 3) device.FailCopiesToDevice(/*skip=*/1, /*times=*/2);
+    Result<StepReport> report = trainer.TrainStep(step, &loss, step == 3);
+    if (step == 3) {
+      ASSERT_FALSE(report.ok());
+      EXPECT_GE(device.failed_copies(), 1);
+      device.FailCopiesToDevice(0, 0);
+      report = engine->Step().get();
+      ASSERT_TRUE(report.ok()) << report.status().ToString();
+      EXPECT_TRUE(report->skipped);
+    }
+    ASSERT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
+    retried.losses.push_back(loss);
+    retried.reports.push_back(*report);
+  }
+  retried.master = trainer.MasterParameters();
+  ExpectSameBits(gated, retried, "restore upload failed");
+}
+
+// Whatever a failed step leaves, each device-home chunk's parameters are its master rounded
+// (the old or the new one), never a speculative update that the verdict rolled back.
+TEST(SpeculationTest, AFailedClippedStepLeavesNoRolledBackParametersOnTheDevice) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const Placement placement{"host", Tier::kHost, Tier::kDevice};
+  EngineOptions options = MakeOptions(placement, nvme.path());
+  // A threshold below step 2's norm but above what the first chunks' gradients alone reach: the
+  // step clips, and chunks update ahead of the verdict.
+  options.optimizer.gradient_clipping = 1e9;
+  const Trajectory unclipped = Train(options, placement.device_budget, model);
+  ASSERT_EQ(unclipped.reports.size(), size_t(kSteps));
+  options.optimizer.gradient_clipping = 0.9 * unclipped.reports[2].grad_norm;
+
+  auto inner = MakeDevice(placement.device_budget);
+  WrappedDevice device(*inner);
+  auto engine = MakeEngine(options, device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+  const uint64_t ahead = engine->counters().speculative_updates;
+  // Chunk 5's speculative upload goes through, chunk 4's fails: the step fails, and the verdict
+  // (a clip) rolls chunk 5 back without redoing it.
+  device.FailCopiesToDevice(/*skip=*/1);
+  Result<StepReport> failed = trainer.TrainStep(2, &loss);
+  ASSERT_FALSE(failed.ok());
+  ASSERT_GE(engine->counters().speculative_updates, ahead + 2) << "the test needs speculation";
+  ASSERT_GE(engine->counters().rolled_back_updates, 1u) << "the test needs step 2 to clip";
+
+  const ChunkLayout& layout = engine->layout();
+  const std::vector<std::vector<float>> master = trainer.MasterParameters();
+  for (size_t c = 0; c < engine->chunk_count(); ++c) {
+    Result<ChunkView> view = engine->Acquire(c);
+    ASSERT_TRUE(view.ok()) << view.status().ToString();
+    for (size_t p = 0; p < layout.parameter_count(); ++p) {
+      const ParameterLocation& where = layout.location(p);
+      if (where.chunk != c) continue;
+      const float* on_device = static_cast<const float*>(view->params) + where.offset;
+      EXPECT_EQ(std::memcmp(on_device, master[p].data(), where.numel * sizeof(float)), 0)
+          << "chunk " << c << ", parameter " << p;
+    }
+    engine->Release(c);
+  }
+  // The retry finishes the step as the gated path would have.
+  ASSERT_TRUE(engine->Step().get().ok());
 }
 
 }  // namespace

@@ -33,8 +33,9 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
   }
   if (o.gradient_clipping > 0) {
     std::printf("gradient clipping at %g, %s; speculative updates %s\n\n", o.gradient_clipping,
-                o.clip_triggered ? "gradients of twice that norm: every step clips"
-                                 : "zero gradients: no step clips",
+                o.clip_triggered
+                    ? "twice that norm in the last chunk to land: every step clips at its end"
+                    : "zero gradients: no step clips",
                 o.speculative_updates ? "on" : "off");
   }
   std::printf("  %-26s %12s %12s %12s\n", "alone", "seconds", "bytes", "GB/s");
@@ -119,8 +120,9 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
                   "clip to this global gradient norm (default 0 = off); the synthetic "
                   "gradients are zero, so no step clips unless --clip-triggered");
   flags.AddBool("clip-triggered", &o.clip_triggered,
-                "gradients of twice the --gradient-clipping norm (default 1.0): every step "
-                "clips and rolls back its speculative updates");
+                "the last chunk backward reaches gets gradients of twice the "
+                "--gradient-clipping norm (default 1.0): every step clips once they land and "
+                "redoes the updates made ahead (the worst case)");
   flags.AddBool("no-speculation", &no_speculation,
                 "clipped and fp16 steps wait for the global norm (speculative_updates false)");
   flags.AddInt("threads", &threads, "CPU optimizer threads; 0 (default) = all");

@@ -238,6 +238,8 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                      {"loss", r.loss},
                      {"skipped", r.skipped},
                      {"rolled_back", r.rolled_back},
+                     {"grad_norm", std::isfinite(r.grad_norm) ? ordered_json(r.grad_norm)
+                                                              : ordered_json(nullptr)},
                      {"loss_scale", r.loss_scale},
                      {"seconds", r.seconds},
                      {"compute_seconds", r.compute_seconds},

@@ -59,6 +59,7 @@ struct TrainStepRecord {
   double loss = 0.0;             ///< Mean training loss over its micro-batches, nats per byte.
   bool skipped = false;          ///< fp16 overflow.
   bool rolled_back = false;      ///< Updates made ahead of the verdict were redone or undone.
+  double grad_norm = 0.0;        ///< Global L2 norm of its (unscaled) gradients; NaN if skipped.
   double loss_scale = 1.0;       ///< The scale its loss was multiplied by (fp16; 1 otherwise).
   double seconds = 0.0;          ///< Wall time of the whole step.
   double compute_seconds = 0.0;  ///< Forward and backward of the model on the trainer thread.

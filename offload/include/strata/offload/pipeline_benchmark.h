@@ -47,9 +47,10 @@ struct PipelineBenchmarkOptions {
   /// synthetic model's gradients are zero, so this alone never clips: it measures a gated step
   /// whose verdict agrees with the speculation.
   double gradient_clipping = 0.0;
-  /// Gives the gradients a global norm of twice gradient_clipping (which must be set), so that
-  /// every step clips: the worst case, in which every update made ahead of the verdict is
-  /// rolled back and done again.
+  /// Gives the gradients of the chunk backward reaches last a norm of twice gradient_clipping
+  /// (which must be set), the others none, so that every step clips only once the last
+  /// gradients land: the worst case, in which every update made ahead of the verdict is rolled
+  /// back and done again.
   bool clip_triggered = false;
   /// OptimizerOptions::speculative_updates: false makes gated steps wait for the norm.
   bool speculative_updates = true;
