@@ -121,6 +121,36 @@ Status ValidateBuffers(OptimizerType type, const StepBuffers& b) {
   if (UsesExpAvgSq(type)) {
     STRATA_RETURN_IF_ERROR(check.Array("exp_avg_sq", b.exp_avg_sq, b.state_dtype, b.numel));
   }
+  // Outputs apart from the inputs: the same shape, and no overlap with any input (one shifted
+  // against an input would have the update read elements it already wrote).
+  const std::pair<const char*, const void*> outputs[] = {{"params_out", b.params_out},
+                                                         {"exp_avg_out", b.exp_avg_out},
+                                                         {"exp_avg_sq_out", b.exp_avg_sq_out}};
+  const std::pair<const void*, size_t> inputs[] = {
+      {b.params, b.numel * sizeof(float)},
+      {b.grads, b.numel * DTypeSize(b.grad_dtype)},
+      {b.exp_avg, b.numel * DTypeSize(b.state_dtype)},
+      {b.exp_avg_sq, b.numel * DTypeSize(b.state_dtype)}};
+  for (int k = 0; k < 3; ++k) {
+    const auto [name, array] = outputs[k];
+    if (array == nullptr) continue;
+    const bool used = k == 0 || (k == 1 ? UsesExpAvg(type) : UsesExpAvgSq(type));
+    if (!used)
+      return check.Fail(std::string(name) + " is given but this optimizer has no such state");
+    STRATA_RETURN_IF_ERROR(
+        check.Array(name, array, k == 0 ? DType::kFp32 : b.state_dtype, b.numel));
+    const size_t bytes = b.numel * (k == 0 ? sizeof(float) : DTypeSize(b.state_dtype));
+    const auto begin = reinterpret_cast<uintptr_t>(array);
+    for (const auto& [input, input_bytes] : inputs) {
+      if (input == nullptr) continue;
+      const auto other = reinterpret_cast<uintptr_t>(input);
+      if (begin < other + input_bytes && other < begin + bytes) {
+        return check.Fail(std::string(name) +
+                          " overlaps an input array; give arrays apart from the inputs, or null "
+                          "to update in place");
+      }
+    }
+  }
   if (b.param_copy != nullptr) {
     if (b.param_copy_dtype == DType::kFp32) {
       return check.Fail("param_copy_dtype must be fp16 or bf16 (params already is the fp32 copy)");
@@ -218,8 +248,16 @@ struct CpuOptimizer::Impl {
       copy = b.param_copy_dtype == DType::kFp16 ? internal::kCopyFp16 : internal::kCopyBf16;
     }
     const internal::StepKernel kernel = kernels->step[update][grad][state][copy];
-    const KernelArgs args = {b.params,     b.grads,      b.exp_avg,
-                             b.exp_avg_sq, b.param_copy, coefficients};
+    auto out = [](void* given, void* in_place) { return given != nullptr ? given : in_place; };
+    const KernelArgs args = {b.params,
+                             b.grads,
+                             b.exp_avg,
+                             b.exp_avg_sq,
+                             b.param_copy,
+                             coefficients,
+                             static_cast<float*>(out(b.params_out, b.params)),
+                             out(b.exp_avg_out, b.exp_avg),
+                             out(b.exp_avg_sq_out, b.exp_avg_sq)};
     ForEachRange(b.numel, [&](size_t begin, size_t end) { kernel(args, begin, end); });
   }
 

@@ -66,13 +66,18 @@ struct Coefficients {
 
 /// The arrays of one step, as untyped pointers whose element types are fixed by the kernel
 /// chosen. Elementwise: element i of every array belongs to parameter i. Unused arrays are null.
+/// The updated states go to the *_out arrays, which are the input arrays themselves for an
+/// update in place, or arrays that do not overlap them.
 struct KernelArgs {
-  float* params;      ///< fp32 master parameters, read and written.
-  const void* grads;  ///< Gradients (fp32, fp16 or bf16), read.
-  void* exp_avg;      ///< First state (fp32 or bf16), read and written.
-  void* exp_avg_sq;   ///< Second state (fp32 or bf16), read and written.
-  void* param_copy;   ///< fp16/bf16 copy of the updated params, written (streaming stores).
+  const float* params;     ///< fp32 master parameters, read.
+  const void* grads;       ///< Gradients (fp32, fp16 or bf16), read.
+  const void* exp_avg;     ///< First state (fp32 or bf16), read.
+  const void* exp_avg_sq;  ///< Second state (fp32 or bf16), read.
+  void* param_copy;        ///< fp16/bf16 copy of the updated params, written (streaming stores).
   Coefficients coefficients;
+  float* params_out;     ///< Updated params, written.
+  void* exp_avg_out;     ///< Updated first state, written.
+  void* exp_avg_sq_out;  ///< Updated second state, written.
 };
 
 /// Updates elements [begin, end) of `args`.

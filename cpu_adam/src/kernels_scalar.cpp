@@ -64,8 +64,8 @@ void StepKernelFor(const KernelArgs& args, size_t begin, size_t end) {
       v = c.beta2 * v + c.one_minus_beta2 * g * g;
       const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
       p = p - c.step_size * (m / denom);
-      StoreElement<kStateType>(args.exp_avg, i, m);
-      StoreElement<kStateType>(args.exp_avg_sq, i, v);
+      StoreElement<kStateType>(args.exp_avg_out, i, m);
+      StoreElement<kStateType>(args.exp_avg_sq_out, i, v);
     } else if constexpr (kUpdate == kAdagrad) {
       // Adagrad (Duchi et al.), as torch.optim.Adagrad; the sum lives in exp_avg_sq:
       //   g <- g + weight_decay * p
@@ -76,7 +76,7 @@ void StepKernelFor(const KernelArgs& args, size_t begin, size_t end) {
       sum = sum + g * g;
       const float denom = std::sqrt(sum) + c.eps;
       p = p - c.step_size * (g / denom);
-      StoreElement<kStateType>(args.exp_avg_sq, i, sum);
+      StoreElement<kStateType>(args.exp_avg_sq_out, i, sum);
     } else if constexpr (kUpdate == kLion) {
       // Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), Algorithm 2:
       //   update <- sign(beta1 * m + (1 - beta1) * g)
@@ -86,20 +86,20 @@ void StepKernelFor(const KernelArgs& args, size_t begin, size_t end) {
       const float update = Sign(c.beta1 * m + c.one_minus_beta1 * g);
       p = p * c.param_decay - c.step_size * update;
       m = c.beta2 * m + c.one_minus_beta2 * g;
-      StoreElement<kStateType>(args.exp_avg, i, m);
+      StoreElement<kStateType>(args.exp_avg_out, i, m);
     } else {
       // Roofline: the same loads and stores as the optimizer, with a trivial update.
       p = p + g;
       if constexpr (kUpdate == kRooflineTwoStates || kUpdate == kRooflineExpAvg) {
-        StoreElement<kStateType>(args.exp_avg, i, LoadElement<kStateType>(args.exp_avg, i) + 1);
+        StoreElement<kStateType>(args.exp_avg_out, i, LoadElement<kStateType>(args.exp_avg, i) + 1);
       }
       if constexpr (kUpdate == kRooflineTwoStates || kUpdate == kRooflineExpAvgSq) {
-        StoreElement<kStateType>(args.exp_avg_sq, i,
+        StoreElement<kStateType>(args.exp_avg_sq_out, i,
                                  LoadElement<kStateType>(args.exp_avg_sq, i) + 1);
       }
     }
 
-    args.params[i] = p;
+    args.params_out[i] = p;
     if constexpr (kCopy != kCopyNone) StoreElement<CopyElement(kCopy)>(args.param_copy, i, p);
   }
 }

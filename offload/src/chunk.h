@@ -55,10 +55,10 @@ struct Chunk {
   AlignedBuffer param_copy;     // New working parameters (device- and host-home parameters).
   AlignedBuffer host_params;    // Host-home working parameters.
   AlignedBuffer host_states;    // Host-home optimizer states.
-  // Host-home states as they were before a speculative update (StepPipeline): what a verdict
-  // that clips or overflows restores. Allocated where the host budget has room; a chunk
-  // without one waits for the verdict.
-  AlignedBuffer state_backup;
+  // Where a speculative update (StepPipeline) writes host-home states, leaving host_states as
+  // they were for a verdict that clips or overflows; the commit swaps the two. Allocated where
+  // the host budget has room; a chunk without one waits for the verdict.
+  AlignedBuffer host_state_shadow;
 
   // Device-home optimizer states (and their fp32 gradient sum for accumulation).
   DeviceBuffer device_states;
@@ -91,6 +91,8 @@ struct Chunk {
   // Its update ran ahead of a gated step's verdict, as if the step neither clips nor
   // overflows; the verdict keeps it or rolls it back (loop thread: the chunk's journey).
   bool speculated = false;
+  // host_state_shadow holds this step's new states, for the commit to swap in (loop thread).
+  bool states_in_shadow = false;
   // Optimizer updates this chunk has had (its bias correction's step). A chunk that gets no
   // gradients in a step (an unused expert) is not updated and does not count it, as torch
   // skips a parameter whose .grad is None. Written by the commit and Load.

@@ -339,7 +339,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
 
-  AllocateStateBackups();
+  AllocateStateShadows();
 
   // --- Initial values: master = given values (padding zero), moments zero; a frozen chunk's
   // "states" are just the values (Chunk::state_bytes) ---
@@ -370,7 +370,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   return Status();
 }
 
-void Engine::Impl::AllocateStateBackups() {
+void Engine::Impl::AllocateStateShadows() {
   if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
   size_t wanted = 0, given = 0;
   uint64_t bytes = 0, missing = 0;
@@ -383,24 +383,24 @@ void Engine::Impl::AllocateStateBackups() {
     const uint64_t size = AlignUp(c.state_bytes(), kHostAlignment);
     BudgetReservation reserved;
     if (host_budget_.TryReserve(size)) reserved = BudgetReservation(&host_budget_, size);
-    // Not zeroed: each update writes its copy before anything reads it, and the optimizer's
-    // threads touching it first is what the NUMA placement wants.
-    Result<AlignedBuffer> backup = reserved.bytes() > 0 ? AlignedBuffer::Allocate(c.state_bytes())
+    // Not zeroed: an update writes all of it before the commit makes it current, and the
+    // optimizer's threads touching it first is what NUMA placement wants.
+    Result<AlignedBuffer> shadow = reserved.bytes() > 0 ? AlignedBuffer::Allocate(c.state_bytes())
                                                         : ResourceExhausted("budget");
-    if (!backup.ok()) {
+    if (!shadow.ok()) {
       missing += size;
       continue;
     }
     static_reservations_.push_back(std::move(reserved));
-    c.state_backup = std::move(*backup);
+    c.host_state_shadow = std::move(*shadow);
     ++given;
     bytes += size;
   }
   if (wanted == 0) return;
   std::string message = "speculative updates: " + std::to_string(given) + " of " +
                         std::to_string(wanted) +
-                        " chunks with optimizer states in host memory have room for a copy of "
-                        "them (" +
+                        " chunks with optimizer states in host memory have room for a second "
+                        "buffer of them (" +
                         FormatBytes(bytes) + " of host memory) and update during backward";
   if (given < wanted) {
     message += "; the other " + std::to_string(wanted - given) +
@@ -408,7 +408,7 @@ void Engine::Impl::AllocateStateBackups() {
                FormatBytes(missing) +
                " more of host.pinned_memory_bytes would let them update during backward)";
   }
-  Log(LogLevel::kInfo, message + "; optimizer.speculative_updates = false saves the copies");
+  Log(LogLevel::kInfo, message + "; optimizer.speculative_updates = false saves the buffers");
 }
 
 std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) {

@@ -102,10 +102,10 @@ class Engine::Impl {
   /// (their staging would cost more than they free). Says what it did; changes nothing when no
   /// spill fits.
   void SpillStatesToNvme();
-  /// Gated steps with speculative updates: a backup of each host-kept chunk's states, for as
-  /// many chunks as the host budget has room left (the last chunks first), so their updates
-  /// can run before the global norm is known. Never fails: chunks without one wait for it.
-  void AllocateStateBackups();
+  /// Gated steps with speculative updates: a shadow buffer for each host-kept chunk's states,
+  /// for as many chunks as the host budget has room left (the last chunks first), so their
+  /// updates can run before the global norm is known. Never fails: chunks without one wait.
+  void AllocateStateShadows();
   /// Elements of the largest chunk whose states are on NVMe (what state staging holds).
   size_t max_nvme_state_numel() const;
 

@@ -323,6 +323,10 @@ Awaitable<void> StepPipeline::Commit() {
       if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
       if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
       if (c.placement.params == Tier::kHost) std::swap(c.host_params, c.param_copy);
+      if (c.states_in_shadow) {
+        std::swap(c.host_states, c.host_state_shadow);
+        c.states_in_shadow = false;
+      }
     }
     step_.committed = true;
   }

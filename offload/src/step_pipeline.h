@@ -21,14 +21,15 @@
 // (gradient_landing.cpp).
 //
 // Speculation (gated steps, optimizer.speculative_updates): a chunk whose update can be rolled
-// back (states on NVMe, whose new values go to shadow extents; host-kept states with a backup
-// copy) does not wait for the gate. It is updated at once with the scale of a step that neither
-// clips nor overflows, which is the gated path's own scale whenever the verdict agrees, so the
-// results are the same bit for bit, and its new parameters go to the device early where the
-// step allows it (host-kept states without NVMe). When the verdict clips or overflows, the
-// journey restores the backup (NVMe: nothing to restore), moves the chunk back to kArrived and
-// updates it again with the verdict's scale, or, for an overflow, puts back the parameters
-// the device held. The step commits only once every speculation is resolved.
+// back (states on NVMe, whose new values go to shadow extents; host-kept states with a shadow
+// buffer, which the optimizer writes out of place) does not wait for the gate. It is updated at
+// once with the scale of a step that neither clips nor overflows, which is the gated path's own
+// scale whenever the verdict agrees, so the results are the same bit for bit, and its new
+// parameters go to the device early where the step allows it (host-kept states without NVMe). When
+// the verdict clips or overflows, the journey drops the shadows (the current states never changed),
+// moves the chunk back to kArrived and updates it again with the verdict's scale, or, for an
+// overflow, puts back the parameters the device held. The step commits only once every speculation
+// is resolved, and its commit makes host shadows current as it flips NVMe ones.
 //
 // Retries: a failed step leaves each chunk in a phase that says what is left to do
 // (chunk.h): kArrived chunks are updated again from states that did not change, kStepped
@@ -161,23 +162,21 @@ class StepPipeline {
   /// for it) or rolls it back to kArrived, with the device's parameters.
   Awaitable<void> ResolveSpeculation(size_t chunk);
   /// Sets `stepped` when the chunk's home states hold this step's update (even if a later
-  /// stage failed), which decides the phase a failure leaves it in. A speculative update that
-  /// fails restores its backup, so it never leaves the chunk stepped.
+  /// stage failed), which decides the phase a failure leaves it in. A speculative update writes
+  /// host-kept states into their shadow buffer, so it never leaves the chunk stepped.
   Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool speculative, bool& stepped);
   /// Rounds a host-kept chunk's restored master to its working parameters and uploads them: what
   /// the device held before a speculative upload the verdict rolled back. Sets restore_params
   /// when the upload fails.
   Awaitable<Status> RestoreParameters(size_t chunk);
-  /// Copies host-home states into the chunk's backup, or back (TBB, off the loop).
-  Awaitable<void> CopyStateBackup(size_t chunk, bool restore);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
   Status UploadEarly(size_t chunk);
   Awaitable<Status> UpdateOnDevice(size_t chunk);
-  /// One optimizer step over chunk's states (master | exp_avg | exp_avg_sq at `states`), with
-  /// this step's hyper-parameters and each parameter group's settings (any thread but the
-  /// loop's).
-  Status RunOptimizer(size_t chunk, float* states, const void* grads, DType grad_dtype,
-                      void* param_copy, double grad_scale) const;
+  /// One optimizer step over chunk's states (master | exp_avg | exp_avg_sq at `states`, the
+  /// updated ones to `states_out`, which is `states` for an update in place), with this step's
+  /// hyper-parameters and each parameter group's settings (any thread but the loop's).
+  Status RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
+                      DType grad_dtype, void* param_copy, double grad_scale) const;
   void StartPreload(size_t chunk);
   Awaitable<void> PreloadStates(size_t chunk);
 

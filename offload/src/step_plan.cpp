@@ -36,10 +36,6 @@ class ResourceTally {
   StepPrediction& p_;
 };
 
-/// A speculative update of host-kept states first copies them (12 bytes per parameter read and
-/// 12 written); the optimizer moves 28 bytes per parameter, at the same memory bandwidth.
-constexpr double kBackupCopyPerUpdate = 24.0 / 28.0;
-
 std::string Over(const char* tier, double need, double budget) {
   return std::string(tier) + " needs " + FormatBytes(uint64_t(need)) + " of " +
          FormatBytes(uint64_t(budget));
@@ -56,7 +52,6 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
   const double w = DTypeSize(in.working_dtype);
   const bool offload_optimizer = row.optimizer_states != Tier::kDevice;
   const bool offload_params = row.params != Tier::kDevice;
-  const bool gated = in.working_dtype == DType::kFp16 || in.gradient_clipping > 0.0;
 
   const double compute = std::max(0.0, rates.compute_seconds);
   if (compute > 0.0) p.resources.push_back({"compute", compute});
@@ -81,12 +76,8 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
   if (offload_optimizer) {
     const double d2h = tally.Add("device_to_host", w * psi / n,
                                  rates.device_to_host_bytes_per_second, "device->host");
-    double cpu =
+    const double cpu =
         tally.Add("cpu_optimizer", psi, rates.optimizer_params_per_second, "optimizer params/s");
-    if (gated && in.speculative_updates && row.optimizer_states == Tier::kHost) {
-      cpu += tally.Add("cpu_optimizer", psi * kBackupCopyPerUpdate,
-                       rates.optimizer_params_per_second, "optimizer params/s");
-    }
     // The new working parameters of device-home chunks go up in the pipeline, each as soon as
     // its chunk is updated.
     double h2d = 0.0;
@@ -107,6 +98,7 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     }
     p.update_seconds = std::max({d2h, cpu, h2d, nvme});
   }
+  const bool gated = in.working_dtype == DType::kFp16 || in.gradient_clipping > 0.0;
   const bool waits = gated && !in.speculative_updates;
   p.step_seconds = p.forward_seconds +
                    (waits ? p.backward_seconds + p.update_seconds

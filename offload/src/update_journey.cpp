@@ -55,14 +55,6 @@ Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, do
   return Internal("unknown optimizer type");
 }
 
-/// to[i] = from[i] for i < n, on the optimizer's threads (a chunk's states are far larger than
-/// the caches: one thread alone does not reach the memory bandwidth).
-void ParallelCopy(cpu_adam::CpuOptimizer& optimizer, float* to, const float* from, size_t n) {
-  optimizer.ParallelFor(n, [&](size_t begin, size_t end) {
-    std::memcpy(to + begin, from + begin, (end - begin) * sizeof(float));
-  });
-}
-
 }  // namespace
 
 Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
@@ -88,7 +80,7 @@ bool StepPipeline::CanSpeculate(size_t chunk) const {
   }
   const Chunk& c = engine_.chunks_[chunk];
   const Tier states = *c.placement.optimizer_states;
-  return states == Tier::kNvme || (states == Tier::kHost && !c.state_backup.empty());
+  return states == Tier::kNvme || (states == Tier::kHost && !c.host_state_shadow.empty());
 }
 
 Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
@@ -169,10 +161,9 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     --step_.speculations_open;
     co_return;
   }
-  // NVMe-home states were updated in a staging buffer and written to the shadow extent, which
-  // the commit will not flip: only host-home states need their old values back.
-  const bool host_states = c.placement.optimizer_states == Tier::kHost;
-  if (host_states) co_await CopyStateBackup(chunk, /*restore=*/true);
+  // The update wrote its states elsewhere — a staging buffer and the NVMe shadow extent, or the
+  // host shadow buffer — and left the current ones as they were: dropping it is all it takes.
+  c.states_in_shadow = false;
   {
     std::lock_guard lock(mutex_);
     c.MoveTo(ChunkPhase::kArrived);
@@ -212,20 +203,8 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
   co_return status;
 }
 
-Awaitable<void> StepPipeline::CopyStateBackup(size_t chunk, bool restore) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
-  auto copy = [&e, &c, restore] {
-    AlignedBuffer& from = restore ? c.state_backup : c.host_states;
-    AlignedBuffer& to = restore ? c.host_states : c.state_backup;
-    ParallelCopy(*e.optimizer_, reinterpret_cast<float*>(to.data()),
-                 reinterpret_cast<const float*>(from.data()), c.state_bytes() / sizeof(float));
-  };
-  co_await AwaitJob(e.jobs_, copy, &e.jobs_in_flight_);
-}
-
-Status StepPipeline::RunOptimizer(size_t chunk, float* states, const void* grads, DType grad_dtype,
-                                  void* param_copy, double grad_scale) const {
+Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
+                                  DType grad_dtype, void* param_copy, double grad_scale) const {
   const OptimizerOptions& o = options_.optimizer;
   const size_t numel = engine_.chunks_[chunk].numel;
   const DType wdtype = engine_.working_dtype();
@@ -242,13 +221,16 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, const void* grads
         .exp_avg_sq = states + 2 * numel + begin,
         .param_copy =
             copy_out ? static_cast<std::byte*>(param_copy) + begin * DTypeSize(wdtype) : nullptr,
-        .param_copy_dtype = copy_out ? wdtype : DType::kBf16};
+        .param_copy_dtype = copy_out ? wdtype : DType::kBf16,
+        .params_out = states_out != states ? states_out + begin : nullptr,
+        .exp_avg_out = states_out != states ? states_out + numel + begin : nullptr,
+        .exp_avg_sq_out = states_out != states ? states_out + 2 * numel + begin : nullptr};
     STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
                                     segment.weight_decay.value_or(o.weight_decay),
                                     engine_.chunks_[chunk].steps_taken + 1, grad_scale, buffers));
   }
   if (wdtype == DType::kFp32 && param_copy != nullptr) {
-    std::memcpy(param_copy, states, numel * sizeof(float));
+    std::memcpy(param_copy, states_out, numel * sizeof(float));
   }
   return Status();
 }
@@ -264,13 +246,15 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // Ahead of the verdict: the scale of a step that neither clips (coefficient 1) nor overflows,
   // computed as Decide computes it, so that a verdict that agrees gives the same bits.
   const double grad_scale = speculative ? 1.0 / loss_scale() : step_.grad_scale;
-  // Host-home states are stepped in place: a speculative update keeps their old values.
-  const bool backup = speculative && !nvme_states;
   Status status;
   stepped = republish;
 
   StagingBuffer state_buffer;
   float* states = reinterpret_cast<float*>(c.host_states.data());
+  // Host-home states are stepped in place, except ahead of the verdict: then the update writes
+  // them into the shadow buffer and leaves the current ones for a roll-back.
+  float* states_out =
+      speculative && !nvme_states ? reinterpret_cast<float*>(c.host_state_shadow.data()) : states;
   if (nvme_states) {
     Preload& preload = preloads_[chunk];
     if (!preload.active) StartPreload(chunk);
@@ -282,6 +266,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     state_buffer = std::move(preload.buffer);
     preload = {};
     states = reinterpret_cast<float*>(state_buffer.data());
+    states_out = states;
   }
   StagingBuffer param_buffer;
   void* param_copy = c.param_copy.data();
@@ -304,12 +289,8 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
         // The states already hold this step: only the working parameters are made again.
         Fp32ToDType({states, c.numel}, e.working_dtype(), param_copy);
       } else {
-        if (backup) {
-          ParallelCopy(*e.optimizer_, reinterpret_cast<float*>(c.state_backup.data()), states,
-                       c.state_bytes() / sizeof(float));
-        }
         const auto start = Clock::now();
-        s = RunOptimizer(chunk, states, grads, grad_dtype, param_copy, grad_scale);
+        s = RunOptimizer(chunk, states, states_out, grads, grad_dtype, param_copy, grad_scale);
         m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
       }
       if (s.ok() && nvme_states) {
@@ -324,8 +305,10 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
       status = co_await AwaitJob(e.jobs_, update, &e.jobs_in_flight_);
     }
     if (status.ok() && !republish) m.optimizer_params->Increment(double(c.numel));
-    // Host-home states were stepped in place: from here on a failure must not step them again.
-    stepped = !nvme_states && (republish || status.ok());
+    // Host-home states stepped in place: from here on a failure must not step them again.
+    stepped = !nvme_states && states_out == states && (republish || status.ok());
+    // Stepped into the shadow: the commit makes them current, unless the verdict drops them.
+    c.states_in_shadow = status.ok() && states_out != states;
   }
   // Write-behind into the shadow extents; the commit makes them current.
   std::optional<InFlightGuard> writing;
@@ -354,12 +337,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // what the device held if the step is skipped); NVMe-kept ones wait for the verdict, since
   // putting them back would mean reading the states again.
   if (status.ok() && !(speculative && nvme_states)) status = UploadEarly(chunk);
-  if (speculative && !status.ok() && stepped) {
-    // A failed speculative update must not leave stepped states behind: the retry's verdict
-    // may want another scale. (Nothing was uploaded: the upload is the last thing done.)
-    co_await CopyStateBackup(chunk, /*restore=*/true);
-    stepped = false;
-  }
+  // A speculative update that failed leaves the current states as they were: the retry's
+  // verdict may want another scale.
+  if (!status.ok()) c.states_in_shadow = false;
   co_return status;
 }
 
@@ -389,11 +369,11 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
   const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
   const double grad_scale = step_.grad_scale;
   auto result = std::make_shared<Status>();
-  Status queued = e.device_.LaunchHostFunction(
-      Stream::kCompute, [this, &c, chunk, grads, grad_dtype, grad_scale, result] {
-        *result = RunOptimizer(chunk, static_cast<float*>(c.device_states.data()), grads,
-                               grad_dtype, c.params.data(), grad_scale);
-      });
+  Status queued = e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, chunk, grads,
+                                                                  grad_dtype, grad_scale, result] {
+    auto* states = static_cast<float*>(c.device_states.data());
+    *result = RunOptimizer(chunk, states, states, grads, grad_dtype, c.params.data(), grad_scale);
+  });
   if (!queued.ok()) co_return queued;
   Status done = co_await AwaitStream(e.device_, Stream::kCompute);
   if (!done.ok()) co_return done;

@@ -188,6 +188,15 @@ TEST_F(ValidationTest, BadBuffersNameTheArray) {
   b.param_copy = m_.data();
   b.param_copy_dtype = DType::kFp32;
   ExpectRejected(optimizer_->Step(AdamWHyperParams{}, b), "param_copy_dtype must be fp16 or bf16");
+  // Outputs apart from the inputs: one shifted onto an input, or one the optimizer lacks.
+  b = Buffers();
+  b.exp_avg_out = m_.data() + 1;
+  ExpectRejected(optimizer_->Step(AdamWHyperParams{}, b), "exp_avg_out overlaps an input array");
+  b = Buffers();
+  std::vector<float> out(8);
+  b.exp_avg_out = out.data();
+  ExpectRejected(optimizer_->Step(AdagradHyperParams{}, b),
+                 "exp_avg_out is given but this optimizer has no such state");
 }
 
 TEST_F(ValidationTest, UnusedStatesMayBeNullAndEmptyStepsDoNothing) {

@@ -162,6 +162,50 @@ TEST_P(EveryLevelTest, ParamCopyIsTheUpdatedParamsRoundedToNearestEven) {
   }
 }
 
+// An update into separate output arrays gives the bits of the update in place, writes nothing
+// outside them and leaves its inputs as they were: what lets the engine undo an update by
+// keeping the inputs.
+TEST_P(EveryLevelTest, AnUpdateOutOfPlaceEqualsOneInPlaceAndKeepsItsInputs) {
+  auto optimizer = CpuOptimizer::Create({.threads = 2, .simd = GetParam()});
+  ASSERT_TRUE(optimizer.ok());
+  for (OptimizerType type : kOptimizers) {
+    for (DType state : kStateTypes) {
+      for (size_t n : {size_t(1), size_t(17), size_t(1001), kBlockElements + 77}) {
+        for (size_t offset : kOffsets) {
+          const auto seed = static_cast<uint32_t>(n + offset);
+          StepArrays in_place(n, DType::kBf16, state, DType::kBf16, offset, seed);
+          StepArrays inputs(n, DType::kBf16, state, DType::kBf16, offset, seed);
+          StepArrays untouched(n, DType::kBf16, state, DType::kBf16, offset, seed);
+          StepArrays outputs(n, DType::kBf16, state, DType::kBf16, (offset + 3) % 7, seed + 1);
+          ASSERT_TRUE(RunStep(*optimizer, type, in_place.buffers()).ok());
+          StepBuffers b = inputs.buffers();
+          b.params_out = static_cast<float*>(outputs.params.data());
+          if (type != OptimizerType::kAdagrad) b.exp_avg_out = outputs.exp_avg.data();
+          if (type != OptimizerType::kLion) b.exp_avg_sq_out = outputs.exp_avg_sq.data();
+          b.param_copy = outputs.param_copy.data();
+          ASSERT_TRUE(RunStep(*optimizer, type, b).ok());
+          ASSERT_TRUE(outputs.GuardsIntact() && inputs.GuardsIntact()) << "n=" << n;
+          const std::string what = std::string(OptimizerTypeName(type)) + ", states " +
+                                   std::string(DTypeName(state)) + ", n=" + std::to_string(n);
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(outputs.params.Bits(i), in_place.params.Bits(i)) << what << ", " << i;
+            ASSERT_EQ(outputs.param_copy.Bits(i), in_place.param_copy.Bits(i)) << what;
+            ASSERT_EQ(inputs.params.Bits(i), untouched.params.Bits(i)) << what << ", " << i;
+            ASSERT_EQ(inputs.exp_avg.Bits(i), untouched.exp_avg.Bits(i)) << what;
+            ASSERT_EQ(inputs.exp_avg_sq.Bits(i), untouched.exp_avg_sq.Bits(i)) << what;
+            if (type != OptimizerType::kAdagrad) {
+              ASSERT_EQ(outputs.exp_avg.Bits(i), in_place.exp_avg.Bits(i)) << what << ", " << i;
+            }
+            if (type != OptimizerType::kLion) {
+              ASSERT_EQ(outputs.exp_avg_sq.Bits(i), in_place.exp_avg_sq.Bits(i)) << what;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(EveryLevelTest, ResultsDoNotDependOnTheThreadCount) {
   const size_t n = 5 * kBlockElements + 1234;
   for (OptimizerType type : kOptimizers) {

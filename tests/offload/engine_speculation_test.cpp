@@ -51,8 +51,8 @@ struct Trajectory {
   std::vector<EngineCounters> after_step;  // The engine's counters after each step.
 };
 
-/// Chunks an engine can update ahead of the verdict: states on NVMe, or on host with a backup
-/// (the tests' automatic host budget has room for every backup).
+/// Chunks an engine can update ahead of the verdict: states on NVMe, or on host with a shadow
+/// buffer (the tests' automatic host budget has room for every one).
 size_t SpeculativeChunks(const Engine& engine) {
   size_t n = 0;
   for (size_t c = 0; c < engine.chunk_count(); ++c) {
@@ -169,20 +169,10 @@ TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Placements, SpeculationTest,
-    ::testing::Values(Placement{"states_device", Tier::kDevice, Tier::kDevice},
-                      Placement{"states_host", Tier::kHost, Tier::kDevice},
-                      Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
-                      Placement{"states_host_ratio_half", Tier::kHost, Tier::kDevice, 0.5},
-                      Placement{"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5},
-                      Placement{"states_nvme_half_in_host", Tier::kNvme, Tier::kDevice, 1.0,
-                                64 << 20, 3 * 5120 * 12},
-                      Placement{"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes},
-                      Placement{"params_nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes},
-                      Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0,
-                                2 * kSlotBytes}),
-    [](const ::testing::TestParamInfo<Placement>& param) { return param.param.name; });
+INSTANTIATE_TEST_SUITE_P(Placements, SpeculationTest, ::testing::ValuesIn(testing::kPlacements),
+                         [](const ::testing::TestParamInfo<Placement>& param) {
+                           return param.param.name;
+                         });
 
 // fp16: the overflowing step undoes every update made ahead of the verdict and skips; the
 // trajectory equals the gated path's bit for bit.
@@ -255,10 +245,10 @@ TEST(SpeculationTest, UpdatesRunBeforeTheGlobalNormIsKnown) {
   }
 }
 
-// Backups come out of what the host budget has left: none fit, and the chunks wait for the
+// Shadow buffers come out of what the host budget has left: none fit, and the chunks wait for the
 // verdict (saying so); two fit, and the two whose gradients land first go ahead. Results are
 // the same either way.
-TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBackups) {
+TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirShadows) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   const Placement placement{"host", Tier::kHost, Tier::kDevice};
@@ -266,10 +256,10 @@ TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBacku
   options.optimizer.gradient_clipping = 1e9;  // Never clips: every speculation stands.
   options.optimizer.speculative_updates = false;
   const Trajectory gated = Train(options, placement.device_budget, model);
-  // What the engine takes without backups, and one chunk's backup.
+  // What the engine takes without shadow buffers, and one chunk's.
   auto device = MakeDevice(64 << 20);
   const uint64_t without = MakeEngine(options, *device, model)->tier_usage(Tier::kHost).used_bytes;
-  const uint64_t backup = 5120 * 12;
+  const uint64_t shadow = 5120 * 12;
   options.optimizer.speculative_updates = true;
 
   std::vector<std::string> said;
@@ -279,7 +269,7 @@ TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBacku
   options.host.buffer_size = 4096;  // DeepSpeed's aio buffer, checked against the budget.
   options.host.pinned_memory_bytes = without;
   const Trajectory no_room = Train(options, placement.device_budget, model);
-  options.host.pinned_memory_bytes = without + 2 * backup + backup / 2;
+  options.host.pinned_memory_bytes = without + 2 * shadow + shadow / 2;
   const Trajectory two = Train(options, placement.device_budget, model);
   SetLogSink(nullptr);
 
@@ -296,8 +286,8 @@ TEST(SpeculationTest, HostStatesSpeculateOnlyAsFarAsTheHostBudgetHoldsTheirBacku
 }
 
 // A step that fails after some chunks were updated ahead of the verdict (an NVMe write fails)
-// is retried to the same result as the gated path's, clipped or not; host-kept states stepped
-// speculatively are restored by the failure, not left for the retry to republish.
+// is retried to the same result as the gated path's, clipped or not; host-kept states updated
+// speculatively into their shadow are never left stepped for the retry to republish.
 TEST(SpeculationTest, AFailedSpeculativeStepRetriesToTheGatedResult) {
   for (const bool clipped : {false, true}) {
     for (const Placement& placement :

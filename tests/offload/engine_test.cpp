@@ -85,22 +85,11 @@ TEST_P(EngineEquivalenceTest, ThirtyStepsMatchTheReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Placements, EngineEquivalenceTest,
-    ::testing::Values(Placement{"states_device", Tier::kDevice, Tier::kDevice},
-                      Placement{"states_host", Tier::kHost, Tier::kDevice},
-                      Placement{"states_nvme", Tier::kNvme, Tier::kDevice},
-                      Placement{"states_host_ratio_half", Tier::kHost, Tier::kDevice, 0.5},
-                      Placement{"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5},
-                      // Three of the six chunks' states (5120 fp32 x 3) fit in host memory.
-                      Placement{"states_nvme_half_in_host", Tier::kNvme, Tier::kDevice, 1.0,
-                                64 << 20, 3 * 5120 * 12},
-                      // Two chunks' worth of device memory for six chunks: evictions.
-                      Placement{"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes},
-                      Placement{"params_nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes},
-                      Placement{"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0,
-                                2 * kSlotBytes}),
-    [](const ::testing::TestParamInfo<Placement>& param) { return param.param.name; });
+INSTANTIATE_TEST_SUITE_P(Placements, EngineEquivalenceTest,
+                         ::testing::ValuesIn(testing::kPlacements),
+                         [](const ::testing::TestParamInfo<Placement>& param) {
+                           return param.param.name;
+                         });
 
 TEST(EngineTest, StatesFillMaxStatesInHostAndSpillTheRestToNvme) {
   ScratchDir nvme;

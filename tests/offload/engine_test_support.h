@@ -31,6 +31,23 @@ struct Placement {
   uint64_t states_in_host = 0;  ///< placement.max_states_in_host (states on nvme).
 };
 
+/// Every placement the equivalence tests run through: states on each tier, partial offload,
+/// states split across host and NVMe, and offloaded parameters under device budgets that force
+/// evictions.
+inline const Placement kPlacements[] = {
+    {"states_device", Tier::kDevice, Tier::kDevice},
+    {"states_host", Tier::kHost, Tier::kDevice},
+    {"states_nvme", Tier::kNvme, Tier::kDevice},
+    {"states_host_ratio_half", Tier::kHost, Tier::kDevice, 0.5},
+    {"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5},
+    // Three of the six chunks' states (5120 fp32 x 3) fit in host memory.
+    {"states_nvme_half_in_host", Tier::kNvme, Tier::kDevice, 1.0, 64 << 20, 3 * 5120 * 12},
+    // Two chunks' worth of device memory for six chunks: evictions.
+    {"params_host", Tier::kHost, Tier::kHost, 1.0, 2 * kSlotBytes},
+    {"params_nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes},
+    {"params_nvme_states_host", Tier::kHost, Tier::kNvme, 1.0, 2 * kSlotBytes},
+};
+
 inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_path,
                                  DType dtype = DType::kFp32) {
   EngineOptions o;

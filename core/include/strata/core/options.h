@@ -140,10 +140,10 @@ struct OptimizerOptions {
   /// gradients land, as if the step will neither clip nor overflow, and the verdict redoes those
   /// updates with the clip coefficient (or undoes them for an overflow) when it says otherwise:
   /// the same results bit for bit, with the updates overlapping backward in the common case.
-  /// Rolling back is free for states on NVMe (new values go to shadow extents); host-kept
-  /// states keep a copy from before the update, in host memory the budget
-  /// (host.pinned_memory_bytes) has left after everything else, and chunks it has no room for
-  /// wait for the norm. Device-kept states always wait. false: every update waits for the norm.
+  /// Rolling back is free: new NVMe-kept states go to shadow extents, and host-kept ones are
+  /// written out of place into a second buffer, in host memory the budget
+  /// (host.pinned_memory_bytes) has left after everything else (chunks it has no room for wait
+  /// for the norm). Device-kept states always wait. false: every update waits for the norm.
   /// DeepSpeed has no such key (its SuperOffload does this on GH200).
   bool speculative_updates = true;
   /// Micro-batches whose gradients are summed before one optimizer step; >= 1.

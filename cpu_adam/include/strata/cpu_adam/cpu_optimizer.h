@@ -126,7 +126,7 @@ struct LionHyperParams {
 struct StepBuffers {
   /// Number of elements; 0 makes a step a no-op.
   size_t numel = 0;
-  /// fp32 master parameters, updated in place.
+  /// fp32 master parameters, updated in place (or into params_out).
   float* params = nullptr;
   /// Gradients, read only.
   const void* grads = nullptr;
@@ -143,6 +143,13 @@ struct StepBuffers {
   void* param_copy = nullptr;
   /// fp16 or bf16.
   DType param_copy_dtype = DType::kBf16;
+  /// Optional: where the updated params, exp_avg and exp_avg_sq go instead of back into their
+  /// inputs, which then stay unchanged (an update that can be undone at no cost). Each is null
+  /// (that array is updated in place) or an array of the same type and length that does not
+  /// overlap any input. Reads and writes the same bytes as an update in place.
+  float* params_out = nullptr;
+  void* exp_avg_out = nullptr;
+  void* exp_avg_sq_out = nullptr;
 };
 
 /// What ComputeGradientStats found.

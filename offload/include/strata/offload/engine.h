@@ -41,10 +41,11 @@
 // calling Step() again retries it from the gradients the engine still holds, finishing the same
 // step exactly once (no chunk is stepped twice). What a failed step leaves: NVMe-home states
 // and parameters are as before it (new values go to shadow extents that only a successful
-// commit makes current); host- and device-home states of chunks that got that far are already
-// stepped in place, and device-home parameters of chunks whose update was complete may already
-// be the new ones (the retry does not update those chunks again). Until the retry succeeds,
-// only Step() and reads are accepted.
+// commit makes current), and so are host-home states updated ahead of a clipping or fp16
+// verdict (their new values wait in a second buffer); other host- and device-home states of
+// chunks that got that far are already stepped in place, and device-home parameters of chunks
+// whose update was complete may already be the new ones (the retry does not update those chunks
+// again). Until the retry succeeds, only Step() and reads are accepted.
 //
 // Thread safety: Acquire, Release, GradsReady, Step, Save and Load are called by one trainer
 // thread (not concurrently with each other). metrics(), tier_usage() and the const accessors may

@@ -19,11 +19,11 @@
 // - a gated step (fp16, whose overflow check needs every gradient, or gradient clipping, which
 //   needs the global norm) updates during backward all the same, speculatively (as if it will
 //   neither clip nor overflow; OptimizerOptions::speculative_updates), so it costs what an
-//   ungated step costs plus, for states in host memory, the copy each update keeps to roll
-//   back (12 bytes per parameter read and written: 24/28 of the optimizer's own traffic,
-//   counted as optimizer time). The model is of the common step, whose verdict keeps the
-//   updates; a step that clips redoes them after backward. Without speculation no update starts
-//   before backward ends: update follows backward.
+//   ungated step costs: host-kept states are updated out of place into a second buffer, which
+//   moves the same bytes. The model is of the common step, whose verdict keeps the updates; a
+//   step that clips redoes them after backward. It assumes the host budget has room for the
+//   second buffers (the engine takes them from what is left; chunks without one wait). Without
+//   speculation no update starts before backward ends: update follows backward.
 // - commit: flipping NVMe shadow extents and bookkeeping, no transfer: the new working
 //   parameters of device-home chunks go up in the pipeline, each as its update completes (a
 //   failed step that leaves some new is finished by its retry, which does not redo them).
