@@ -250,7 +250,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
   // Gradients land in, and new parameters leave from, pinned memory so device copies run at
-  // full speed; host-home state is pinned too when host.pin_memory asks for it.
+  // full speed; host-home parameters are pinned too when host.pin_memory asks for it.
   if (device_.CanPin()) {
     for (Chunk& c : chunks_) {
       std::vector<AlignedBuffer*> buffers = {&c.grads_landing, &c.param_copy};
@@ -383,8 +383,7 @@ void Engine::Impl::AllocateStateShadows() {
     const uint64_t size = AlignUp(c.state_bytes(), kHostAlignment);
     BudgetReservation reserved;
     if (host_budget_.TryReserve(size)) reserved = BudgetReservation(&host_budget_, size);
-    // Not zeroed: an update writes all of it before the commit makes it current, and the
-    // optimizer's threads touching it first is what NUMA placement wants.
+    // Not zeroed here: WriteMemoryHome fills it with the initial states, as host_states.
     Result<AlignedBuffer> shadow = reserved.bytes() > 0 ? AlignedBuffer::Allocate(c.state_bytes())
                                                         : ResourceExhausted("budget");
     if (!shadow.ok()) {

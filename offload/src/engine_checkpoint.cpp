@@ -86,6 +86,11 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
     STRATA_RETURN_IF_ERROR(device_.SynchronizeStream(Stream::kHostToDevice));
   } else if (c.placement.optimizer_states == Tier::kHost) {
     std::memcpy(c.host_states.data(), states, c.state_bytes());
+    // The shadow too: an update out of place rewrites only the states its optimizer has, so
+    // the rest (and a shadow never written yet) must already hold these values.
+    if (!c.host_state_shadow.empty()) {
+      std::memcpy(c.host_state_shadow.data(), states, c.state_bytes());
+    }
   }
   if (c.placement.params == Tier::kNvme) return Status();
   if (c.placement.params == Tier::kHost) {

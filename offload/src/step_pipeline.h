@@ -12,7 +12,9 @@
 //   states = co_await preload                  // NVMe -> staging buffer, read ahead
 //   co_await AwaitJob(optimizer + checksums)   // cpu_adam on TBB, new working params rounded
 //   co_await AwaitSwapWrite(shadow extents)    // write-behind; the commit flips them current
-//   queue the h2d copy of the parameters       // now, or at the commit when it must wait
+//   queue the h2d copy of the parameters       // now (after the verdict for a speculative NVMe
+//                                              // update), or at the commit if the trainer
+//                                              // still holds the chunk
 //
 // Journeys of different chunks overlap each other and the trainer's backward, bounded by the
 // staging buffers. The commit (step_commit.cpp) runs once every chunk is updated: it flips the

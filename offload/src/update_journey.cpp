@@ -96,7 +96,9 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
   if (!step_.error.ok() || attempt_failed_) co_return;
   const bool on_device = c.placement.optimizer_states == Tier::kDevice;
   if (on_device) {
-    // Transactional steps update device-kept states only at the commit, when nothing can fail.
+    // Device-kept states are stepped in place, with nothing to undo them by: where a step can
+    // fail after its updates (states or parameters on NVMe), they are updated at the commit,
+    // once everything else has succeeded.
     // Otherwise the device's optimizer rewrites the chunk's parameters in place now, after the
     // trainer's last use of them, or at the commit while the trainer still holds the chunk.
     bool now = !e.transactional_;
@@ -209,6 +211,11 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
   const size_t numel = engine_.chunks_[chunk].numel;
   const DType wdtype = engine_.working_dtype();
   const bool copy_out = wdtype != DType::kFp32 && param_copy != nullptr;
+  // Out of place, the states the optimizer has go to states_out; one it lacks (Lion's second,
+  // Adagrad's first) is left alone there as in place (WriteMemoryHome keeps both buffers' equal).
+  const bool out_of_place = states_out != states;
+  const bool has_exp_avg = o.type != OptimizerType::kAdagrad;
+  const bool has_exp_avg_sq = o.type != OptimizerType::kLion;
   // One call per run of parameters that share their group settings (one run in most models).
   for (const ChunkSegment& segment : engine_.layout_.segments(chunk)) {
     const size_t begin = segment.begin;
@@ -222,9 +229,10 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
         .param_copy =
             copy_out ? static_cast<std::byte*>(param_copy) + begin * DTypeSize(wdtype) : nullptr,
         .param_copy_dtype = copy_out ? wdtype : DType::kBf16,
-        .params_out = states_out != states ? states_out + begin : nullptr,
-        .exp_avg_out = states_out != states ? states_out + numel + begin : nullptr,
-        .exp_avg_sq_out = states_out != states ? states_out + 2 * numel + begin : nullptr};
+        .params_out = out_of_place ? states_out + begin : nullptr,
+        .exp_avg_out = out_of_place && has_exp_avg ? states_out + numel + begin : nullptr,
+        .exp_avg_sq_out =
+            out_of_place && has_exp_avg_sq ? states_out + 2 * numel + begin : nullptr};
     STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
                                     segment.weight_decay.value_or(o.weight_decay),
                                     engine_.chunks_[chunk].steps_taken + 1, grad_scale, buffers));
@@ -399,7 +407,9 @@ void StepPipeline::StartPreloads() {
     if (c.placement.optimizer_states != Tier::kNvme || preloads_[i].active) continue;
     const ChunkPhase phase = c.phase_now();
     if (phase == ChunkPhase::kUpdating || phase == ChunkPhase::kUpdated) continue;  // Read.
-    if (step_.requested && c.micro_steps == 0) continue;  // Sits this step out.
+    // Sits this step out (known once Step() is called; at the commit every count is reset for
+    // the next step, whose chunks are the ones to read).
+    if (step_.requested && !step_.committing && c.micro_steps == 0) continue;
     StartPreload(i);
     ++held;
   }

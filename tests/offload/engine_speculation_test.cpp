@@ -435,5 +435,79 @@ TEST(SpeculationTest, AFailedClippedStepLeavesNoRolledBackParametersOnTheDevice)
   ASSERT_TRUE(engine->Step().get().ok());
 }
 
+// Every optimizer speculates, those with one state (Lion, Adagrad) included: their unused state
+// is left alone by the update out of place as by the one in place.
+TEST(SpeculationTest, EveryOptimizerEqualsTheGatedPathBitForBit) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  for (OptimizerType type : {OptimizerType::kAdam, OptimizerType::kAdagrad, OptimizerType::kLion}) {
+    for (const Placement& placement : {Placement{"host", Tier::kHost, Tier::kDevice},
+                                       Placement{"nvme", Tier::kNvme, Tier::kDevice}}) {
+      const std::string what = std::string(OptimizerTypeName(type)) + ", " + placement.name;
+      SCOPED_TRACE(what);
+      EngineOptions options = MakeOptions(placement, nvme.path());
+      options.optimizer.type = type;
+      options.optimizer.lr = type == OptimizerType::kLion ? 1e-4 : 1e-2;
+      options.optimizer.gradient_clipping = 1e9;
+      options.optimizer.speculative_updates = false;
+      const Trajectory gated = Train(options, placement.device_budget, model);
+      options.optimizer.speculative_updates = true;
+      auto device = MakeDevice(placement.device_budget);
+      auto engine = MakeEngine(options, *device, model);
+      ASSERT_NE(engine, nullptr);
+      EngineTrainer trainer(*engine, model);
+      Trajectory speculative;
+      for (int step = 0; step < kSteps; ++step) {
+        double loss = 0.0;
+        Result<StepReport> report = trainer.TrainStep(step, &loss);
+        ASSERT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
+        speculative.losses.push_back(loss);
+        speculative.reports.push_back(*report);
+      }
+      speculative.master = trainer.MasterParameters();
+      ExpectSameBits(gated, speculative, what);
+      EXPECT_GT(engine->counters().speculative_updates, 0u);
+      // The state the optimizer does not use is still all zeros.
+      const ParameterState unused =
+          type == OptimizerType::kLion ? ParameterState::kExpAvgSq : ParameterState::kExpAvg;
+      if (type != OptimizerType::kAdam) {
+        std::vector<float> values(engine->layout().location(0).numel, 1.0f);
+        ASSERT_TRUE(engine->ReadParameterState(0, unused, values).ok());
+        EXPECT_EQ(values, std::vector<float>(values.size(), 0.0f));
+      }
+    }
+  }
+}
+
+// A commit reads ahead the states of the chunks the next backward reaches first, so NVMe works
+// while forward runs: as many as the staging buffers allow, less one.
+TEST(SpeculationTest, TheCommitReadsAheadForTheNextBackward) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  for (const bool gated : {false, true}) {
+    SCOPED_TRACE(gated ? "gated" : "ungated");
+    EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, nvme.path());
+    options.optimizer.gradient_clipping = gated ? 1e9 : 0.0;
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+    // Each of the six chunks' states read once for the step (some of them ahead, at Create),
+    // and the read-ahead of the next step's first ones, which may still be under way.
+    const uint64_t chunk_states = 5120 * 12;
+    const uint64_t expected =
+        (kLayers + uint64_t(options.host.optimizer_buffer_count - 1)) * chunk_states;
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (engine->counters().nvme_read_bytes < expected &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+    std::this_thread::sleep_for(50ms);  // And nothing more.
+    EXPECT_EQ(engine->counters().nvme_read_bytes, expected);
+  }
+}
+
 }  // namespace
 }  // namespace strata::offload
