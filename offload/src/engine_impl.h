@@ -137,8 +137,9 @@ class Engine::Impl {
   std::vector<Chunk> chunks_;
   // Host buffers registered for DMA; declared after chunks_ so they are unpinned first.
   std::vector<PinnedHostRegion> pinned_;
-  // A state or parameter home is on NVMe: new values go to shadow extents and the commit flips
-  // them, so that a failed step changes nothing there.
+  // A state or parameter home is on NVMe, so a step can fail after its updates (new values go
+  // to shadow extents that the commit flips): device-kept states, stepped in place with nothing
+  // to undo them by, are updated at the commit.
   bool transactional_ = false;
 
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
