@@ -12,9 +12,6 @@
 namespace strata::cpu_adam {
 namespace {
 
-bool UsesExpAvg(OptimizerType type) { return type != OptimizerType::kAdagrad; }
-bool UsesExpAvgSq(OptimizerType type) { return type != OptimizerType::kLion; }
-
 // Writes `numel` elements of a deterministic pattern into `data`, in the optimizer's threads.
 // `scale` sets the magnitude; the pattern mixes signs so the optimizer does real work.
 void FillPattern(CpuOptimizer& optimizer, void* data, DType dtype, size_t numel, float offset,

@@ -102,9 +102,6 @@ class Checker {
   std::string prefix_;
 };
 
-bool UsesExpAvg(OptimizerType type) { return type != OptimizerType::kAdagrad; }
-bool UsesExpAvgSq(OptimizerType type) { return type != OptimizerType::kLion; }
-
 Status ValidateBuffers(OptimizerType type, const StepBuffers& b) {
   const Checker check(type);
   if (b.numel == 0) return Status::Ok();
@@ -123,29 +120,33 @@ Status ValidateBuffers(OptimizerType type, const StepBuffers& b) {
   }
   // Outputs apart from the inputs: the same shape, and no overlap with any input (one shifted
   // against an input would have the update read elements it already wrote).
-  const std::pair<const char*, const void*> outputs[] = {{"params_out", b.params_out},
-                                                         {"exp_avg_out", b.exp_avg_out},
-                                                         {"exp_avg_sq_out", b.exp_avg_sq_out}};
+  struct Output {
+    const char* name;
+    const void* array;
+    DType dtype;
+    bool used;
+  };
+  const Output outputs[] = {
+      {"params_out", b.params_out, DType::kFp32, true},
+      {"exp_avg_out", b.exp_avg_out, b.state_dtype, UsesExpAvg(type)},
+      {"exp_avg_sq_out", b.exp_avg_sq_out, b.state_dtype, UsesExpAvgSq(type)}};
   const std::pair<const void*, size_t> inputs[] = {
       {b.params, b.numel * sizeof(float)},
       {b.grads, b.numel * DTypeSize(b.grad_dtype)},
       {b.exp_avg, b.numel * DTypeSize(b.state_dtype)},
       {b.exp_avg_sq, b.numel * DTypeSize(b.state_dtype)}};
-  for (int k = 0; k < 3; ++k) {
-    const auto [name, array] = outputs[k];
-    if (array == nullptr) continue;
-    const bool used = k == 0 || (k == 1 ? UsesExpAvg(type) : UsesExpAvgSq(type));
-    if (!used)
-      return check.Fail(std::string(name) + " is given but this optimizer has no such state");
-    STRATA_RETURN_IF_ERROR(
-        check.Array(name, array, k == 0 ? DType::kFp32 : b.state_dtype, b.numel));
-    const size_t bytes = b.numel * (k == 0 ? sizeof(float) : DTypeSize(b.state_dtype));
-    const auto begin = reinterpret_cast<uintptr_t>(array);
+  for (const Output& out : outputs) {
+    if (out.array == nullptr) continue;
+    if (!out.used) {
+      return check.Fail(std::string(out.name) + " is given but this optimizer has no such state");
+    }
+    STRATA_RETURN_IF_ERROR(check.Array(out.name, out.array, out.dtype, b.numel));
+    const auto begin = reinterpret_cast<uintptr_t>(out.array);
+    const auto end = begin + b.numel * DTypeSize(out.dtype);
     for (const auto& [input, input_bytes] : inputs) {
-      if (input == nullptr) continue;
       const auto other = reinterpret_cast<uintptr_t>(input);
-      if (begin < other + input_bytes && other < begin + bytes) {
-        return check.Fail(std::string(name) +
+      if (input != nullptr && begin < other + input_bytes && other < end) {
+        return check.Fail(std::string(out.name) +
                           " overlaps an input array; give arrays apart from the inputs, or null "
                           "to update in place");
       }

@@ -221,9 +221,9 @@ void StepPipeline::Arrive(size_t chunk) {
   } else {
     step_.arrived_non_finite = true;
   }
-  if (!c.land_status.ok() && step_.error.ok()) {
-    step_.error =
-        c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk));
+  if (!c.land_status.ok()) {
+    KeepFirstError(
+        c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk)));
   }
   if (gated() && !step_.decided && AllArrived()) Decide();
 }
@@ -245,20 +245,25 @@ void StepPipeline::Decide() {
     }
   }
   Status reduced = engine_.environment_.communicator->AllReduceSum(totals);
-  if (!reduced.ok() && step_.error.ok()) step_.error = reduced;
+  if (!reduced.ok()) KeepFirstError(reduced);
   const double scale = loss_scale();
   step_.decided = true;
   step_.skip = loss_scaler_.checks_overflow() && totals[1] > 0.0;
   step_.grad_norm = step_.skip ? std::nan("") : std::sqrt(totals[0]) / scale;
-  double clip = 1.0;
-  const double max_norm = options_.optimizer.gradient_clipping;
-  if (!step_.skip && max_norm > 0.0) {
-    // DeepSpeed's and torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when < 1.
-    clip = std::min(1.0, max_norm / (step_.grad_norm + 1e-6));
-  }
+  const double clip = step_.skip ? 1.0 : ClipCoefficient(step_.grad_norm);
   step_.clipped = clip < 1.0;
   step_.grad_scale = clip / scale;
   gate_.Open();
+}
+
+void StepPipeline::KeepFirstError(Status error) {
+  if (step_.error.ok()) step_.error = std::move(error);
+}
+
+double StepPipeline::ClipCoefficient(double norm) const {
+  // DeepSpeed's and torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when < 1.
+  const double max_norm = options_.optimizer.gradient_clipping;
+  return max_norm > 0.0 ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
 }
 
 void StepPipeline::Cancel() {

@@ -189,6 +189,10 @@ class StepPipeline {
   /// Whether every chunk that has gradients this step has landed them: the verdict of a gated
   /// step can be made.
   bool AllArrived() const;
+  /// Records `error` as this attempt's failure unless another came first.
+  void KeepFirstError(Status error);
+  /// The factor gradients of global L2 `norm` are scaled by: 1 unless clipping applies.
+  double ClipCoefficient(double norm) const;
   void Decide();
   void MaybeFinish();
   Awaitable<void> Commit();

@@ -72,12 +72,9 @@ Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
 bool StepPipeline::CanSpeculate(size_t chunk) const {
   if (!options_.optimizer.speculative_updates || step_.decided || step_.cancelled) return false;
   // A speculation the verdict is sure to roll back is work thrown away: the step overflows, or
-  // the norm of the gradients arrived so far already needs clipping (Decide's test).
+  // the norm of the gradients arrived so far (it only grows) already needs clipping.
   if (loss_scaler_.checks_overflow() && step_.arrived_non_finite) return false;
-  const double max_norm = options_.optimizer.gradient_clipping;
-  if (max_norm > 0.0 && std::sqrt(step_.arrived_sum_of_squares) / loss_scale() + 1e-6 > max_norm) {
-    return false;
-  }
+  if (ClipCoefficient(std::sqrt(step_.arrived_sum_of_squares) / loss_scale()) < 1.0) return false;
   const Chunk& c = engine_.chunks_[chunk];
   const Tier states = *c.placement.optimizer_states;
   return states == Tier::kNvme || (states == Tier::kHost && !c.host_state_shadow.empty());
@@ -105,7 +102,7 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
     if (now) {
       Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kCompute);
       if (!released.ok()) {
-        if (step_.error.ok()) step_.error = released.status();
+        KeepFirstError(released.status());
         co_return;
       }
       now = *released;
@@ -140,9 +137,7 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
              : stepped   ? ChunkPhase::kStepped
                          : ChunkPhase::kArrived);
   }
-  if (!status.ok() && step_.error.ok()) {
-    step_.error = status.WithContext("updating chunk " + std::to_string(chunk));
-  }
+  if (!status.ok()) KeepFirstError(status.WithContext("updating chunk " + std::to_string(chunk)));
 }
 
 Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
@@ -150,37 +145,34 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   Chunk& c = e.chunks_[chunk];
   c.speculated = false;
   const bool updated = c.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
-  if (!updated || (!step_.skip && !step_.clipped && !step_.cancelled)) {
-    // The verdict agrees with the speculation: the update stands, and parameters that waited
-    // for the verdict go up now.
-    if (updated) {
-      Status uploaded = UploadEarly(chunk);
-      if (!uploaded.ok() && step_.error.ok()) {
-        step_.error =
-            uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk));
-      }
+  const bool kept = !step_.skip && !step_.clipped && !step_.cancelled;
+  if (updated && kept) {
+    // The update stands; parameters that waited for the verdict go up now.
+    if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
+      KeepFirstError(
+          uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk)));
     }
-    --step_.speculations_open;
-    co_return;
-  }
-  // The update wrote its states elsewhere — a staging buffer and the NVMe shadow extent, or the
-  // host shadow buffer — and left the current ones as they were: dropping it is all it takes.
-  c.states_in_shadow = false;
-  {
-    std::lock_guard lock(mutex_);
-    c.MoveTo(ChunkPhase::kArrived);
-  }
-  step_.rolled_back = true;
-  e.m_.rolled_back_updates->Increment(1.0);
-  if (c.params_uploaded) {
-    // The device has the speculative parameters (host-kept states go up early). Put back what
-    // the restored master rounds to, which is what it held before, so that however this
-    // attempt ends the device never keeps an update the verdict rolled back; a redo uploads
-    // its own after. If that upload fails, the commit of a skipped step (or the redo) makes it.
-    Status restored = co_await RestoreParameters(chunk);
-    if (!restored.ok() && step_.error.ok()) {
-      step_.error =
-          restored.WithContext("restoring the parameters of chunk " + std::to_string(chunk));
+  } else if (updated) {
+    // The update wrote its states elsewhere — a staging buffer and the NVMe shadow extent, or
+    // the host shadow buffer — and left the current ones as they were: dropping it is all it
+    // takes.
+    c.states_in_shadow = false;
+    {
+      std::lock_guard lock(mutex_);
+      c.MoveTo(ChunkPhase::kArrived);
+    }
+    step_.rolled_back = true;
+    e.m_.rolled_back_updates->Increment(1.0);
+    if (c.params_uploaded) {
+      // The device has the speculative parameters (host-kept states go up early). Put back what
+      // the restored master rounds to, which is what it held before, so that however this
+      // attempt ends the device never keeps an update the verdict rolled back; a redo uploads
+      // its own after. If that upload fails, the commit of a skipped step (or the redo) makes
+      // it.
+      if (Status restored = co_await RestoreParameters(chunk); !restored.ok()) {
+        KeepFirstError(
+            restored.WithContext("restoring the parameters of chunk " + std::to_string(chunk)));
+      }
     }
   }
   --step_.speculations_open;
@@ -214,8 +206,6 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
   // Out of place, the states the optimizer has go to states_out; one it lacks (Lion's second,
   // Adagrad's first) is left alone there as in place (WriteMemoryHome keeps both buffers' equal).
   const bool out_of_place = states_out != states;
-  const bool has_exp_avg = o.type != OptimizerType::kAdagrad;
-  const bool has_exp_avg_sq = o.type != OptimizerType::kLion;
   // One call per run of parameters that share their group settings (one run in most models).
   for (const ChunkSegment& segment : engine_.layout_.segments(chunk)) {
     const size_t begin = segment.begin;
@@ -230,9 +220,9 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
             copy_out ? static_cast<std::byte*>(param_copy) + begin * DTypeSize(wdtype) : nullptr,
         .param_copy_dtype = copy_out ? wdtype : DType::kBf16,
         .params_out = out_of_place ? states_out + begin : nullptr,
-        .exp_avg_out = out_of_place && has_exp_avg ? states_out + numel + begin : nullptr,
+        .exp_avg_out = out_of_place && UsesExpAvg(o.type) ? states_out + numel + begin : nullptr,
         .exp_avg_sq_out =
-            out_of_place && has_exp_avg_sq ? states_out + 2 * numel + begin : nullptr};
+            out_of_place && UsesExpAvgSq(o.type) ? states_out + 2 * numel + begin : nullptr};
     STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
                                     segment.weight_decay.value_or(o.weight_decay),
                                     engine_.chunks_[chunk].steps_taken + 1, grad_scale, buffers));

@@ -180,8 +180,8 @@ TEST_P(EveryLevelTest, AnUpdateOutOfPlaceEqualsOneInPlaceAndKeepsItsInputs) {
           ASSERT_TRUE(RunStep(*optimizer, type, in_place.buffers()).ok());
           StepBuffers b = inputs.buffers();
           b.params_out = static_cast<float*>(outputs.params.data());
-          if (type != OptimizerType::kAdagrad) b.exp_avg_out = outputs.exp_avg.data();
-          if (type != OptimizerType::kLion) b.exp_avg_sq_out = outputs.exp_avg_sq.data();
+          if (UsesExpAvg(type)) b.exp_avg_out = outputs.exp_avg.data();
+          if (UsesExpAvgSq(type)) b.exp_avg_sq_out = outputs.exp_avg_sq.data();
           b.param_copy = outputs.param_copy.data();
           ASSERT_TRUE(RunStep(*optimizer, type, b).ok());
           ASSERT_TRUE(outputs.GuardsIntact() && inputs.GuardsIntact()) << "n=" << n;
@@ -193,10 +193,10 @@ TEST_P(EveryLevelTest, AnUpdateOutOfPlaceEqualsOneInPlaceAndKeepsItsInputs) {
             ASSERT_EQ(inputs.params.Bits(i), untouched.params.Bits(i)) << what << ", " << i;
             ASSERT_EQ(inputs.exp_avg.Bits(i), untouched.exp_avg.Bits(i)) << what;
             ASSERT_EQ(inputs.exp_avg_sq.Bits(i), untouched.exp_avg_sq.Bits(i)) << what;
-            if (type != OptimizerType::kAdagrad) {
+            if (UsesExpAvg(type)) {
               ASSERT_EQ(outputs.exp_avg.Bits(i), in_place.exp_avg.Bits(i)) << what << ", " << i;
             }
-            if (type != OptimizerType::kLion) {
+            if (UsesExpAvgSq(type)) {
               ASSERT_EQ(outputs.exp_avg_sq.Bits(i), in_place.exp_avg_sq.Bits(i)) << what;
             }
           }
@@ -236,8 +236,8 @@ TEST_P(EveryLevelTest, RooflineWritesExactlyTheStepsArrays) {
     StepArrays before(1001, DType::kFp32, DType::kBf16, DType::kBf16, 1, 11);
     ASSERT_TRUE(optimizer->RooflineStep(type, arrays.buffers()).ok());
     EXPECT_TRUE(arrays.GuardsIntact());
-    const bool uses_exp_avg = type != OptimizerType::kAdagrad;
-    const bool uses_exp_avg_sq = type != OptimizerType::kLion;
+    const bool uses_exp_avg = UsesExpAvg(type);
+    const bool uses_exp_avg_sq = UsesExpAvgSq(type);
     for (size_t i = 0; i < 1001; ++i) {
       // The roofline adds the gradient to the parameter; skip the exact zeros among them.
       if (arrays.grads.Get(i) != 0) {

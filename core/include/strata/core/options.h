@@ -110,6 +110,11 @@ enum class OptimizerType : int {
   kLion = 3,     ///< Lion (uses lr, beta1, beta2, weight_decay).
 };
 
+/// Whether `type` keeps a first moment (exp_avg; Lion's momentum): all but Adagrad.
+constexpr bool UsesExpAvg(OptimizerType type) { return type != OptimizerType::kAdagrad; }
+/// Whether `type` keeps a second moment (exp_avg_sq; Adagrad's sum of squares): all but Lion.
+constexpr bool UsesExpAvgSq(OptimizerType type) { return type != OptimizerType::kLion; }
+
 /// "adamw", "adam", "adagrad" or "lion".
 std::string_view OptimizerTypeName(OptimizerType type);
 /// Parses the names above, case-insensitive.
