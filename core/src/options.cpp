@@ -73,9 +73,9 @@ Status ValidateDevice(const DeviceOptions& o) {
 }
 
 Status ValidateHost(const HostOptions& o) {
-  if (o.optimizer_buffer_count < 1) {
+  if (o.optimizer_buffer_count < 0) {
     return Bad("host.optimizer_buffer_count", std::to_string(o.optimizer_buffer_count),
-               ">= 1 (staging buffers bound how many chunks are in flight)",
+               ">= 1 (staging buffers bound how many chunks are in flight), or 0 for automatic",
                "zero_optimization.offload_optimizer.buffer_count");
   }
   if (o.param_buffer_count < 1) {

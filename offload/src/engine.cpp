@@ -1,12 +1,11 @@
 // Engine creation: placement of every chunk's state, budgets, allocations and initial values;
 // the public methods that only forward to Impl.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "engine_impl.h"
+#include "host_memory.h"
 #include "strata/core/bytes.h"
 #include "strata/core/log.h"
 
@@ -15,12 +14,6 @@ namespace strata::offload {
 // ---- Placement and budgets ----
 
 namespace {
-
-uint64_t PhysicalMemoryBytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page_size = sysconf(_SC_PAGESIZE);
-  return pages > 0 && page_size > 0 ? uint64_t(pages) * uint64_t(page_size) : 0;
-}
 
 /// The device budget the engine may use: what the device may still hand out. The device's own
 /// budget is the one source of truth (its creator sized it, e.g. from cuda_memory_bytes); the
@@ -35,11 +28,6 @@ uint64_t DeviceBudgetBytes(const Device& device) {
 /// Host budget a staging pool of `count` buffers of `bytes` takes.
 uint64_t StagingPoolBytes(size_t bytes, int count) {
   return AlignUp(bytes, kHostAlignment) * uint64_t(count);
-}
-
-uint64_t HostBudgetBytes(const EngineOptions& options) {
-  if (options.host.pinned_memory_bytes > 0) return options.host.pinned_memory_bytes;
-  return PhysicalMemoryBytes() / 10 * 8;  // Automatic: 80% of physical memory.
 }
 
 Result<AlignedBuffer> AllocateZeroed(size_t bytes) {
@@ -326,9 +314,20 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       return Status();
     };
     if (nvme_states) {
-      STRATA_RETURN_IF_ERROR(make_pool(state_staging_, ChunkStateBytes(max_nvme_state_numel()),
-                                       options_.host.optimizer_buffer_count,
-                                       "the optimizer state staging buffers"));
+      const size_t bytes = ChunkStateBytes(max_nvme_state_numel());
+      const size_t nvme_chunks = size_t(std::count_if(chunks_.begin(), chunks_.end(), [](auto& c) {
+        return c.placement.optimizer_states == Tier::kNvme;
+      }));
+      const int count = StateBufferCount(options_.host, nvme_chunks,
+                                         AlignUp(bytes, kHostAlignment), host_budget_.free_bytes());
+      STRATA_RETURN_IF_ERROR(
+          make_pool(state_staging_, bytes, count, "the optimizer state staging buffers"));
+      Log(LogLevel::kInfo,
+          "optimizer states on NVMe: " + std::to_string(count) + " staging buffers of " +
+              FormatBytes(bytes) + " (" + FormatBytes(StagingPoolBytes(bytes, count)) +
+              " of host memory): the reads of " + std::to_string(std::min<size_t>(count - 1, nvme_chunks)) +
+              " of " + std::to_string(nvme_chunks) + " chunks run ahead of backward" +
+              (options_.host.optimizer_buffer_count > 0 ? " (host.optimizer_buffer_count)" : ""));
       state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
                                                        state_staging_->pool().buffer_bytes());
     }
@@ -448,7 +447,7 @@ uint64_t Engine::Impl::HostBytesNeeded() {
     nvme_params = nvme_params || chunks_[i].placement.params == Tier::kNvme;
   }
   if (const size_t numel = max_nvme_state_numel(); numel > 0) {
-    bytes += StagingPoolBytes(ChunkStateBytes(numel), options_.host.optimizer_buffer_count);
+    bytes += StagingPoolBytes(ChunkStateBytes(numel), MinStateBuffers(options_.host));
   }
   if (nvme_params) {
     bytes += StagingPoolBytes(layout_.max_chunk_numel() * working_size(),
@@ -476,7 +475,7 @@ void Engine::Impl::SpillStatesToNvme() {
       left -= AlignUp(c.state_bytes(), kHostAlignment);
       largest = std::max(largest, c.numel);
       const uint64_t now =
-          StagingPoolBytes(ChunkStateBytes(largest), options_.host.optimizer_buffer_count);
+          StagingPoolBytes(ChunkStateBytes(largest), MinStateBuffers(options_.host));
       left += now - staging;
       staging = now;
     }

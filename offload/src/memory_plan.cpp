@@ -9,6 +9,7 @@ Status PlanInput::Validate() const {
     return InvalidArgument("--params must be a positive number of parameters, e.g. 10e9");
   }
   if (gpus < 1) return InvalidArgument("--gpus must be >= 1, got " + std::to_string(gpus));
+  if (chunk_bytes == 0) return InvalidArgument("--chunk-size must be positive");
   return Status();
 }
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "host_memory.h"
 #include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
 #include "strata/core/host_device.h"
@@ -130,7 +131,9 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
       nvme::SwapSpace::Create(
           {.paths = o.nvme_paths, .bytes_per_path = per_path, .checksums = nv.checksums}, *io));
   // The engine's staging buffers: same count, size and registration, so the same I/O path.
-  const int in_flight = std::max(1, defaults.host.optimizer_buffer_count);
+  const int in_flight = std::min(
+      chunks, StateBufferCount(defaults.host, size_t(chunks), AlignUp(bytes, kHostAlignment),
+                               HostBudgetBytes(defaults)));
   STRATA_ASSIGN_OR_RETURN(auto staging, StagingPool::Create({.buffer_bytes = bytes,
                                                              .buffer_count = size_t(in_flight)}));
   const bool registered = io->RegisterBuffers(staging->arena(), staging->buffer_bytes());

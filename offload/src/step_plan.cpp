@@ -1,9 +1,14 @@
 #include "strata/offload/step_plan.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <utility>
 
+#include "host_memory.h"
+#include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
+#include "strata/offload/chunk_layout.h"
 
 namespace strata::offload {
 namespace {
@@ -35,6 +40,23 @@ class ResourceTally {
  private:
   StepPrediction& p_;
 };
+
+/// The share of a step's NVMe state reads the engine's staging buffers can hold read ahead of
+/// backward, as the engine sizes them by default (host_memory.h); all when the node's host
+/// memory is not known.
+double StateReadAheadShare(const PlanInput& in, const PlanRow& row, const MachineMemory& memory) {
+  const double chunk_params = double(in.chunk_bytes) / DTypeSize(in.working_dtype);
+  const double chunk_states = chunk_params * OptimizerBytesPerParam(in.optimizer, in.working_dtype);
+  if (!(row.nvme.optimizer_states > 0) || !(chunk_states > 0)) return 1.0;
+  const double chunks = std::ceil(row.nvme.optimizer_states / chunk_states);
+  const uint64_t buffer = AlignUp(ChunkStateBytes(size_t(chunk_params)), kHostAlignment);
+  // A rank's share of the engine's automatic budget (80% of the node's memory), after the
+  // host-kept state it holds.
+  const double budget = 0.8 * memory.host_bytes / in.gpus - row.host.total();
+  const uint64_t free = memory.host_bytes > 0 ? uint64_t(std::max(0.0, budget)) : UINT64_MAX;
+  const int buffers = StateBufferCount(HostOptions{}, size_t(chunks), buffer, free);
+  return std::min(1.0, double(buffers - 1) / chunks);
+}
 
 std::string Over(const char* tier, double need, double budget) {
   return std::string(tier) + " needs " + FormatBytes(uint64_t(need)) + " of " +
@@ -72,6 +94,8 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
   p.forward_seconds = std::max({compute / 3, fetch / 2, link / 2});
   p.backward_seconds = std::max({2 * compute / 3, fetch / 2, link / 2});
 
+  const bool gated = in.working_dtype == DType::kFp16 || in.gradient_clipping > 0.0;
+  const bool waits = gated && !in.speculative_updates;
   // The update pipeline of offloaded optimizer states costs its slowest stage.
   if (offload_optimizer) {
     const double d2h = tally.Add("device_to_host", w * psi / n,
@@ -87,19 +111,23 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     }
     // Backward's parameter reads share the drives with the states' traffic.
     double nvme = nvme_fetch / 2;
+    double read_ahead = 0.0;  // State reads that can run before the first gradients land.
     if (row.optimizer_states == Tier::kNvme) {
       // Every rank's share that lives there (a split placement keeps part in host memory).
       const double states = n * row.nvme.optimizer_states;
-      nvme += tally.Add("nvme", states, rates.nvme_read_bytes_per_second, "nvme read");
-      nvme += tally.Add("nvme", states, rates.nvme_write_bytes_per_second, "nvme write");
+      const double reads = tally.Add("nvme", states, rates.nvme_read_bytes_per_second, "nvme read");
+      nvme += reads + tally.Add("nvme", states, rates.nvme_write_bytes_per_second, "nvme write");
+      read_ahead = reads * StateReadAheadShare(in, row, memory);
     }
     if (row.params == Tier::kNvme) {
       nvme += tally.Add("nvme", w * psi, rates.nvme_write_bytes_per_second, "nvme write");
     }
+    // Reads ahead run while the drives would idle: during forward, and during backward too
+    // when the update waits for its end. What is left of the drives' work follows.
+    const double before_update = waits ? p.forward_seconds + p.backward_seconds : p.forward_seconds;
+    nvme -= std::min(read_ahead, before_update);
     p.update_seconds = std::max({d2h, cpu, h2d, nvme});
   }
-  const bool gated = in.working_dtype == DType::kFp16 || in.gradient_clipping > 0.0;
-  const bool waits = gated && !in.speculative_updates;
   p.step_seconds = p.forward_seconds +
                    (waits ? p.backward_seconds + p.update_seconds
                           : std::max(p.backward_seconds, p.update_seconds)) +

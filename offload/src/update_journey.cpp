@@ -386,7 +386,7 @@ void StepPipeline::StartPreloads() {
   if (!engine_.state_staging_) return;
   // Leave one staging buffer for a chunk that arrives out of the expected order, counting the
   // preloads still held (by chunks that sat the last step out).
-  const int depth = options_.host.optimizer_buffer_count - 1;
+  const int depth = int(engine_.state_staging_->pool().buffer_count()) - 1;
   int held = 0;
   for (const Preload& preload : preloads_) held += preload.active ? 1 : 0;
   // In the order backward produces gradients (the last chunk first), the chunks whose update

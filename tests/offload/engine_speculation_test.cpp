@@ -480,14 +480,18 @@ TEST(SpeculationTest, EveryOptimizerEqualsTheGatedPathBitForBit) {
 }
 
 // A commit reads ahead the states of the chunks the next backward reaches first, so NVMe works
-// while forward runs: as many as the staging buffers allow, less one.
+// while forward runs: as many as the staging buffers allow, less one. Automatic staging (the
+// default, 0) has a buffer for every chunk and one more: the whole next step is read ahead.
 TEST(SpeculationTest, TheCommitReadsAheadForTheNextBackward) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
-  for (const bool gated : {false, true}) {
-    SCOPED_TRACE(gated ? "gated" : "ungated");
+  for (const auto& [gated, buffers] : {std::pair{false, 3}, {true, 3}, {false, 0}, {true, 0}}) {
+    SCOPED_TRACE(std::string(gated ? "gated" : "ungated") + ", optimizer_buffer_count " +
+                 std::to_string(buffers));
     EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, nvme.path());
     options.optimizer.gradient_clipping = gated ? 1e9 : 0.0;
+    options.host.optimizer_buffer_count = buffers;
+    const uint64_t read_ahead = buffers > 0 ? uint64_t(buffers - 1) : kLayers;
     auto device = MakeDevice(64 << 20);
     auto engine = MakeEngine(options, *device, model);
     ASSERT_NE(engine, nullptr);
@@ -497,8 +501,7 @@ TEST(SpeculationTest, TheCommitReadsAheadForTheNextBackward) {
     // Each of the six chunks' states read once for the step (some of them ahead, at Create),
     // and the read-ahead of the next step's first ones, which may still be under way.
     const uint64_t chunk_states = 5120 * 12;
-    const uint64_t expected =
-        (kLayers + uint64_t(options.host.optimizer_buffer_count - 1)) * chunk_states;
+    const uint64_t expected = (kLayers + read_ahead) * chunk_states;
     const auto deadline = std::chrono::steady_clock::now() + 10s;
     while (engine->counters().nvme_read_bytes < expected &&
            std::chrono::steady_clock::now() < deadline) {

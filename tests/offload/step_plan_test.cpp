@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "strata/core/bytes.h"
+
 namespace strata::offload {
 namespace {
 
@@ -59,24 +61,57 @@ TEST(StepPlanTest, EachPlacementCostsForwardPlusTheLongerOfBackwardAndTheUpdate)
   EXPECT_DOUBLE_EQ(host.update_seconds, 1.0);
   EXPECT_DOUBLE_EQ(host.step_seconds, 3.0);
 
-  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward; the
-  // new parameters (0.1 s) go up in the pipeline, as each chunk's update completes.
+  // States on NVMe: 12 GB read at 4 GB/s plus 12 GB written at 2 GB/s outlast backward. The
+  // reads run ahead of backward (host memory unknown: a staging buffer for every chunk), so
+  // forward's second of them leaves the update and the step costs the drives' 9 s. The new
+  // parameters (0.1 s) go up in the pipeline, as each chunk's update completes.
   const StepPrediction& nvme = plan.Of("ZeRO-2, optimizer -> nvme");
   EXPECT_DOUBLE_EQ(Seconds(nvme, "nvme"), 9.0);
   EXPECT_DOUBLE_EQ(Seconds(nvme, "host_to_device"), 0.1);
-  EXPECT_DOUBLE_EQ(nvme.update_seconds, 9.0);
+  EXPECT_DOUBLE_EQ(nvme.update_seconds, 9.0 - 1.0);
   EXPECT_DOUBLE_EQ(nvme.commit_seconds, 0.0);
-  EXPECT_DOUBLE_EQ(nvme.step_seconds, 1.0 + 9.0);
+  EXPECT_DOUBLE_EQ(nvme.step_seconds, 9.0);
   EXPECT_EQ(nvme.bound_by, "nvme");
 
   // Parameters on NVMe too: fetched in forward and backward (4 GB read, 1 s), written once
-  // (2 GB, 1 s). Backward's half of the reads shares the drives with the update.
+  // (2 GB, 1 s). Backward's half of the fetches shares the drives with the update; the states'
+  // reads ahead take forward's second: 1 + 9.5 s, which the drives' own 11 s outlast.
   const StepPrediction& all = plan.Of("ZeRO-3, optimizer + params -> nvme");
   EXPECT_DOUBLE_EQ(Seconds(all, "nvme"), 1.0 + 9.0 + 1.0);
   EXPECT_DOUBLE_EQ(Seconds(all, "host_to_device"), 0.2);  // Fetches only; no update upload.
-  EXPECT_DOUBLE_EQ(all.update_seconds, 0.5 + 9.0 + 1.0);
-  EXPECT_DOUBLE_EQ(all.step_seconds, 1.0 + 10.5);
+  EXPECT_DOUBLE_EQ(all.update_seconds, 0.5 + 9.0 + 1.0 - 1.0);
+  EXPECT_DOUBLE_EQ(all.step_seconds, 11.0);
   EXPECT_TRUE(all.unknown.empty());
+}
+
+TEST(StepPlanTest, StateReadsAheadOfBackwardAreBoundedByTheStagingTheHostHolds) {
+  // 12 GB of states in 64 MiB bf16 chunks: 30 chunks of 384 MiB. A 10 GB host leaves the engine
+  // 8 GB less 2 GB of gradients; a quarter of that, 1.5 GB, is fewer than the 4 buffers it always
+  // takes: 3 of the 30 chunks' reads (0.3 s of 3 s) run ahead.
+  const PlanRow row = [] {
+    for (const PlanRow& r : PlanMemory(kModel)) {
+      if (r.name == "ZeRO-2, optimizer -> nvme") return r;
+    }
+    return PlanRow{};
+  }();
+  const StepPrediction tight = PredictStep(kModel, row, kRates, {.host_bytes = 10e9});
+  EXPECT_DOUBLE_EQ(tight.update_seconds, 9.0 - 0.3);
+  EXPECT_DOUBLE_EQ(tight.step_seconds, 1.0 + 8.7);
+  // Chunks 4x smaller: 120 of 96 MiB; 1.5 GB holds 14 buffers, 13 chunks read ahead.
+  PlanInput small = kModel;
+  small.chunk_bytes = 16 * kMiB;
+  const StepPrediction many = PredictStep(small, row, kRates, {.host_bytes = 10e9});
+  EXPECT_DOUBLE_EQ(many.update_seconds, 9.0 - 3.0 * 13 / 120);
+  // Room for every chunk: forward's second of reads runs ahead.
+  EXPECT_DOUBLE_EQ(PredictStep(kModel, row, kRates, {.host_bytes = 1e12}).update_seconds, 8.0);
+  // An update that waits for backward's end (no speculation on a gated step) reads during
+  // backward too: all 3 s of reads are done before it starts.
+  PlanInput gated = kModel;
+  gated.gradient_clipping = 1.0;
+  gated.speculative_updates = false;
+  const StepPrediction waiting = PredictStep(gated, row, kRates, {});
+  EXPECT_DOUBLE_EQ(waiting.update_seconds, 6.0);
+  EXPECT_DOUBLE_EQ(waiting.step_seconds, 1.0 + 2.0 + 6.0);
 }
 
 TEST(StepPlanTest, GatedStepsUpdateDuringBackwardOnlyWithSpeculation) {
@@ -157,7 +192,8 @@ TEST(StepPlanTest, ASplitPlacementPaysNvmeOnlyForWhatIsThere) {
     // NVMe: 12/4 + 12/2 = 9 s for all of it, 5/4 + 5/2 = 3.75 s for the 5 GB left.
     EXPECT_DOUBLE_EQ(Seconds(all, "nvme"), 9.0);
     EXPECT_DOUBLE_EQ(Seconds(part, "nvme"), 3.75);
-    EXPECT_DOUBLE_EQ(part.step_seconds, 1.0 + 3.75);
+    // Its 1.25 s of reads run ahead, forward's second of them before backward: the drives'.
+    EXPECT_DOUBLE_EQ(part.step_seconds, 3.75);
     // It fits where the all-host row does not.
     const MachineMemory small_host{.host_bytes = 10e9};
     EXPECT_TRUE(PredictStep(kModel, *split, kRates, small_host).fits);

@@ -69,8 +69,8 @@ Status ValidateMachine(const MachineFlags& m) {
   if (m.compute_seconds > 0 && m.tokens > 0) {
     return InvalidArgument("give --compute-seconds or --tokens with --tflops, not both");
   }
-  if (!m.measure && (!m.nvme_path.empty() || m.chunk_size > 0)) {
-    return InvalidArgument("--nvme-path and --chunk-size are settings of --measure");
+  if (!m.measure && !m.nvme_path.empty()) {
+    return InvalidArgument("--nvme-path is a setting of --measure");
   }
   if (m.chunk_size % (4 * kKiB) != 0) {
     return InvalidArgument("--chunk-size must be a multiple of 4KiB");
@@ -87,7 +87,7 @@ Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in) {
   if (m.measure) {
     MeasureSettings settings{
         .nvme_path = m.nvme_path.empty() ? TempDirectory() : m.nvme_path,
-        .chunk_bytes = m.chunk_size > 0 ? m.chunk_size : EngineOptions().placement.chunk_bytes,
+        .chunk_bytes = in.chunk_bytes,
         .working_dtype = in.working_dtype,
         .params = in.params,
         .copies = !(m.h2d_gbps > 0 && m.d2h_gbps > 0),
@@ -339,7 +339,8 @@ int RunPlan(const std::vector<std::string>& args) {
   flags.AddString("nvme-path", &machine.nvme_path, "DIR",
                   "directory --measure times NVMe in (default $TMPDIR or /tmp)");
   flags.AddBytes("chunk-size", &machine.chunk_size,
-                 "the engine's working bytes per chunk, for --measure (default 64MiB)");
+                 "the engine's working bytes per chunk (default 64MiB): the chunks --measure "
+                 "times, and how many chunks' NVMe states are read ahead of backward");
   if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (flags.help_requested()) {
     std::cout << flags.Help();
@@ -354,6 +355,7 @@ int RunPlan(const std::vector<std::string>& args) {
   input.optimizer = *type;
   input.gradient_clipping = machine.gradient_clipping;
   input.speculative_updates = !machine.no_speculation;
+  if (machine.chunk_size > 0) input.chunk_bytes = machine.chunk_size;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);
   std::vector<PlanRow> rows = offload::PlanMemory(input);

@@ -14,8 +14,11 @@
 //   gradients to the host, the CPU optimizer, NVMe reads and writes of the states, the new
 //   parameters back. It runs chunk by chunk, its stages overlapping, so it costs its slowest
 //   stage; it starts as soon as backward produces the first gradients, so backward hides it.
-//   Reads and writes of the same drives add up, backward's parameter reads included. States
-//   kept on the GPU cost no update time.
+//   Reads and writes of the same drives add up, backward's parameter reads included. The
+//   state reads run ahead of backward, as far as the staging buffers reach (by default one per
+//   NVMe-state chunk, within a quarter of the free host memory: host_memory.h), so up to
+//   forward's length of them leaves the update; PlanInput::chunk_bytes says how many chunks
+//   there are to buffer. States kept on the GPU cost no update time.
 // - a gated step (fp16, whose overflow check needs every gradient, or gradient clipping, which
 //   needs the global norm) updates during backward all the same, speculatively (as if it will
 //   neither clip nor overflow; OptimizerOptions::speculative_updates), so it costs what an
