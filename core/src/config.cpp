@@ -48,7 +48,8 @@ constexpr auto kStrataOnlySections =
 // Fields of Strata's "optimizer" section that a DeepSpeed "optimizer" never has at its top.
 constexpr auto kStrataOptimizerFields = std::to_array<std::string_view>(
     {"lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction", "gradient_clipping",
-     "gradient_accumulation_steps", "cpu_threads", "speculative_updates"});
+     "gradient_accumulation_steps", "cpu_threads", "speculative_updates", "delayed_update",
+     "delayed_update_from_step"});
 
 std::string Lower(std::string_view text) {
   std::string out(text);
@@ -499,6 +500,9 @@ Status VisitStrataFields(O& o, Visitor& v) {
       v.Field("gradient_accumulation_steps", o.optimizer.gradient_accumulation_steps));
   STRATA_RETURN_IF_ERROR(v.Field("cpu_threads", o.optimizer.cpu_threads));
   STRATA_RETURN_IF_ERROR(v.Field("speculative_updates", o.optimizer.speculative_updates));
+  STRATA_RETURN_IF_ERROR(v.Field("delayed_update", o.optimizer.delayed_update));
+  STRATA_RETURN_IF_ERROR(
+      v.Field("delayed_update_from_step", o.optimizer.delayed_update_from_step));
 
   STRATA_RETURN_IF_ERROR(v.Begin("precision"));
   STRATA_RETURN_IF_ERROR(v.Field("working_dtype", o.precision.working_dtype));

@@ -165,6 +165,10 @@ Status ValidateOptimizer(const OptimizerOptions& o) {
     return Bad("optimizer.cpu_threads", std::to_string(o.cpu_threads),
                ">= 0 (0 = all hardware threads)");
   }
+  if (o.delayed_update_from_step < 0) {
+    return Bad("optimizer.delayed_update_from_step", std::to_string(o.delayed_update_from_step),
+               ">= 0 (the first step whose parameters are delayed)");
+  }
   return Status::Ok();
 }
 
@@ -289,6 +293,14 @@ Status EngineOptions::Validate() const {
   STRATA_RETURN_IF_ERROR(ValidatePlacement(placement));
 
   // Combinations.
+  if (optimizer.delayed_update && precision.working_dtype == DType::kFp16 &&
+      precision.loss_scale == 0.0) {
+    return InvalidArgument(
+        "optimizer.delayed_update with fp16's dynamic loss scale: the next step's backward "
+        "needs a scale that depends on this step's overflow verdict, which a delayed update "
+        "gives only during it; use bf16, or a fixed precision.loss_scale (DeepSpeed: "
+        "fp16.loss_scale > 0)");
+  }
   if (placement.optimizer_states == Tier::kNvme && nvme.paths.empty()) {
     return InvalidArgument(
         "placement.optimizer_states is \"nvme\" but nvme.paths is empty; set nvme.paths "

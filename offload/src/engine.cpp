@@ -221,6 +221,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     }
   }
 
+  STRATA_RETURN_IF_ERROR(CheckDelayedUpdatePlacement());
+
   // --- Host ---
   auto host_alloc = [&](AlignedBuffer& out, size_t bytes, const std::string& what) -> Status {
     if (bytes == 0) return Status();
@@ -241,7 +243,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   // full speed; host-home parameters are pinned too when host.pin_memory asks for it.
   if (device_.CanPin()) {
     for (Chunk& c : chunks_) {
-      std::vector<AlignedBuffer*> buffers = {&c.grads_landing, &c.param_copy};
+      std::vector<AlignedBuffer*> buffers = {&c.grads_landing, &c.param_copy, &c.delayed_params};
       if (options_.host.pin_memory) buffers.push_back(&c.host_params);
       for (AlignedBuffer* buffer : buffers) {
         if (buffer->empty()) continue;
@@ -409,6 +411,27 @@ void Engine::Impl::AllocateStateShadows() {
   Log(LogLevel::kInfo, message + "; optimizer.speculative_updates = false saves the buffers");
 }
 
+Status Engine::Impl::CheckDelayedUpdatePlacement() const {
+  if (!options_.optimizer.delayed_update) return Status();
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = chunks_[i];
+    if (c.frozen()) continue;
+    if (c.placement.params != Tier::kDevice) {
+      return InvalidArgument(
+          "optimizer.delayed_update needs the trained parameters on the device, but chunk " +
+          std::to_string(i) + "'s live in " + std::string(TierName(c.placement.params)) +
+          " memory (placement.params); the delay is in when the device's copy is replaced");
+    }
+    if (c.placement.optimizer_states == Tier::kDevice) {
+      return InvalidArgument(
+          "optimizer.delayed_update needs every trained chunk's optimizer states off the "
+          "device (the device steps its own at once), but chunk " +
+          std::to_string(i) + "'s are kept there; set placement.offload_ratio to 1");
+    }
+  }
+  return Status();
+}
+
 std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) {
   Chunk& c = chunks_[chunk];
   const size_t wsize = working_size();
@@ -426,6 +449,11 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
   if (c.placement.params != Tier::kNvme) {
     buffers.push_back(
         {&c.param_copy, c.working_bytes(wsize), "the updated working parameters of " + name});
+  }
+  if (options_.optimizer.delayed_update) {
+    buffers.push_back({&c.delayed_params, c.working_bytes(wsize),
+                       "the delayed working parameters of " + name +
+                           " (optimizer.delayed_update)"});
   }
   if (c.placement.optimizer_states == Tier::kHost) {
     const bool kept_by_option = options_.placement.max_states_in_host > 0;
@@ -529,12 +557,15 @@ Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
     return InvalidArgument("chunk " + std::to_string(chunk) + " does not exist (the engine has " +
                            std::to_string(chunks_.size()) + ")");
   }
-  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "Acquire(" + std::to_string(chunk) + ")"));
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "Acquire(" + std::to_string(chunk) + ")",
+                                                 /*acquire=*/true));
   return residency_.Acquire(chunk);
 }
 
 void Engine::Impl::Release(size_t chunk, TrainerStream stream) {
-  if (chunk < chunks_.size()) residency_.Release(chunk, stream);
+  if (chunk >= chunks_.size()) return;
+  residency_.Release(chunk, stream);
+  pipeline_.Released(chunk);
 }
 
 Status Engine::Impl::GradsReady(size_t chunk, TrainerStream stream) {

@@ -99,6 +99,9 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
   }
   STRATA_RETURN_IF_ERROR(
       device_.CopyToDevice(c.params.data(), working->data(), c.working_bytes(working_size())));
+  // These supersede parameters a delayed step held back (between steps, so no Release or
+  // commit looks at the flag now).
+  c.params_delayed = false;
   return device_.SynchronizeStream(Stream::kHostToDevice);
 }
 

@@ -93,6 +93,9 @@ class Engine::Impl {
     std::string what;
   };
   std::vector<HostBuffer> HostBuffersOf(size_t chunk);
+  /// InvalidArgument unless optimizer.delayed_update is off or every trained chunk is placed as
+  /// it needs: parameters on the device, optimizer states off it.
+  Status CheckDelayedUpdatePlacement() const;
   /// Host budget the engine's own allocations take with the chunks placed as they are: every
   /// chunk's host buffers and the NVMe staging pools.
   uint64_t HostBytesNeeded();

@@ -3,6 +3,7 @@
 // clipping and fp16 overflow checks). Landing holds a pin on the chunk's gradient buffer, so the
 // next micro-step's Acquire waits until the buffer is free to overwrite.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "engine_impl.h"
@@ -41,8 +42,17 @@ void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* 
 
 Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   Engine::Impl& e = engine_;
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   Chunk& c = e.chunks_[chunk];
+  if (step_running_ && hyper_.delayed) {
+    // The previous step updates beside this step's forward; the gradients of this one land
+    // where that update reads its own, so they wait for it to complete (a failed one is
+    // refused below: Step() again retries it).
+    const auto start = std::chrono::steady_clock::now();
+    step_done_.wait(lock, [this] { return StepDone(); });
+    e.m_.stall_of(TrainerWait::kStep)
+        .Increment(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
   if (step_running_) {
     return FailedPrecondition("GradsReady(" + std::to_string(chunk) + ") while a step is running");
   }
@@ -66,7 +76,9 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
     return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
   }
   if (!step_open_) {
-    hyper_ = {.lr = next_lr_};
+    const OptimizerOptions& o = options_.optimizer;
+    hyper_ = {.lr = next_lr_,
+              .delayed = o.delayed_update && step_count_.load() >= o.delayed_update_from_step};
     step_open_ = true;
   }
   c.micro_steps = micro_step;

@@ -100,8 +100,16 @@ void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count,
   engine_.m_.loss_scale->Set(loss_scaler_.scale());
 }
 
-Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation) const {
-  std::lock_guard lock(mutex_);
+Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation,
+                                   bool acquire) const {
+  std::unique_lock lock(mutex_);
+  if (acquire && options_.optimizer.delayed_update) {
+    // A trainer overlaps the next forward with every step when updates are delayed; a step
+    // before delayed_update_from_step is exact, so the forward waits for it.
+    step_done_.wait(lock, [this] { return StepDone() || (step_running_ && hyper_.delayed); });
+  }
+  // The next step's forward: the device's parameters stay until it is done with the chunk.
+  if (acquire && step_running_ && hyper_.delayed) return Status();
   if (step_running_) {
     return FailedPrecondition(operation + " while a step is running; wait for Step() to complete");
   }
@@ -130,6 +138,7 @@ Status StepPipeline::CheckBetweenSteps(const std::string& operation) const {
 std::future<Result<StepReport>> StepPipeline::Step() {
   std::promise<Result<StepReport>> promise;
   std::future<Result<StepReport>> future = promise.get_future();
+  bool delayed = false;
   {
     std::lock_guard lock(mutex_);
     Status refused;
@@ -159,11 +168,26 @@ std::future<Result<StepReport>> StepPipeline::Step() {
             " is acquired; Release every chunk first (the step replaces its parameters)");
       }
     }
+    // The trainer is done with every chunk: parameters a delayed step held back go up now at
+    // the latest (most went as the chunks were released after their last gradients).
+    for (size_t i = 0; i < chunks.size() && refused.ok(); ++i) {
+      refused = UploadDelayedLocked(i).WithContext(
+          "uploading the parameters chunk " + std::to_string(i) + " was delayed from the last step");
+    }
     if (!refused.ok()) {
       promise.set_value(refused);
       return future;
     }
     step_running_ = true;
+    delayed = hyper_.delayed;
+  }
+  if (delayed) {
+    // The trainer's next forward runs beside this step: it must find the device's parameters
+    // complete, and its backward writes the gradient buffers this step's copies read. Both
+    // streams finish what they have first (the journeys then read only host memory); a failure
+    // shows again in the commit's own wait.
+    engine_.device_.SynchronizeStream(Stream::kHostToDevice).IgnoreError();
+    engine_.device_.SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
   }
   // Counted like every coroutine, so that an engine destroyed right after Step() finishes the
   // step first.
@@ -336,9 +360,11 @@ Awaitable<void> StepPipeline::Commit() {
     step_.committed = true;
   }
   // Device-home parameters not uploaded yet go up behind the trainer's last use of every chunk;
-  // one wait covers them, and that use, before stale device copies are dropped.
+  // one wait covers them, and that use, before stale device copies are dropped. A delayed step
+  // holds its own back instead (below); those held back before went up by Step() at the latest.
+  const bool delay = hyper_.delayed && !skipped;
   status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
-  for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
+  for (size_t i = 0; i < chunks.size() && status.ok() && !delay; ++i) {
     Chunk& c = chunks[i];
     if (c.placement.params != Tier::kDevice || c.micro_steps == 0) continue;
     // A skipped step uploads only what a rolled-back speculation failed to put back.
@@ -354,6 +380,15 @@ Awaitable<void> StepPipeline::Commit() {
     FinishStep(status.WithContext("uploading the step's new parameters to the device"),
                /*completed=*/false);
     co_return;
+  }
+  if (delay) {
+    // Held back until the next step is done with the chunk (Released, or the next commit).
+    std::lock_guard lock(mutex_);
+    for (Chunk& c : chunks) {
+      if (c.micro_steps == 0) continue;
+      std::swap(c.param_copy, c.delayed_params);
+      c.params_delayed = true;
+    }
   }
   if (!skipped) {
     // The updated chunks' device copies are stale; the others' (frozen chunks, chunks without
@@ -422,8 +457,11 @@ Awaitable<void> StepPipeline::Commit() {
 void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
   std::promise<Result<StepReport>> promise = std::move(*step_.promise);
   // The trainer cannot start the next forward before the step completes: all of it is a stall.
-  engine_.m_.stall_of(TrainerWait::kStep)
-      .Increment(std::chrono::duration<double>(Clock::now() - step_.started).count());
+  // (A delayed step's next forward runs beside it: its stall is the next GradsReady's wait.)
+  if (!hyper_.delayed) {
+    engine_.m_.stall_of(TrainerWait::kStep)
+        .Increment(std::chrono::duration<double>(Clock::now() - step_.started).count());
+  }
   if (completed) {
     if (result.ok()) engine_.m_.UpdateRates();
     step_ = StepState{};
@@ -437,8 +475,14 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
     std::lock_guard lock(mutex_);
     step_running_ = false;
     attempt_failed_ = !completed;
+    delivering_ = true;
   }
   promise.set_value(std::move(result));
+  {
+    std::lock_guard lock(mutex_);
+    delivering_ = false;
+  }
+  step_done_.notify_all();
 }
 
 }  // namespace strata::offload

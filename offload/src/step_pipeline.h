@@ -47,6 +47,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -63,6 +64,10 @@ namespace strata::offload {
 /// step is updated alike, however early its update starts.
 struct StepHyperParams {
   double lr = 0.0;
+  /// optimizer.delayed_update applies (from its step on): the step's new parameters are held
+  /// back from the device until the next step is done with the chunk, and the next step's
+  /// forward may run while this one updates.
+  bool delayed = false;
 };
 
 class StepPipeline {
@@ -77,7 +82,13 @@ class StepPipeline {
   std::future<Result<StepReport>> Step();
   /// FailedPrecondition naming `chunk` when a step is running or the chunk's update may be
   /// (from its last GradsReady until the step completes): its parameters and master may change.
-  Status CheckReadable(size_t chunk, const std::string& operation) const;
+  /// `acquire`: the trainer's Acquire, which a delayed step (StepHyperParams::delayed) allows
+  /// while it runs, since the device's parameters stay as they are until the next step is done;
+  /// with optimizer.delayed_update on, an Acquire during a step that is not delayed waits for it.
+  Status CheckReadable(size_t chunk, const std::string& operation, bool acquire = false) const;
+  /// After each Release: once the chunk has had this step's last GradsReady, the trainer is done
+  /// with its device parameters, and the parameters a delayed step held back go up.
+  void Released(size_t chunk);
   /// FailedPrecondition unless between steps: no step running and no gradients held.
   Status CheckBetweenSteps(const std::string& operation) const;
 
@@ -173,6 +184,10 @@ class StepPipeline {
   Awaitable<Status> RestoreParameters(size_t chunk);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
   Status UploadEarly(size_t chunk);
+  /// Queues the upload of the parameters a delayed step held back for `chunk` (delayed_params)
+  /// behind the trainer's last use of the chunk, if it has them and the trainer has released
+  /// it. Under mutex_.
+  Status UploadDelayedLocked(size_t chunk);
   Awaitable<Status> UpdateOnDevice(size_t chunk);
   /// One optimizer step over chunk's states (master | exp_avg | exp_avg_sq at `states`, the
   /// updated ones to `states_out`, which is `states` for an update in place), with this step's
@@ -205,6 +220,11 @@ class StepPipeline {
 
   mutable std::mutex mutex_;
   bool step_running_ = false;  // Step() called and not yet completed.
+  // FinishStep has ended the step and is handing its result to Step()'s future.
+  bool delivering_ = false;
+  // Notified once a step's future is ready: who waits for a step (StepDone) finds it so.
+  mutable std::condition_variable step_done_;
+  bool StepDone() const { return !step_running_ && !delivering_; }  // Under mutex_.
   bool step_open_ = false;     // This step's first GradsReady came: hyper_ holds its snapshot.
   // The last attempt failed and Step() has not been called again: no update runs or starts
   // (written on the loop under mutex_).

@@ -349,6 +349,13 @@ Status StepPipeline::UploadEarly(size_t chunk) {
   // fails later leaves these new: its retry does not update the chunk again, and the commit
   // makes its states (NVMe shadows included) current with them.
   if (c.placement.params != Tier::kDevice || c.params_uploaded) return Status();
+  // A delayed step's parameters wait (the commit holds them back); so do a later step's while
+  // older ones are still held back, which must reach the device first.
+  if (hyper_.delayed) return Status();
+  {
+    std::lock_guard lock(mutex_);
+    if (c.params_delayed) return Status();
+  }
   STRATA_ASSIGN_OR_RETURN(const bool released,
                           e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
   if (!released) return Status();
@@ -380,6 +387,30 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
     c.params_uploaded = true;  // The kernel wrote the device's parameters itself.
   }
   co_return *result;
+}
+
+Status StepPipeline::UploadDelayedLocked(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  if (!c.params_delayed) return Status();
+  STRATA_ASSIGN_OR_RETURN(const bool released,
+                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+  if (!released) return Status();  // Its Release, or the next commit, sends them.
+  const size_t wbytes = c.working_bytes(e.working_size());
+  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
+  e.m_.h2d_bytes->Increment(double(wbytes));
+  c.params_delayed = false;
+  return Status();
+}
+
+void StepPipeline::Released(size_t chunk) {
+  std::lock_guard lock(mutex_);
+  const Chunk& c = engine_.chunks_[chunk];
+  // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
+  // still use the parameters. A failure leaves them held back: the commit tries again and
+  // reports it.
+  if (!c.params_delayed || c.micro_steps != gas_ || step_running_) return;
+  UploadDelayedLocked(chunk).IgnoreError();
 }
 
 void StepPipeline::StartPreloads() {

@@ -274,7 +274,10 @@ class EngineTrainer {
 class ReferenceTrainer {
  public:
   ReferenceTrainer(const TinyModel& model, const EngineOptions& options)
-      : model_(model), options_(options), master_(model.initial_values()) {
+      : model_(model),
+        options_(options),
+        master_(model.initial_values()),
+        visible_(master_) {
     for (const auto& p : master_) {
       m_.emplace_back(p.size(), 0.0f);
       v_.emplace_back(p.size(), 0.0f);
@@ -294,7 +297,7 @@ class ReferenceTrainer {
     double loss = 0.0;
     std::vector<std::vector<float>> sum;
     for (int micro = 0; micro < gas; ++micro) {
-      std::vector<std::vector<float>> working = master_;
+      std::vector<std::vector<float>> working = visible_;
       for (auto& p : working) RoundThrough(dtype, p);
       std::vector<std::vector<float>> grads;
       loss += model_.LossAndGrads(working, step * gas + micro, grads) / gas;
@@ -307,7 +310,14 @@ class ReferenceTrainer {
         }
       }
     }
-    if (skip) return loss;
+    if (skip) {
+      visible_ = master_;  // What a delayed step held back went up all the same.
+      return loss;
+    }
+    // optimizer.delayed_update: the next step computes with the parameters before this update.
+    const bool delayed =
+        options_.optimizer.delayed_update && step >= options_.optimizer.delayed_update_from_step;
+    visible_ = master_;
     double clip = 1.0;
     if (options_.optimizer.gradient_clipping > 0.0) {
       double sq = 0.0;
@@ -338,6 +348,7 @@ class ReferenceTrainer {
                                 .exp_avg_sq = v_[p].data()});
       if (!s.ok()) std::abort();
     }
+    if (!delayed) visible_ = master_;
     return loss;
   }
 
@@ -351,6 +362,9 @@ class ReferenceTrainer {
   const TinyModel& model_;
   EngineOptions options_;
   std::vector<std::vector<float>> master_, m_, v_;
+  // The parameters forward and backward use: the master, or with a delayed update the master
+  // one update back.
+  std::vector<std::vector<float>> visible_;
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
   std::vector<int64_t> steps_ = std::vector<int64_t>(model_.parameter_count(), 0);
 };

@@ -154,6 +154,19 @@ struct OptimizerOptions {
   /// for the norm). Device-kept states always wait. false: every update waits for the norm.
   /// DeepSpeed has no such key (its SuperOffload does this on GH200).
   bool speculative_updates = true;
+  /// Delayed parameter update (the ZeRO-Offload paper's DPU): from step
+  /// delayed_update_from_step on, a step's new parameters reach the device only after the next
+  /// step's backward is done with them, so the next step computes its gradients with parameters
+  /// one update old while this step's CPU update runs beside its forward and backward: Step()'s
+  /// future completes during the next step, and the next step's first GradsReady waits for it.
+  /// Needs every trained chunk's parameters on the device and its optimizer states off it, and
+  /// no dynamic fp16 loss scaling (the next step's scale would depend on an unfinished
+  /// verdict). Off by default, as in the paper's accuracy tables. DeepSpeed has no such key.
+  bool delayed_update = false;
+  /// The first step (counting from 0, as Engine::step_count does) whose parameters are
+  /// delayed; the paper leaves the first few dozen steps, where parameters change fastest, exact.
+  /// >= 0.
+  int delayed_update_from_step = 40;
   /// Micro-batches whose gradients are summed before one optimizer step; >= 1.
   /// DeepSpeed: gradient_accumulation_steps.
   int gradient_accumulation_steps = 1;
