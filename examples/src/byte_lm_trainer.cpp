@@ -255,31 +255,64 @@ Result<double> ByteLmTrainer::RunMicroBatch(const std::vector<uint8_t>& tokens, 
 }
 
 Result<TrainStepRecord> ByteLmTrainer::TrainStep() {
-  const auto start = Clock::now();
-  const offload::EngineCounters before = engine_->counters();
+  STRATA_ASSIGN_OR_RETURN(std::optional<TrainStepRecord> before, StartStep());
+  if (before) return Internal("TrainStep after StartStep: call FinishStep first");
+  return FinishStep();
+}
+
+Result<std::optional<TrainStepRecord>> ByteLmTrainer::StartStep() {
   // Each iteration has a batch of its own, skipped (fp16 overflow) ones included, as a data
-  // loader that advances every iteration gives.
-  const int64_t step = engine_->iteration_count() + 1;
+  // loader that advances every iteration gives; one still updating counts.
+  const int64_t iteration = running_ ? running_->iteration + 1 : engine_->iteration_count() + 1;
+  Running step{.iteration = iteration, .start = Clock::now(), .before = engine_->counters()};
   const int micro_steps = micro_steps_;
-  TrainStepRecord record;
-  record.loss_scale = engine_->loss_scale();
+  TrainStepRecord& record = step.record;
   std::vector<uint8_t> tokens;
   for (int micro = 0; micro < micro_steps; ++micro) {
-    SampleBatch(corpus_.train, MixKey(settings_.seed, uint64_t(step), uint64_t(micro)), tokens);
+    SampleBatch(corpus_.train, MixKey(settings_.seed, uint64_t(iteration), uint64_t(micro)),
+                tokens);
     const auto compute_start = Clock::now();
+    // With a step still updating, the first GradsReady waits for it; its loss scale is this
+    // step's (delayed updates keep it fixed).
+    if (micro == 0) record.loss_scale = engine_->loss_scale();
     STRATA_ASSIGN_OR_RETURN(double loss, RunMicroBatch(tokens, /*backward=*/true));
     record.compute_seconds += SecondsSince(compute_start);
     record.loss += loss / micro_steps;
   }
-  STRATA_ASSIGN_OR_RETURN(offload::StepReport report, engine_->Step().get());
+  std::optional<TrainStepRecord> completed;
+  if (running_) {
+    STRATA_ASSIGN_OR_RETURN(completed, Complete());
+    // Its update ran beside this forward and backward: each step's time and traffic is what
+    // passed since the one before it completed.
+    step.start = completed_at_;
+    step.before = completed_counters_;
+  }
+  step.report = engine_->Step();
+  running_ = std::move(step);
+  return completed;
+}
+
+Result<TrainStepRecord> ByteLmTrainer::FinishStep() {
+  if (!running_) return FailedPrecondition("FinishStep without a step StartStep left running");
+  return Complete();
+}
+
+Result<TrainStepRecord> ByteLmTrainer::Complete() {
+  Running step = std::move(*running_);
+  running_.reset();
+  STRATA_ASSIGN_OR_RETURN(offload::StepReport report, step.report.get());
+  TrainStepRecord& record = step.record;
   record.step = report.step;
   record.iteration = report.iteration;
   record.skipped = report.skipped;
   record.rolled_back = report.rolled_back;
   record.grad_norm = report.grad_norm;
-  record.seconds = SecondsSince(start);
-  record.tokens_per_second = double(settings_.batch) * settings_.seq * micro_steps / record.seconds;
-  record.counters = engine_->counters() - before;
+  completed_at_ = Clock::now();
+  completed_counters_ = engine_->counters();
+  record.seconds = std::chrono::duration<double>(completed_at_ - step.start).count();
+  record.tokens_per_second =
+      double(settings_.batch) * settings_.seq * micro_steps_ / record.seconds;
+  record.counters = completed_counters_ - step.before;
   return record;
 }
 

@@ -54,7 +54,8 @@ struct Chunk {
   AlignedBuffer grads_sum;      // fp32 sum over micro-steps (gradient_accumulation_steps > 1).
   AlignedBuffer param_copy;     // New working parameters (device- and host-home parameters).
   // optimizer.delayed_update: the parameters a delayed step made, held back from the device
-  // until the next step is done with the ones it has (StepPipeline::UploadDelayed).
+  // until the next step is done with the ones it has (StepPipeline::Released, or the next
+  // Step() at the latest).
   AlignedBuffer delayed_params;
   AlignedBuffer host_params;    // Host-home working parameters.
   AlignedBuffer host_states;    // Host-home optimizer states.
@@ -85,7 +86,8 @@ struct Chunk {
   cpu_adam::GradientStats stats;  // Of the summed gradients (loop thread).
   Status land_status;             // Failure while summing or measuring them (loop thread).
   bool params_uploaded = false;   // Device-home parameters already carry this step's update.
-  // delayed_params holds parameters the device is still to get (pipeline mutex).
+  // delayed_params holds parameters the device is still to get (pipeline mutex; WriteMemoryHome
+  // clears it between steps, when no other thread looks).
   bool params_delayed = false;
   // The device holds the parameters of a speculative update that was rolled back, and putting
   // back param_copy (the restored master, rounded) failed: the commit of a skipped step uploads

@@ -420,7 +420,7 @@ Status Engine::Impl::CheckDelayedUpdatePlacement() const {
       return InvalidArgument(
           "optimizer.delayed_update needs the trained parameters on the device, but chunk " +
           std::to_string(i) + "'s live in " + std::string(TierName(c.placement.params)) +
-          " memory (placement.params); the delay is in when the device's copy is replaced");
+          " memory; set placement.params to device (strata train: --offload-params device)");
     }
     if (c.placement.optimizer_states == Tier::kDevice) {
       return InvalidArgument(

@@ -99,8 +99,8 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
   }
   STRATA_RETURN_IF_ERROR(
       device_.CopyToDevice(c.params.data(), working->data(), c.working_bytes(working_size())));
-  // These supersede parameters a delayed step held back (between steps, so no Release or
-  // commit looks at the flag now).
+  // These supersede parameters a delayed step held back, if any are left (Load; between steps,
+  // so no Release or commit looks at the flag now).
   c.params_delayed = false;
   return device_.SynchronizeStream(Stream::kHostToDevice);
 }
@@ -159,6 +159,7 @@ Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
   const ParameterLocation& loc = layout_.location(parameter);
   const Chunk& c = chunks_[loc.chunk];
   STRATA_RETURN_IF_ERROR(CheckHasState(layout_, c, parameter, state));
+  STRATA_RETURN_IF_ERROR(pipeline_.FlushDelayedParameters());
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
   STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
   std::copy(values.begin(), values.end(),
@@ -194,6 +195,7 @@ Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
 
 Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Save"));
+  STRATA_RETURN_IF_ERROR(pipeline_.FlushDelayedParameters());
   json manifest = internal::NewManifest();
   const LossScalerState scaler = pipeline_.scaler_state();
   manifest["engine"] = {{"step_count", pipeline_.step_count()},

@@ -44,7 +44,7 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   Engine::Impl& e = engine_;
   std::unique_lock lock(mutex_);
   Chunk& c = e.chunks_[chunk];
-  if (step_running_ && hyper_.delayed) {
+  if (hyper_.delayed && !StepDone()) {
     // The previous step updates beside this step's forward; the gradients of this one land
     // where that update reads its own, so they wait for it to complete (a failed one is
     // refused below: Step() again retries it).

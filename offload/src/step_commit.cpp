@@ -185,9 +185,12 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     // The trainer's next forward runs beside this step: it must find the device's parameters
     // complete, and its backward writes the gradient buffers this step's copies read. Both
     // streams finish what they have first (the journeys then read only host memory); a failure
-    // shows again in the commit's own wait.
+    // shows again in the commit's own wait. The trainer waits here: a stall.
+    const auto start = Clock::now();
     engine_.device_.SynchronizeStream(Stream::kHostToDevice).IgnoreError();
     engine_.device_.SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
+    engine_.m_.stall_of(TrainerWait::kStep)
+        .Increment(std::chrono::duration<double>(Clock::now() - start).count());
   }
   // Counted like every coroutine, so that an engine destroyed right after Step() finishes the
   // step first.
@@ -363,7 +366,9 @@ Awaitable<void> StepPipeline::Commit() {
   // one wait covers them, and that use, before stale device copies are dropped. A delayed step
   // holds its own back instead (below); those held back before went up by Step() at the latest.
   const bool delay = hyper_.delayed && !skipped;
-  status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
+  // (Not for a delayed step, which uploads nothing here: the next forward may be running, and
+  // its releases must not hold the commit back.)
+  if (!delay) status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
   for (size_t i = 0; i < chunks.size() && status.ok() && !delay; ++i) {
     Chunk& c = chunks[i];
     if (c.placement.params != Tier::kDevice || c.micro_steps == 0) continue;

@@ -43,6 +43,12 @@
 // accessors) and take `mutex_`; everything else runs on the loop thread. `mutex_` guards the
 // phases' writes, the micro-step counts, the hyper-parameter snapshot, the loss scaler and
 // whether a step is running. The loop-only state (StepState, preloads) needs no lock.
+//
+// Delayed parameter update (optimizer.delayed_update): a delayed step's commit swaps its new
+// parameters into Chunk::delayed_params instead of uploading them; Release (after the chunk's
+// last GradsReady of the next step), Step() and FlushDelayedParameters send them, under
+// `mutex_` (which Release and Acquire then take too). While a delayed step runs, Acquire is
+// allowed and the next GradsReady waits on `step_done_` until Step()'s future is ready.
 #pragma once
 
 #include <atomic>
@@ -89,6 +95,11 @@ class StepPipeline {
   /// After each Release: once the chunk has had this step's last GradsReady, the trainer is done
   /// with its device parameters, and the parameters a delayed step held back go up.
   void Released(size_t chunk);
+  /// Between steps, before Save or a state write: every chunk's parameters a delayed step held
+  /// back go to the device now, and are there when it returns. Checkpoints hold masters, so
+  /// this makes the run that saved and a run resumed from it continue alike, and a write (which
+  /// rewrites its chunk's device parameters from the master) leave no chunk behind the others.
+  Status FlushDelayedParameters();
   /// FailedPrecondition unless between steps: no step running and no gradients held.
   Status CheckBetweenSteps(const std::string& operation) const;
 

@@ -128,10 +128,16 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     nvme -= std::min(read_ahead, before_update);
     p.update_seconds = std::max({d2h, cpu, h2d, nvme});
   }
-  p.step_seconds = p.forward_seconds +
-                   (waits ? p.backward_seconds + p.update_seconds
-                          : std::max(p.backward_seconds, p.update_seconds)) +
-                   p.commit_seconds;
+  if (in.delayed_update && offload_optimizer) {
+    // The update has a whole step to run in: from its gradients to the next step's.
+    p.step_seconds =
+        std::max(p.forward_seconds + p.backward_seconds, p.update_seconds) + p.commit_seconds;
+  } else {
+    p.step_seconds = p.forward_seconds +
+                     (waits ? p.backward_seconds + p.update_seconds
+                            : std::max(p.backward_seconds, p.update_seconds)) +
+                     p.commit_seconds;
+  }
   double most = 0.0;
   for (const ResourceSeconds& r : p.resources) {
     if (r.seconds > most) {

@@ -413,6 +413,20 @@ void StepPipeline::Released(size_t chunk) {
   UploadDelayedLocked(chunk).IgnoreError();
 }
 
+Status StepPipeline::FlushDelayedParameters() {
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+      STRATA_RETURN_IF_ERROR(UploadDelayedLocked(i));
+      if (engine_.chunks_[i].params_delayed) {
+        return FailedPrecondition("chunk " + std::to_string(i) +
+                                  " is acquired; Release every chunk first");
+      }
+    }
+  }
+  return engine_.device_.SynchronizeStream(Stream::kHostToDevice);
+}
+
 void StepPipeline::StartPreloads() {
   if (!engine_.state_staging_) return;
   // Leave one staging buffer for a chunk that arrives out of the expected order, counting the

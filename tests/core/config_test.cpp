@@ -350,10 +350,14 @@ EngineOptions NonDefaultOptions() {
                  .weight_decay = 0.1,
                  .bias_correction = false,
                  .gradient_clipping = 1.0,
+                 .speculative_updates = false,
+                 .delayed_update = true,
+                 .delayed_update_from_step = 7,
                  .gradient_accumulation_steps = 8,
                  .cpu_threads = 12};
+  // A fixed scale: fp16's dynamic one and a delayed update do not go together.
   o.precision = {.working_dtype = DType::kFp16,
-                 .loss_scale = 0,
+                 .loss_scale = 4096,
                  .initial_scale_power = 20,
                  .loss_scale_window = 500,
                  .hysteresis = 4,

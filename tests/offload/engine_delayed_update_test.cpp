@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <future>
 #include <optional>
 
@@ -124,6 +125,41 @@ TEST(DelayedUpdateTest, TrajectoryIsTheDelayedReferenceBitForBit) {
   }
 }
 
+TEST(DelayedUpdateTest, AccumulationAndChunksThatSitStepsOutKeepTheDelay) {
+  // Two micro-steps per step, and chunk 2 without gradients every other step: what it held back
+  // goes up when Step() is called, its update waits for a step that has its gradients.
+  const TinyModel model(kLayers, kWidth, kBatch);
+  for (const Placement& placement : kDelayable) {
+    SCOPED_TRACE(placement.name);
+    ScratchDir nvme;
+    EngineOptions options = DelayedOptions(placement, nvme.path(), {"fp32"});
+    options.optimizer.gradient_accumulation_steps = 2;
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model, /*gradient_accumulation_steps=*/2);
+    ReferenceTrainer reference(model, options);
+    std::optional<std::future<Result<StepReport>>> running;
+    for (int step = 0; step < kSteps; ++step) {
+      std::vector<bool> unused_chunks(kLayers, false);
+      std::vector<bool> unused_params(model.parameter_count(), false);
+      if (step % 2 == 1) unused_chunks[2] = unused_params[4] = unused_params[5] = true;
+      trainer.SetUnusedChunks(unused_chunks);
+      double loss = 0.0;
+      ASSERT_TRUE(trainer.ForwardBackward(step, &loss).ok()) << "step " << step;
+      if (running) {
+        ASSERT_TRUE(running->get().ok());
+      }
+      running = engine->Step();
+      EXPECT_EQ(loss, reference.TrainStep(step, /*skip=*/false, unused_params)) << "step " << step;
+    }
+    ASSERT_TRUE(running->get().ok());
+    const auto master = EngineTrainer(*engine, model).MasterParameters();
+    EXPECT_TRUE(BitEqual(master, reference.master()))
+        << "max |diff| " << MaxAbsDiff(master, reference.master());
+  }
+}
+
 TEST(DelayedUpdateTest, TheNextForwardRunsWhileTheStepUpdates) {
   // A slow optimizer thread count would do; instead the step is observed from the trainer: the
   // next step's Acquire succeeds while Step()'s future is still pending, and its GradsReady
@@ -162,6 +198,58 @@ TEST(DelayedUpdateTest, TheNextForwardRunsWhileTheStepUpdates) {
   ASSERT_TRUE(report.ok()) << report.status().ToString();
   EXPECT_EQ(report->step, kDelayFrom + 1);
   ASSERT_TRUE(engine->Step().get().ok());
+}
+
+// Saving, or writing a state, between steps sends what a delayed step held back to the device
+// first, for every chunk: a run resumed from the checkpoint continues exactly as the run that
+// saved it, and no forward sees some chunks one update newer than the others.
+TEST(DelayedUpdateTest, SaveAndWritesBringEveryChunkUpToDateAlike) {
+  const TinyModel model(kLayers, kWidth, kBatch);
+  ScratchDir nvme, checkpoint;
+  const EngineOptions options = DelayedOptions({"states_nvme", Tier::kNvme, Tier::kDevice},
+                                               nvme.path(), {"fp32"});
+  constexpr int kBefore = 5, kAfter = 3;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<std::vector<float>> master;
+  };
+  // `between` runs after step kBefore - 1 (a delayed one) completes.
+  auto train = [&](const std::function<void(std::unique_ptr<Engine>&, Device&)>& between) {
+    Run run;
+    auto device = MakeDevice(64 << 20);
+    auto engine = MakeEngine(options, *device, model);
+    EXPECT_NE(engine, nullptr);
+    if (!engine) return run;
+    for (int step = 0; step < kBefore + kAfter; ++step) {
+      if (step == kBefore) between(engine, *device);
+      EngineTrainer trainer(*engine, model);
+      double loss = 0.0;
+      EXPECT_TRUE(trainer.TrainStep(step, &loss).ok()) << "step " << step;
+      run.losses.push_back(loss);
+    }
+    run.master = EngineTrainer(*engine, model).MasterParameters();
+    return run;
+  };
+  const Run saved = train([&](std::unique_ptr<Engine>& engine, Device&) {
+    ASSERT_TRUE(engine->Save(checkpoint.path()).ok());
+  });
+  const Run resumed = train([&](std::unique_ptr<Engine>& engine, Device& device) {
+    auto fresh = MakeEngine(options, device, model);
+    ASSERT_NE(fresh, nullptr);
+    engine.reset();
+    ASSERT_TRUE(fresh->Load(checkpoint.path()).ok());
+    engine = std::move(fresh);
+  });
+  EXPECT_EQ(saved.losses, resumed.losses);
+  EXPECT_TRUE(BitEqual(saved.master, resumed.master));
+  // Writing back one parameter's moment unchanged acts on the parameters as Save does.
+  const Run written = train([&](std::unique_ptr<Engine>& engine, Device&) {
+    std::vector<float> moment(engine->layout().location(0).numel);
+    ASSERT_TRUE(engine->ReadParameterState(0, ParameterState::kExpAvg, moment).ok());
+    ASSERT_TRUE(engine->WriteParameterState(0, ParameterState::kExpAvg, moment).ok());
+  });
+  EXPECT_EQ(written.losses, saved.losses);
+  EXPECT_TRUE(BitEqual(written.master, saved.master));
 }
 
 TEST(DelayedUpdateTest, IsRefusedWhereParametersCannotBeHeldBack) {

@@ -84,6 +84,20 @@ TEST(StepPlanTest, EachPlacementCostsForwardPlusTheLongerOfBackwardAndTheUpdate)
   EXPECT_TRUE(all.unknown.empty());
 }
 
+TEST(StepPlanTest, ADelayedUpdateHasTheWholeStepToRunIn) {
+  // CPU Adam at 0.4e9 params/s: 2.5 s, longer than backward (2 s), shorter than compute (3 s).
+  MachineRates slow_cpu = kRates;
+  slow_cpu.optimizer_params_per_second = 0.4e9;
+  EXPECT_DOUBLE_EQ(Plan(kModel, slow_cpu).Of("ZeRO-2, optimizer -> host").step_seconds, 1 + 2.5);
+  PlanInput delayed = kModel;
+  delayed.delayed_update = true;
+  EXPECT_DOUBLE_EQ(Plan(delayed, slow_cpu).Of("ZeRO-2, optimizer -> host").step_seconds, 3.0);
+  // Longer than compute, it bounds the step; nothing offloaded, nothing changes.
+  slow_cpu.optimizer_params_per_second = 0.25e9;
+  EXPECT_DOUBLE_EQ(Plan(delayed, slow_cpu).Of("ZeRO-2, optimizer -> host").step_seconds, 4.0);
+  EXPECT_DOUBLE_EQ(Plan(delayed, slow_cpu).Of("data parallel").step_seconds, 3.0);
+}
+
 TEST(StepPlanTest, StateReadsAheadOfBackwardAreBoundedByTheStagingTheHostHolds) {
   // 12 GB of states in 64 MiB bf16 chunks: 30 chunks of 384 MiB. A 10 GB host leaves the engine
   // 8 GB less 2 GB of gradients; a quarter of that, 1.5 GB, is fewer than the 4 buffers it always

@@ -31,6 +31,9 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
     std::printf("(up to %s of the states in host memory instead)\n\n",
                 FormatBytes(o.max_states_in_host).c_str());
   }
+  if (o.delayed_update) {
+    std::printf("delayed parameter update: each step's update runs beside the next step\n\n");
+  }
   if (o.gradient_clipping > 0) {
     std::printf("gradient clipping at %g, %s; speculative updates %s\n\n", o.gradient_clipping,
                 o.clip_triggered
@@ -79,6 +82,7 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["gradient_clipping"] = o.gradient_clipping;
   j["clip_triggered"] = o.clip_triggered;
   j["speculative_updates"] = o.speculative_updates;
+  j["delayed_update"] = o.delayed_update;
   nlohmann::ordered_json resources = nlohmann::ordered_json::object();
   for (const auto& resource : r.resources) {
     resources[resource.name] = {{"seconds", resource.seconds}, {"bytes", resource.bytes}};
@@ -119,6 +123,9 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   flags.AddDouble("gradient-clipping", &o.gradient_clipping,
                   "clip to this global gradient norm (default 0 = off); the synthetic "
                   "gradients are zero, so no step clips unless --clip-triggered");
+  flags.AddBool("delayed-update", &o.delayed_update,
+                "delayed parameter update from the first step: each step's update runs beside "
+                "the next step's forward and backward");
   flags.AddBool("clip-triggered", &o.clip_triggered,
                 "the last chunk backward reaches gets gradients of twice the "
                 "--gradient-clipping norm (default 1.0): every step clips once they land and "

@@ -34,7 +34,7 @@ struct MachineFlags {
   double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, optimizer_gparams = 0,
          link_gbps = 0, compute_seconds = 0, tokens = 0, tflops = 0;
   double gradient_clipping = 0;
-  bool measure = false, no_speculation = false;
+  bool measure = false, no_speculation = false, delayed_update = false;
   std::string nvme_path;
 
   /// Whether any flag asks for step times and a placement choice.
@@ -330,6 +330,9 @@ int RunPlan(const std::vector<std::string>& args) {
   flags.AddDouble("gradient-clipping", &machine.gradient_clipping,
                   "max global gradient norm, as DeepSpeed's gradient_clipping (0 = none): "
                   "updates need the global norm, as with fp16's overflow check");
+  flags.AddBool("delayed-update", &machine.delayed_update,
+                "predict with the delayed parameter update (optimizer.delayed_update): each "
+                "step's update runs beside the next step's forward and backward");
   flags.AddBool("no-speculation", &machine.no_speculation,
                 "with clipping or fp16, predict updates that wait for backward to end "
                 "(optimizer.speculative_updates false)");
@@ -355,6 +358,7 @@ int RunPlan(const std::vector<std::string>& args) {
   input.optimizer = *type;
   input.gradient_clipping = machine.gradient_clipping;
   input.speculative_updates = !machine.no_speculation;
+  input.delayed_update = machine.delayed_update;
   if (machine.chunk_size > 0) input.chunk_bytes = machine.chunk_size;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);

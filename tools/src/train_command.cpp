@@ -45,8 +45,9 @@ struct TrainFlags {
   int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
           checkpoint_every = 0, metrics_port = -1, eval_every = 50;
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
+  int64_t delayed_update_from = -1;
   double lr = std::numeric_limits<double>::quiet_NaN();
-  bool json = false;
+  bool json = false, delayed_update = false;
 };
 
 /// A scratch directory for NVMe swap, removed when the command ends.
@@ -120,6 +121,13 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   if (f.host_memory > 0) o.host.pinned_memory_bytes = f.host_memory;
   if (f.max_states_in_host > 0) o.placement.max_states_in_host = f.max_states_in_host;
   if (f.chunk_size > 0) o.placement.chunk_bytes = f.chunk_size;
+  if (f.delayed_update) o.optimizer.delayed_update = true;
+  if (f.delayed_update_from >= 0) {
+    if (!o.optimizer.delayed_update) {
+      return InvalidArgument("--delayed-update-from is a setting of --delayed-update");
+    }
+    o.optimizer.delayed_update_from_step = int(std::min<int64_t>(f.delayed_update_from, 1 << 30));
+  }
   if (!f.nvme_path.empty()) o.nvme.paths = {f.nvme_path};
   const bool uses_nvme =
       o.placement.optimizer_states == Tier::kNvme || o.placement.params == Tier::kNvme;
@@ -229,6 +237,8 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                     {"weight_decay", o.optimizer.weight_decay},
                     {"gradient_clipping", o.optimizer.gradient_clipping},
                     {"gradient_accumulation_steps", o.optimizer.gradient_accumulation_steps},
+                    {"delayed_update", o.optimizer.delayed_update},
+                    {"delayed_update_from_step", o.optimizer.delayed_update_from_step},
                     {"micro_batch", settings.batch},
                     {"seq", settings.seq}};
   ordered_json steps = ordered_json::array();
@@ -465,11 +475,9 @@ int Train(const TrainFlags& f) {
   }
   // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
   // whose every step overflows (a fixed loss scale far too high) still ends.
-  while (engine.iteration_count() < f.steps) {
-    auto record = (*trainer)->TrainStep();
-    if (!record.ok()) return Fail(kExitFailure, record.status().message());
-    summary.records.push_back(*record);
-    const TrainStepRecord& r = *record;
+  // `idle`: no step is running, so a checkpoint or an evaluation may follow.
+  auto report = [&](const TrainStepRecord& r, bool last, bool idle) -> Status {
+    summary.records.push_back(r);
     gauges.step->Set(double(r.step));
     gauges.loss->Set(r.loss);
     gauges.tokens_per_second->Set(r.tokens_per_second);
@@ -484,18 +492,43 @@ int Train(const TrainFlags& f) {
                   FormatBytes(r.counters.nvme_write_bytes).c_str());
       std::fflush(stdout);
     }
-    const bool last = engine.iteration_count() >= f.steps;
+    if (!idle) return Status();
     if (!f.checkpoint.empty() &&
         (last || (f.checkpoint_every > 0 && r.step % f.checkpoint_every == 0 && !r.skipped))) {
       if (Status s = engine.Save(f.checkpoint); !s.ok()) {
-        return Fail(kExitFailure, "saving the checkpoint: " + s.message());
+        return s.WithContext("saving the checkpoint");
       }
     }
     if (!f.json && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
-      auto loss = (*trainer)->Evaluate();
-      if (!loss.ok()) return Fail(kExitFailure, loss.status().message());
-      gauges.validation_loss->Set(*loss);
-      std::printf("           validation loss %.4f\n", *loss);
+      STRATA_ASSIGN_OR_RETURN(double loss, (*trainer)->Evaluate());
+      gauges.validation_loss->Set(loss);
+      std::printf("           validation loss %.4f\n", loss);
+    }
+    return Status();
+  };
+  // With delayed updates each step is left updating while the next one's forward and backward
+  // run, except a step that a checkpoint or an evaluation follows: those need it complete.
+  const bool overlap = options->optimizer.delayed_update;
+  int64_t iteration = engine.iteration_count();
+  while (iteration < f.steps) {
+    const int64_t number = ++iteration;
+    const bool last = number >= f.steps;
+    const bool pause = last || (!f.checkpoint.empty() && f.checkpoint_every > 0 &&
+                                number % f.checkpoint_every == 0) ||
+                       (!f.json && f.eval_every > 0 && number % f.eval_every == 0);
+    auto before = (*trainer)->StartStep();
+    if (!before.ok()) return Fail(kExitFailure, before.status().message());
+    if (*before) {
+      // The step before, completed beside this one: no checkpoint or evaluation falls on it.
+      if (Status s = report(**before, /*last=*/false, /*idle=*/false); !s.ok()) {
+        return Fail(kExitFailure, s.message());
+      }
+    }
+    if (overlap && !pause) continue;
+    auto record = (*trainer)->FinishStep();
+    if (!record.ok()) return Fail(kExitFailure, record.status().message());
+    if (Status s = report(*record, last, /*idle=*/true); !s.ok()) {
+      return Fail(kExitFailure, s.message());
     }
   }
   auto validation = (*trainer)->Evaluate();
@@ -559,6 +592,12 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
   flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
   flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");
+  flags.AddBool("delayed-update", &f.delayed_update,
+                "delayed parameter update (ZeRO-Offload's DPU): each step's CPU update runs "
+                "beside the next step's forward and backward, which use parameters one update "
+                "old (needs --offload-params device)");
+  flags.AddInt("delayed-update-from", &f.delayed_update_from,
+               "the first step whose update is delayed (default 40)");
   if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
   if (flags.help_requested()) {
     std::cout << flags.Help();

@@ -8,9 +8,12 @@
 // a checkpoint sees exactly the batches an uninterrupted run would.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,6 +80,13 @@ class ByteLmTrainer {
 
   /// Runs one optimizer step (all its micro-batches) and returns what happened.
   Result<TrainStepRecord> TrainStep();
+  /// The overlapped form, for optimizer.delayed_update: runs a step's micro-batches and leaves
+  /// its update running (FinishStep waits for it). A step still running from the last call
+  /// updates beside this one's forward and backward; it is completed here and returned.
+  Result<std::optional<TrainStepRecord>> StartStep();
+  /// Waits for the step StartStep left running and returns what happened; FailedPrecondition
+  /// when none is.
+  Result<TrainStepRecord> FinishStep();
   /// Mean loss over `eval_batches` fixed validation windows, with the current parameters.
   Result<double> Evaluate();
 
@@ -100,6 +110,19 @@ class ByteLmTrainer {
   std::vector<int> chunk_first_layer_, chunk_last_layer_;
   std::vector<std::vector<float>> scratch_params_, scratch_grads_;  // fp32, per parameter.
   int micro_steps_ = 1;                                             // gradient_accumulation_steps
+  // The step StartStep left updating: its record so far, and the engine's report to come.
+  struct Running {
+    TrainStepRecord record;
+    int64_t iteration = 0;  // The engine's iteration count once it completes.
+    std::future<Result<offload::StepReport>> report;
+    std::chrono::steady_clock::time_point start;
+    offload::EngineCounters before;
+  };
+  std::optional<Running> running_;
+  std::chrono::steady_clock::time_point completed_at_;  // When Complete last completed one,
+  offload::EngineCounters completed_counters_;          // and the engine's counters then.
+  /// Completes `running_`'s record with its report and clears it.
+  Result<TrainStepRecord> Complete();
 };
 
 }  // namespace strata::examples

@@ -41,6 +41,9 @@ struct PlanInput {
   /// OptimizerOptions::speculative_updates: gated steps update during backward, as if nothing
   /// clips or overflows, and redo the rare step that does; false: they wait for backward.
   bool speculative_updates = true;
+  /// OptimizerOptions::delayed_update: each step's update runs beside the next step's forward
+  /// and backward, so it competes with the whole of compute, not only backward (step_plan.h).
+  bool delayed_update = false;
   /// Working bytes per chunk (placement.chunk_bytes): how many chunks the states on NVMe make,
   /// and so how far the engine's staging buffers read them ahead of backward (step_plan.h).
   uint64_t chunk_bytes = EngineOptions().placement.chunk_bytes;

@@ -54,6 +54,9 @@ struct PipelineBenchmarkOptions {
   bool clip_triggered = false;
   /// OptimizerOptions::speculative_updates: false makes gated steps wait for the norm.
   bool speculative_updates = true;
+  /// OptimizerOptions::delayed_update from the first step: each step's update runs beside the
+  /// next step's forward and backward (the step time is then one step's share of the overlap).
+  bool delayed_update = false;
   /// CPU optimizer threads, 0 = all.
   int threads = 0;
   int warmup_steps = 2;

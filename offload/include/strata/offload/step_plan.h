@@ -27,6 +27,9 @@
 //   step that clips redoes them after backward. It assumes the host budget has room for the
 //   second buffers (the engine takes them from what is left; chunks without one wait). Without
 //   speculation no update starts before backward ends: update follows backward.
+// - a delayed parameter update (OptimizerOptions::delayed_update) runs each step's update beside
+//   the next step's forward and backward, which use parameters one update old: the update then
+//   has the whole step, step = max(forward + backward, update) + commit.
 // - commit: flipping NVMe shadow extents and bookkeeping, no transfer: the new working
 //   parameters of device-home chunks go up in the pipeline, each as its update completes (a
 //   failed step that leaves some new is finished by its retry, which does not redo them).
