@@ -183,12 +183,10 @@ std::future<Result<StepReport>> StepPipeline::Step() {
   }
   if (delayed) {
     // The trainer's next forward runs beside this step: it must find the device's parameters
-    // complete, and its backward writes the gradient buffers this step's copies read. Both
-    // streams finish what they have first (the journeys then read only host memory); a failure
-    // shows again in the commit's own wait. The trainer waits here: a stall.
+    // complete (a failure shows again in the commit's own wait). The trainer waits here: a
+    // stall. (Gradient buffers need nothing: Acquire waits for a chunk's gradient copy.)
     const auto start = Clock::now();
     engine_.device_.SynchronizeStream(Stream::kHostToDevice).IgnoreError();
-    engine_.device_.SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
     engine_.m_.stall_of(TrainerWait::kStep)
         .Increment(std::chrono::duration<double>(Clock::now() - start).count());
   }
@@ -387,7 +385,7 @@ Awaitable<void> StepPipeline::Commit() {
     co_return;
   }
   if (delay) {
-    // Held back until the next step is done with the chunk (Released, or the next commit).
+    // Held back until the next step is done with the chunk (Released, or the next Step()).
     std::lock_guard lock(mutex_);
     for (Chunk& c : chunks) {
       if (c.micro_steps == 0) continue;
