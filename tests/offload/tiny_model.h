@@ -188,6 +188,12 @@ class EngineTrainer {
   }
   /// Chunks whose gradients backward does not produce (an unused expert): no GradsReady.
   void SetUnusedChunks(std::vector<bool> unused) { unused_ = std::move(unused); }
+  /// Backward waits `delay` on the trainer thread before `chunk`'s GradsReady (0: none), so
+  /// that the updates of the chunks before it have started (speculation) when it lands.
+  void SetLateChunk(size_t chunk, std::chrono::milliseconds delay) {
+    late_chunk_ = chunk;
+    late_delay_ = delay;
+  }
 
   /// One optimizer step on micro-batches [step * gas, (step + 1) * gas). `poison` sets the
   /// first gradient element to infinity (an fp16 overflow). Returns the mean micro-step loss.
@@ -236,6 +242,7 @@ class EngineTrainer {
           write_grads();
         }
         const TrainerStream on{stream_ != nullptr ? stream_->native() : nullptr};
+        if (c == late_chunk_ && late_delay_.count() > 0) std::this_thread::sleep_for(late_delay_);
         STRATA_RETURN_IF_ERROR(engine_.GradsReady(c, on));
         engine_.Release(c, on);
       }
@@ -268,6 +275,8 @@ class EngineTrainer {
   HostStream* stream_ = nullptr;
   std::chrono::milliseconds delay_{0};
   std::vector<bool> unused_;
+  size_t late_chunk_ = 0;
+  std::chrono::milliseconds late_delay_{0};
 };
 
 /// The same training with a plain in-memory AdamW (the cpu_adam kernel per parameter).
