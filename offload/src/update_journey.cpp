@@ -395,7 +395,7 @@ Status StepPipeline::UploadDelayedLocked(size_t chunk) {
   if (!c.params_delayed) return Status();
   STRATA_ASSIGN_OR_RETURN(const bool released,
                           e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
-  if (!released) return Status();  // Its Release, or the next commit, sends them.
+  if (!released) return Status();  // Its Release, or the next Step(), sends them.
   const size_t wbytes = c.working_bytes(e.working_size());
   STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
   e.m_.h2d_bytes->Increment(double(wbytes));
@@ -407,8 +407,8 @@ void StepPipeline::Released(size_t chunk) {
   std::lock_guard lock(mutex_);
   const Chunk& c = engine_.chunks_[chunk];
   // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
-  // still use the parameters. A failure leaves them held back: the commit tries again and
-  // reports it.
+  // still use the parameters. A failure leaves them held back: the next Step() tries again
+  // and reports it.
   if (!c.params_delayed || c.micro_steps != gas_ || step_running_) return;
   UploadDelayedLocked(chunk).IgnoreError();
 }
