@@ -63,6 +63,10 @@ struct Chunk {
   // they were for a verdict that clips or overflows; the commit swaps the two. Allocated where
   // the host budget has room; a chunk without one waits for the verdict.
   AlignedBuffer host_state_shadow;
+  // NVMe-kept states, gated steps: the working parameters before a speculative update (the
+  // master it read, rounded), which a roll-back puts back on the device without reading the
+  // states again. Allocated where the host budget has room left.
+  AlignedBuffer params_before;
 
   // Device-home optimizer states (and their fp32 gradient sum for accumulation).
   DeviceBuffer device_states;
@@ -90,8 +94,8 @@ struct Chunk {
   // clears it between steps, when no other thread looks).
   bool params_delayed = false;
   // The device holds the parameters of a speculative update that was rolled back, and putting
-  // back param_copy (the restored master, rounded) failed: the commit of a skipped step uploads
-  // it, any upload of the chunk clears it (loop thread).
+  // back the current master, rounded, failed: the commit of a skipped step restores them again,
+  // any upload of the chunk clears it (loop thread).
   bool restore_params = false;
   // A device-kept chunk whose update is the commit's to make (loop thread).
   bool update_at_commit = false;

@@ -373,6 +373,25 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
 
 void Engine::Impl::AllocateStateShadows() {
   if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
+  // NVMe-kept chunks need no second states (their update goes to shadow extents), but their
+  // speculative parameters go up early: the ones before, kept here, put back a roll-back without
+  // reading the states from NVMe again (a chunk without room reads them). Not with delayed
+  // updates, whose parameters never go up early.
+  for (size_t i = chunks_.size(); i-- > 0 && !options_.optimizer.delayed_update;) {
+    Chunk& c = chunks_[i];
+    if (c.frozen() || c.placement.optimizer_states != Tier::kNvme ||
+        c.placement.params != Tier::kDevice) {
+      continue;
+    }
+    const size_t wbytes = c.working_bytes(working_size());
+    const uint64_t size = AlignUp(wbytes, kHostAlignment);
+    if (!host_budget_.TryReserve(size)) break;
+    BudgetReservation reserved(&host_budget_, size);
+    Result<AlignedBuffer> copy = AlignedBuffer::Allocate(wbytes);
+    if (!copy.ok()) break;
+    static_reservations_.push_back(std::move(reserved));
+    c.params_before = std::move(*copy);
+  }
   size_t wanted = 0, given = 0;
   uint64_t bytes = 0, missing = 0;
   // Backward order: the chunks whose gradients land first have the most backward left to

@@ -370,8 +370,12 @@ Awaitable<void> StepPipeline::Commit() {
   for (size_t i = 0; i < chunks.size() && status.ok() && !delay; ++i) {
     Chunk& c = chunks[i];
     if (c.placement.params != Tier::kDevice || c.micro_steps == 0) continue;
-    // A skipped step uploads only what a rolled-back speculation failed to put back.
-    if (skipped ? !c.restore_params : c.params_uploaded) continue;
+    if (skipped) {
+      // A skipped step puts back only what a rolled-back speculation failed to restore.
+      if (c.restore_params) status = co_await RestoreParameters(i);
+      continue;
+    }
+    if (c.params_uploaded) continue;
     const size_t wbytes = c.working_bytes(e.working_size());
     status = e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
     if (status.ok()) e.m_.h2d_bytes->Increment(double(wbytes));

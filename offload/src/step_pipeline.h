@@ -27,7 +27,7 @@
 // buffer, which the optimizer writes out of place) does not wait for the gate. It is updated at
 // once with the scale of a step that neither clips nor overflows, which is the gated path's own
 // scale whenever the verdict agrees, so the results are the same bit for bit, and its new
-// parameters go to the device early where the step allows it (host-kept states without NVMe). When
+// parameters go to the device early (a roll-back puts back the current master, rounded). When
 // the verdict clips or overflows, the journey drops the shadows (the current states never changed),
 // moves the chunk back to kArrived and updates it again with the verdict's scale, or, for an
 // overflow, puts back the parameters the device held. The step commits only once every speculation
@@ -189,9 +189,9 @@ class StepPipeline {
   /// stage failed), which decides the phase a failure leaves it in. A speculative update writes
   /// host-kept states into their shadow buffer, so it never leaves the chunk stepped.
   Awaitable<Status> UpdateOnHost(size_t chunk, bool republish, bool speculative, bool& stepped);
-  /// Rounds a host-kept chunk's restored master to its working parameters and uploads them: what
-  /// the device held before a speculative upload the verdict rolled back. Sets restore_params
-  /// when the upload fails.
+  /// Rounds a chunk's current master (host-kept, or read back from its current NVMe extent) to
+  /// its working parameters and uploads them: what the device held before a speculative upload
+  /// the verdict rolled back. Sets restore_params when that fails.
   Awaitable<Status> RestoreParameters(size_t chunk);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
   Status UploadEarly(size_t chunk);

@@ -164,11 +164,10 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     step_.rolled_back = true;
     e.m_.rolled_back_updates->Increment(1.0);
     if (c.params_uploaded) {
-      // The device has the speculative parameters (host-kept states go up early). Put back what
-      // the restored master rounds to, which is what it held before, so that however this
-      // attempt ends the device never keeps an update the verdict rolled back; a redo uploads
-      // its own after. If that upload fails, the commit of a skipped step (or the redo) makes
-      // it.
+      // The device has the speculative parameters (they go up early). Put back what the
+      // current master rounds to, which is what it held before, so that however this attempt
+      // ends the device never keeps an update the verdict rolled back; a redo uploads its own
+      // after. If that upload fails, the commit of a skipped step (or the redo) makes it.
       if (Status restored = co_await RestoreParameters(chunk); !restored.ok()) {
         KeepFirstError(
             restored.WithContext("restoring the parameters of chunk " + std::to_string(chunk)));
@@ -183,9 +182,33 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
   Chunk& c = e.chunks_[chunk];
   // The speculative upload has read param_copy once the stream is through it.
   Status status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
-  auto round = [&e, &c] {
-    Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel}, e.working_dtype(),
-                c.param_copy.data());
+  // The current master: in host memory, or (NVMe-kept states) rounded already in params_before
+  // or read back from the current extent.
+  const float* master = reinterpret_cast<const float*>(c.host_states.data());
+  AlignedBuffer states;
+  const bool rounded = c.placement.optimizer_states == Tier::kNvme && !c.params_before.empty();
+  if (c.placement.optimizer_states == Tier::kNvme && !rounded) {
+    Result<AlignedBuffer> allocated = AlignedBuffer::Allocate(c.state_bytes());
+    if (!allocated.ok()) {
+      c.restore_params = true;
+      co_return allocated.status();
+    }
+    states = std::move(*allocated);
+    const Status read = co_await nvme::AwaitSwapRead(
+        *e.swap_, c.state_extents[c.state_current], states.data(), /*registered=*/-1);
+    if (!read.ok()) {
+      c.restore_params = true;
+      co_return read;
+    }
+    e.m_.nvme_read_bytes->Increment(double(c.state_bytes()));
+    master = reinterpret_cast<const float*>(states.data());
+  }
+  auto round = [&e, &c, master, rounded] {
+    if (rounded) {
+      std::memcpy(c.param_copy.data(), c.params_before.data(), c.working_bytes(e.working_size()));
+    } else {
+      Fp32ToDType({master, c.numel}, e.working_dtype(), c.param_copy.data());
+    }
   };
   co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);  // What any later upload must send.
   c.params_uploaded = false;
@@ -287,6 +310,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
         // The states already hold this step: only the working parameters are made again.
         Fp32ToDType({states, c.numel}, e.working_dtype(), param_copy);
       } else {
+        if (speculative && nvme_states && !c.params_before.empty()) {
+          Fp32ToDType({states, c.numel}, e.working_dtype(), c.params_before.data());
+        }
         const auto start = Clock::now();
         s = RunOptimizer(chunk, states, states_out, grads, grad_dtype, param_copy, grad_scale);
         m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
@@ -331,10 +357,10 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   if (e.state_staging_) e.state_staging_->Release(state_buffer);
   if (nvme_states) StartPreloads();  // The buffer reads ahead for a chunk to come.
   if (e.param_staging_) e.param_staging_->Release(param_buffer);
-  // Speculative parameters of host-kept states go up early too (ResolveSpeculation puts back
-  // what the device held if the step is skipped); NVMe-kept ones wait for the verdict, since
-  // putting them back would mean reading the states again.
-  if (status.ok() && !(speculative && nvme_states)) status = UploadEarly(chunk);
+  // Speculative parameters go up early too: ResolveSpeculation puts back what the device held
+  // if the verdict rolls the update back (from the master in host memory, or read back from
+  // NVMe: rare, and cheaper than holding every NVMe chunk's upload back to the verdict).
+  if (status.ok()) status = UploadEarly(chunk);
   // A speculative update that failed leaves the current states as they were: the retry's
   // verdict may want another scale.
   if (!status.ok()) c.states_in_shadow = false;

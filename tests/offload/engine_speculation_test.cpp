@@ -209,6 +209,51 @@ TEST(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
   }
 }
 
+// NVMe-kept chunks keep the parameters from before a speculative update, to put back on an
+// overflow; without host budget for that they read the master back from NVMe instead. Both
+// give the gated path's bits.
+TEST(SpeculationFp16Test, AnOverflowPutsBackNvmeParametersWithOrWithoutRoomToKeepThem) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const Placement placement{"nvme", Tier::kNvme, Tier::kDevice};
+  EngineOptions options = MakeOptions(placement, nvme.path(), DType::kFp16);
+  options.precision.hysteresis = 1;
+  options.host.buffer_size = 4096;  // Checked against small budgets; unused (no NVMe params).
+  options.optimizer.speculative_updates = false;
+  const Trajectory gated = Train(options, placement.device_budget, model, /*poison_step=*/3);
+  // What the engine takes without them: a budget with no room left over.
+  auto device = MakeDevice(placement.device_budget);
+  auto measured = MakeEngine(options, *device, model);
+  ASSERT_NE(measured, nullptr);
+  const uint64_t used = measured->tier_usage(Tier::kHost).used_bytes;
+  // The two chunks updated ahead of chunk 0 (which backward reaches last).
+  const uint64_t ahead_states =
+      (measured->layout().chunk(1).numel + measured->layout().chunk(2).numel) * 12;
+  measured.reset();
+  options.optimizer.speculative_updates = true;
+  for (const uint64_t budget : {uint64_t(0), used}) {
+    SCOPED_TRACE(budget == 0 ? "room to keep them" : "no room");
+    options.host.pinned_memory_bytes = budget;
+    const Trajectory speculative =
+        Train(options, placement.device_budget, model, /*poison_step=*/3);
+    ExpectSameBits(gated, speculative, budget == 0 ? "kept" : "read back");
+    ASSERT_EQ(speculative.reports.size(), size_t(kSteps));
+    EXPECT_TRUE(speculative.reports[3].rolled_back);
+    EngineCounters poisoned = speculative.after_step[3];
+    poisoned -= speculative.after_step[2];
+    EXPECT_EQ(poisoned.rolled_back_updates, 2u);
+    // Reading back costs one read of each rolled-back chunk's states more (the read-ahead
+    // moves reads between steps alike in both runs; observed exact here).
+    EngineCounters steady = speculative.after_step[2];
+    steady -= speculative.after_step[1];
+    if (budget == 0) {
+      EXPECT_LT(poisoned.nvme_read_bytes, steady.nvme_read_bytes + ahead_states);
+    } else {
+      EXPECT_GE(poisoned.nvme_read_bytes, steady.nvme_read_bytes + ahead_states);
+    }
+  }
+}
+
 // The point of it: with clipping on, updates run before the verdict can be made. Chunk 0's
 // gradients are held back, so no global norm exists; the other chunks are updated anyway, and
 // only with speculation.
