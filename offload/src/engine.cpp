@@ -371,27 +371,42 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   return Status();
 }
 
-void Engine::Impl::AllocateStateShadows() {
-  if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
+void Engine::Impl::AllocateParamsBefore() {
   // NVMe-kept chunks need no second states (their update goes to shadow extents), but their
-  // speculative parameters go up early: the ones before, kept here, put back a roll-back without
-  // reading the states from NVMe again (a chunk without room reads them). Not with delayed
-  // updates, whose parameters never go up early.
-  for (size_t i = chunks_.size(); i-- > 0 && !options_.optimizer.delayed_update;) {
+  // speculative parameters can go up early if the ones before are kept here, to put back on a
+  // roll-back; a chunk without room holds its upload back to the verdict instead. After the
+  // host shadows, which decide whether host-kept chunks speculate at all.
+  size_t wanted = 0, given = 0;
+  uint64_t bytes = 0;
+  for (size_t i = chunks_.size(); i-- > 0;) {
     Chunk& c = chunks_[i];
     if (c.frozen() || c.placement.optimizer_states != Tier::kNvme ||
         c.placement.params != Tier::kDevice) {
       continue;
     }
+    ++wanted;
     const size_t wbytes = c.working_bytes(working_size());
     const uint64_t size = AlignUp(wbytes, kHostAlignment);
-    if (!host_budget_.TryReserve(size)) break;
+    if (!host_budget_.TryReserve(size)) continue;
     BudgetReservation reserved(&host_budget_, size);
     Result<AlignedBuffer> copy = AlignedBuffer::Allocate(wbytes);
-    if (!copy.ok()) break;
+    if (!copy.ok()) continue;
     static_reservations_.push_back(std::move(reserved));
     c.params_before = std::move(*copy);
+    ++given;
+    bytes += size;
   }
+  if (wanted == 0) return;
+  Log(LogLevel::kInfo,
+      "speculative updates: " + std::to_string(given) + " of " + std::to_string(wanted) +
+          " chunks with optimizer states on NVMe keep their parameters from before an update (" +
+          FormatBytes(bytes) + " of host memory) and upload the new ones as soon as they are made" +
+          (given < wanted ? "; the others upload theirs once the global gradient norm is known"
+                          : ""));
+}
+
+void Engine::Impl::AllocateStateShadows() {
+  if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
   size_t wanted = 0, given = 0;
   uint64_t bytes = 0, missing = 0;
   // Backward order: the chunks whose gradients land first have the most backward left to
@@ -415,6 +430,7 @@ void Engine::Impl::AllocateStateShadows() {
     ++given;
     bytes += size;
   }
+  AllocateParamsBefore();
   if (wanted == 0) return;
   std::string message = "speculative updates: " + std::to_string(given) + " of " +
                         std::to_string(wanted) +

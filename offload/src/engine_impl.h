@@ -105,6 +105,9 @@ class Engine::Impl {
   /// (their staging would cost more than they free). Says what it did; changes nothing when no
   /// spill fits.
   void SpillStatesToNvme();
+  /// Gated steps with speculative updates, after the host shadows: Chunk::params_before for
+  /// each NVMe-kept chunk with device parameters, where the host budget has room. Never fails.
+  void AllocateParamsBefore();
   /// Gated steps with speculative updates: a shadow buffer for each host-kept chunk's states,
   /// for as many chunks as the host budget has room left (the last chunks first), so their
   /// updates can run before the global norm is known. Never fails: chunks without one wait.

@@ -182,32 +182,14 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
   Chunk& c = e.chunks_[chunk];
   // The speculative upload has read param_copy once the stream is through it.
   Status status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
-  // The current master: in host memory, or (NVMe-kept states) rounded already in params_before
-  // or read back from the current extent.
-  const float* master = reinterpret_cast<const float*>(c.host_states.data());
-  AlignedBuffer states;
-  const bool rounded = c.placement.optimizer_states == Tier::kNvme && !c.params_before.empty();
-  if (c.placement.optimizer_states == Tier::kNvme && !rounded) {
-    Result<AlignedBuffer> allocated = AlignedBuffer::Allocate(c.state_bytes());
-    if (!allocated.ok()) {
-      c.restore_params = true;
-      co_return allocated.status();
-    }
-    states = std::move(*allocated);
-    const Status read = co_await nvme::AwaitSwapRead(
-        *e.swap_, c.state_extents[c.state_current], states.data(), /*registered=*/-1);
-    if (!read.ok()) {
-      c.restore_params = true;
-      co_return read;
-    }
-    e.m_.nvme_read_bytes->Increment(double(c.state_bytes()));
-    master = reinterpret_cast<const float*>(states.data());
-  }
-  auto round = [&e, &c, master, rounded] {
-    if (rounded) {
+  // The current master, rounded: from host memory, or kept in params_before by the update of
+  // NVMe-kept states (only those with it upload speculatively).
+  auto round = [&e, &c] {
+    if (c.placement.optimizer_states == Tier::kNvme) {
       std::memcpy(c.param_copy.data(), c.params_before.data(), c.working_bytes(e.working_size()));
     } else {
-      Fp32ToDType({master, c.numel}, e.working_dtype(), c.param_copy.data());
+      Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel},
+                  e.working_dtype(), c.param_copy.data());
     }
   };
   co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);  // What any later upload must send.
@@ -358,9 +340,11 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   if (nvme_states) StartPreloads();  // The buffer reads ahead for a chunk to come.
   if (e.param_staging_) e.param_staging_->Release(param_buffer);
   // Speculative parameters go up early too: ResolveSpeculation puts back what the device held
-  // if the verdict rolls the update back (from the master in host memory, or read back from
-  // NVMe: rare, and cheaper than holding every NVMe chunk's upload back to the verdict).
-  if (status.ok()) status = UploadEarly(chunk);
+  // if the verdict rolls the update back (the master in host memory, rounded, or the NVMe-kept
+  // chunk's params_before; one without waits for the verdict, as reading the states back would
+  // cost more than the wait).
+  const bool can_restore = !speculative || !nvme_states || !c.params_before.empty();
+  if (status.ok() && can_restore) status = UploadEarly(chunk);
   // A speculative update that failed leaves the current states as they were: the retry's
   // verdict may want another scale.
   if (!status.ok()) c.states_in_shadow = false;
