@@ -157,10 +157,6 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     // the host shadow buffer — and left the current ones as they were: dropping it is all it
     // takes.
     c.states_in_shadow = false;
-    {
-      std::lock_guard lock(mutex_);
-      c.MoveTo(ChunkPhase::kArrived);
-    }
     step_.rolled_back = true;
     e.m_.rolled_back_updates->Increment(1.0);
     if (c.params_uploaded) {
@@ -173,6 +169,10 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
             restored.WithContext("restoring the parameters of chunk " + std::to_string(chunk)));
       }
     }
+    // Only now open to a redo: one started meanwhile (Step()'s, for chunks in kArrived) would
+    // write param_copy under the put-back, which would then overwrite the redo's parameters.
+    std::lock_guard lock(mutex_);
+    c.MoveTo(ChunkPhase::kArrived);
   }
   --step_.speculations_open;
 }

@@ -249,6 +249,51 @@ TEST(SpeculationFp16Test, AnOverflowPutsBackNvmeParametersWithOrWithoutRoomToKee
   }
 }
 
+// A roll-back puts the device's parameters back before the chunk is open to a redo: Step(),
+// called while a put-back waits for slow copies, finds the chunk still updated and leaves the
+// redo to its journey (it once redid it at once, and the put-back then overwrote the redo's
+// parameters: the device kept the old ones while the master moved on).
+TEST(SpeculationTest, StepDuringARollBackLeavesTheRedoAfterThePutBack) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  for (const Placement& placement : {Placement{"host", Tier::kHost, Tier::kDevice},
+                                     Placement{"nvme", Tier::kNvme, Tier::kDevice}}) {
+    SCOPED_TRACE(placement.name);
+    EngineOptions options = MakeOptions(placement, nvme.path());
+    options.optimizer.gradient_clipping = 1e9;
+    const Trajectory unclipped = Train(options, placement.device_budget, model);
+    ASSERT_EQ(unclipped.reports.size(), size_t(kSteps));
+    // Every step clips once its last chunk lands, after the others updated ahead.
+    options.optimizer.gradient_clipping = 0.5 * unclipped.reports[0].grad_norm;
+    options.optimizer.speculative_updates = false;
+    const Trajectory gated = Train(options, placement.device_budget, model);
+    options.optimizer.speculative_updates = true;
+    // Uploads wait 40 ms each: the speculative one is still out when the verdict rolls the
+    // chunk back, so its put-back waits for it, and Step() comes meanwhile.
+    auto inner = MakeDevice(placement.device_budget);
+    WrappedDevice device(*inner);
+    device.DelayCopiesToDevice(40ms);
+    auto engine = MakeEngine(options, device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    Trajectory slow;
+    for (int step = 0; step < 4; ++step) {
+      double loss = 0.0;
+      ASSERT_TRUE(trainer.ForwardBackward(step, &loss).ok());
+      // The verdict comes once chunk 0's gradients land (at once); Step() comes after it,
+      // while the put-back waits behind the speculative upload.
+      std::this_thread::sleep_for(15ms);
+      Result<StepReport> report = engine->Step().get();
+      ASSERT_TRUE(report.ok()) << report.status().ToString();
+      slow.losses.push_back(loss);
+      slow.reports.push_back(*report);
+    }
+    EXPECT_GT(engine->counters().rolled_back_updates, 0u);
+    const std::vector<double> expected(gated.losses.begin(), gated.losses.begin() + 4);
+    EXPECT_EQ(slow.losses, expected);
+  }
+}
+
 // The point of it: with clipping on, updates run before the verdict can be made. Chunk 0's
 // gradients are held back, so no global norm exists; the other chunks are updated anyway, and
 // only with speculation.

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "strata/core/device.h"
 
@@ -29,6 +31,8 @@ class WrappedDevice final : public Device {
     copies_to_fail_ = times;
   }
   int failed_copies() const { return failed_copies_; }
+  /// From now on, each CopyToDevice waits `delay` on its stream before it copies (a slow link).
+  void DelayCopiesToDevice(std::chrono::milliseconds delay) { copy_delay_ = delay; }
   /// From now on, checks that every copy stays inside the device allocation it touches, by the
   /// size that was asked for (HostDevice rounds allocations up to pages, a GPU does not); a copy
   /// that leaves it fails and is counted.
@@ -55,6 +59,10 @@ class WrappedDevice final : public Device {
       --copies_to_fail_;
       ++failed_copies_;
       return IoError("wrapped device: injected failure of a host-to-device copy");
+    }
+    if (const std::chrono::milliseconds delay = copy_delay_.load(); delay.count() > 0) {
+      STRATA_RETURN_IF_ERROR(
+          inner_.LaunchHostFunction(stream, [delay] { std::this_thread::sleep_for(delay); }));
     }
     return inner_.CopyToDevice(dst, src, bytes, stream);
   }
@@ -112,6 +120,7 @@ class WrappedDevice final : public Device {
   std::atomic<int> copies_to_fail_{0};
   std::atomic<int> failed_copies_{0};
   std::atomic<bool> check_bounds_{false};
+  std::atomic<std::chrono::milliseconds> copy_delay_{std::chrono::milliseconds(0)};
   std::atomic<int> out_of_bounds_{0};
   std::mutex mutex_;
   std::map<uintptr_t, size_t> allocations_;  // Start -> bytes asked for, of every allocation.
