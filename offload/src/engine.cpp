@@ -371,6 +371,16 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   return Status();
 }
 
+std::optional<AlignedBuffer> Engine::Impl::AllocateWithinBudget(size_t bytes) {
+  const uint64_t size = AlignUp(bytes, kHostAlignment);
+  if (!host_budget_.TryReserve(size)) return std::nullopt;
+  BudgetReservation reserved(&host_budget_, size);
+  Result<AlignedBuffer> buffer = AlignedBuffer::Allocate(bytes);
+  if (!buffer.ok()) return std::nullopt;  // The reservation goes with it.
+  static_reservations_.push_back(std::move(reserved));
+  return std::move(*buffer);
+}
+
 void Engine::Impl::AllocateParamsBefore() {
   // NVMe-kept chunks need no second states (their update goes to shadow extents), but their
   // speculative parameters can go up early if the ones before are kept here, to put back on a
@@ -386,15 +396,11 @@ void Engine::Impl::AllocateParamsBefore() {
     }
     ++wanted;
     const size_t wbytes = c.working_bytes(working_size());
-    const uint64_t size = AlignUp(wbytes, kHostAlignment);
-    if (!host_budget_.TryReserve(size)) continue;
-    BudgetReservation reserved(&host_budget_, size);
-    Result<AlignedBuffer> copy = AlignedBuffer::Allocate(wbytes);
-    if (!copy.ok()) continue;
-    static_reservations_.push_back(std::move(reserved));
+    std::optional<AlignedBuffer> copy = AllocateWithinBudget(wbytes);
+    if (!copy) continue;
     c.params_before = std::move(*copy);
     ++given;
-    bytes += size;
+    bytes += AlignUp(wbytes, kHostAlignment);
   }
   if (wanted == 0) return;
   Log(LogLevel::kInfo,
@@ -416,16 +422,12 @@ void Engine::Impl::AllocateStateShadows() {
     if (c.frozen() || c.placement.optimizer_states != Tier::kHost) continue;
     ++wanted;
     const uint64_t size = AlignUp(c.state_bytes(), kHostAlignment);
-    BudgetReservation reserved;
-    if (host_budget_.TryReserve(size)) reserved = BudgetReservation(&host_budget_, size);
     // Not zeroed here: WriteMemoryHome fills it with the initial states, as host_states.
-    Result<AlignedBuffer> shadow = reserved.bytes() > 0 ? AlignedBuffer::Allocate(c.state_bytes())
-                                                        : ResourceExhausted("budget");
-    if (!shadow.ok()) {
+    std::optional<AlignedBuffer> shadow = AllocateWithinBudget(c.state_bytes());
+    if (!shadow) {
       missing += size;
       continue;
     }
-    static_reservations_.push_back(std::move(reserved));
     c.host_state_shadow = std::move(*shadow);
     ++given;
     bytes += size;

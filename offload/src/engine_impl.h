@@ -105,6 +105,9 @@ class Engine::Impl {
   /// (their staging would cost more than they free). Says what it did; changes nothing when no
   /// spill fits.
   void SpillStatesToNvme();
+  /// An optional buffer of `bytes` (not zeroed) for as long as the engine lives, where the host
+  /// budget has room left; nullopt otherwise (or when the allocation fails).
+  std::optional<AlignedBuffer> AllocateWithinBudget(size_t bytes);
   /// Gated steps with speculative updates, after the host shadows: Chunk::params_before for
   /// each NVMe-kept chunk with device parameters, where the host budget has room. Never fails.
   void AllocateParamsBefore();

@@ -17,7 +17,7 @@ uint64_t PhysicalMemoryBytes() {
 
 uint64_t HostBudgetBytes(const EngineOptions& options) {
   if (options.host.pinned_memory_bytes > 0) return options.host.pinned_memory_bytes;
-  return PhysicalMemoryBytes() / 10 * 8;
+  return PhysicalMemoryBytes() / 100 * kAutomaticHostBudgetPercent;
 }
 
 int MinStateBuffers(const HostOptions& host) {

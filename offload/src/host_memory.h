@@ -10,7 +10,12 @@
 
 namespace strata::offload {
 
-/// The host budget: host.pinned_memory_bytes, or 80% of physical memory when it is 0.
+/// The share of physical memory, in percent, the host budget is when host.pinned_memory_bytes
+/// is 0 (automatic).
+inline constexpr uint64_t kAutomaticHostBudgetPercent = 80;
+
+/// The host budget: host.pinned_memory_bytes, or kAutomaticHostBudgetPercent of physical memory
+/// when it is 0.
 uint64_t HostBudgetBytes(const EngineOptions& options);
 
 /// DeepSpeed's offload_optimizer.buffer_count default: the fewest state staging buffers the

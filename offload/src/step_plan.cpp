@@ -50,9 +50,9 @@ double StateReadAheadShare(const PlanInput& in, const PlanRow& row, const Machin
   if (!(row.nvme.optimizer_states > 0) || !(chunk_states > 0)) return 1.0;
   const double chunks = std::ceil(row.nvme.optimizer_states / chunk_states);
   const uint64_t buffer = AlignUp(ChunkStateBytes(size_t(chunk_params)), kHostAlignment);
-  // A rank's share of the engine's automatic budget (80% of the node's memory), after the
-  // host-kept state it holds.
-  const double budget = 0.8 * memory.host_bytes / in.gpus - row.host.total();
+  // A rank's share of the engine's automatic budget, after the host-kept state it holds.
+  const double budget =
+      double(kAutomaticHostBudgetPercent) / 100 * memory.host_bytes / in.gpus - row.host.total();
   const uint64_t free = memory.host_bytes > 0 ? uint64_t(std::max(0.0, budget)) : UINT64_MAX;
   const int buffers = StateBufferCount(HostOptions{}, size_t(chunks), buffer, free);
   return std::min(1.0, double(buffers - 1) / chunks);
