@@ -497,8 +497,10 @@ TEST(SpeculationTest, AFailedClippedStepLeavesNoRolledBackParametersOnTheDevice)
   for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
   const uint64_t ahead = engine->counters().speculative_updates;
   // Chunk 5's speculative upload goes through, chunk 4's fails: the step fails, and the verdict
-  // (a clip) rolls chunk 5 back without redoing it.
+  // (a clip) rolls chunk 5 back without redoing it. Chunk 0 lands late, so that the verdict
+  // (and any non-speculative upload) comes after those two however the threads run.
   device.FailCopiesToDevice(/*skip=*/1);
+  trainer.SetLateChunk(0, 100ms);
   Result<StepReport> failed = trainer.TrainStep(2, &loss);
   ASSERT_FALSE(failed.ok());
   ASSERT_GE(engine->counters().speculative_updates, ahead + 2) << "the test needs speculation";
