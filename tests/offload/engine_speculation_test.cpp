@@ -457,6 +457,9 @@ TEST(SpeculationFp16Test, ARetriedSkipPutsBackParametersWhoseRestoreUploadFailed
     // Chunk 2's speculative upload goes through; chunk 1's fails, and so does the upload that
     // puts chunk 2's parameters back when the overflow rolls it back.
     if (step == 3) device.FailCopiesToDevice(/*skip=*/1, /*times=*/2);
+    // The poisoned chunk 0 lands late, so that both speculative uploads come before the verdict
+    // however the threads run.
+    trainer.SetLateChunk(0, step == 3 ? 100ms : 0ms);
     Result<StepReport> report = trainer.TrainStep(step, &loss, step == 3);
     if (step == 3) {
       ASSERT_FALSE(report.ok());
