@@ -1,0 +1,42 @@
+// Ranks: which data-parallel rank this process is, read from the launcher that started it.
+//
+// Strata starts no processes of its own: mpirun, srun and torchrun do, and each says in the
+// environment who a process is. This reads what they set, so that a trainer (and `strata
+// train`) finds its rank, the world size and its place on the node without flags.
+#pragma once
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "strata/core/status.h"
+
+namespace strata::offload {
+
+/// One process's place among the data-parallel ranks.
+struct RankInfo {
+  int rank = 0;        ///< 0 .. size - 1.
+  int size = 1;        ///< Ranks in the job.
+  int local_rank = 0;  ///< 0 .. local_size - 1, among the ranks on this node.
+  int local_size = 1;  ///< Ranks on this node: they share its memory, cores and drives.
+  /// "mpirun" (Open MPI), "torchrun", "srun" (Slurm), "pmix", or "none" for a lone process.
+  std::string launcher = "none";
+};
+
+/// Reads the rank from the environment, through `getenv` (the process's by default; tests pass
+/// their own). Checked in this order, the first launcher whose rank variable is set wins:
+///   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+///   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (before Slurm's: torchrun under
+///             srun starts several ranks per Slurm task)
+///   srun:     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and this node's count in
+///             SLURM_TASKS_PER_NODE ("2(x3),1": two on each of the first three nodes, one on
+///             the fourth) at SLURM_NODEID
+///   PMIx:     PMIX_RANK, with the size from PMIX_SIZE (PMIx launchers other than the above)
+/// Where the local rank or size is not given, every rank counts as on this node (local rank =
+/// rank, local size = size): per-node shares of memory and cores then err on the small side.
+/// Errors: InvalidArgument naming the variable when one is not a number in range (a rank not
+/// below the size, a size below 1) or the size is missing where the rank is set.
+Result<RankInfo> DetectRanks(const std::function<const char*(const char*)>& getenv =
+                                 [](const char* name) { return std::getenv(name); });
+
+}  // namespace strata::offload
