@@ -320,15 +320,17 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       const size_t nvme_chunks = size_t(std::count_if(chunks_.begin(), chunks_.end(), [](auto& c) {
         return c.placement.optimizer_states == Tier::kNvme;
       }));
-      const int count = StateBufferCount(options_.host, nvme_chunks,
-                                         AlignUp(bytes, kHostAlignment), host_budget_.free_bytes());
+      const int count =
+          StateBufferCount(options_.host, nvme_chunks, AlignUp(bytes, kHostAlignment),
+                           StateStagingRoom(host_budget_.free_bytes(), SpeculationBytes()));
       STRATA_RETURN_IF_ERROR(
           make_pool(state_staging_, bytes, count, "the optimizer state staging buffers"));
       Log(LogLevel::kInfo,
           "optimizer states on NVMe: " + std::to_string(count) + " staging buffers of " +
               FormatBytes(bytes) + " (" + FormatBytes(StagingPoolBytes(bytes, count)) +
-              " of host memory): the reads of " + std::to_string(std::min<size_t>(count - 1, nvme_chunks)) +
-              " of " + std::to_string(nvme_chunks) + " chunks run ahead of backward" +
+              " of host memory): the reads of " +
+              std::to_string(std::min<size_t>(count - 1, nvme_chunks)) + " of " +
+              std::to_string(nvme_chunks) + " chunks run ahead of backward" +
               (options_.host.optimizer_buffer_count > 0 ? " (host.optimizer_buffer_count)" : ""));
       state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
                                                        state_staging_->pool().buffer_bytes());
@@ -390,10 +392,7 @@ void Engine::Impl::AllocateParamsBefore() {
   uint64_t bytes = 0;
   for (size_t i = chunks_.size(); i-- > 0;) {
     Chunk& c = chunks_[i];
-    if (c.frozen() || c.placement.optimizer_states != Tier::kNvme ||
-        c.placement.params != Tier::kDevice) {
-      continue;
-    }
+    if (!WantsParamsBefore(c)) continue;
     ++wanted;
     const size_t wbytes = c.working_bytes(working_size());
     std::optional<AlignedBuffer> copy = AllocateWithinBudget(wbytes);
@@ -411,6 +410,25 @@ void Engine::Impl::AllocateParamsBefore() {
                           : ""));
 }
 
+bool Engine::Impl::WantsStateShadow(const Chunk& c) const {
+  return options_.optimizer.speculative_updates && pipeline_.gated() && !c.frozen() &&
+         c.placement.optimizer_states == Tier::kHost;
+}
+
+bool Engine::Impl::WantsParamsBefore(const Chunk& c) const {
+  return options_.optimizer.speculative_updates && pipeline_.gated() && !c.frozen() &&
+         c.placement.optimizer_states == Tier::kNvme && c.placement.params == Tier::kDevice;
+}
+
+uint64_t Engine::Impl::SpeculationBytes() const {
+  uint64_t bytes = 0;
+  for (const Chunk& c : chunks_) {
+    if (WantsStateShadow(c)) bytes += AlignUp(c.state_bytes(), kHostAlignment);
+    if (WantsParamsBefore(c)) bytes += AlignUp(c.working_bytes(working_size()), kHostAlignment);
+  }
+  return bytes;
+}
+
 void Engine::Impl::AllocateStateShadows() {
   if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
   size_t wanted = 0, given = 0;
@@ -419,7 +437,7 @@ void Engine::Impl::AllocateStateShadows() {
   // overlap their updates with.
   for (size_t i = chunks_.size(); i-- > 0;) {
     Chunk& c = chunks_[i];
-    if (c.frozen() || c.placement.optimizer_states != Tier::kHost) continue;
+    if (!WantsStateShadow(c)) continue;
     ++wanted;
     const uint64_t size = AlignUp(c.state_bytes(), kHostAlignment);
     // Not zeroed here: WriteMemoryHome fills it with the initial states, as host_states.
@@ -488,9 +506,9 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
         {&c.param_copy, c.working_bytes(wsize), "the updated working parameters of " + name});
   }
   if (options_.optimizer.delayed_update) {
-    buffers.push_back({&c.delayed_params, c.working_bytes(wsize),
-                       "the delayed working parameters of " + name +
-                           " (optimizer.delayed_update)"});
+    buffers.push_back(
+        {&c.delayed_params, c.working_bytes(wsize),
+         "the delayed working parameters of " + name + " (optimizer.delayed_update)"});
   }
   if (c.placement.optimizer_states == Tier::kHost) {
     const bool kept_by_option = options_.placement.max_states_in_host > 0;

@@ -111,6 +111,12 @@ class Engine::Impl {
   /// Gated steps with speculative updates, after the host shadows: Chunk::params_before for
   /// each NVMe-kept chunk with device parameters, where the host budget has room. Never fails.
   void AllocateParamsBefore();
+  /// Whether speculative updates want a second buffer of chunk `c`'s host-kept states
+  /// (AllocateStateShadows), or its parameters from before (AllocateParamsBefore).
+  bool WantsStateShadow(const Chunk& c) const;
+  bool WantsParamsBefore(const Chunk& c) const;
+  /// The host memory those two would take for every chunk that wants them.
+  uint64_t SpeculationBytes() const;
   /// Gated steps with speculative updates: a shadow buffer for each host-kept chunk's states,
   /// for as many chunks as the host budget has room left (the last chunks first), so their
   /// updates can run before the global norm is known. Never fails: chunks without one wait.

@@ -14,6 +14,9 @@ namespace strata::offload {
 /// is 0 (automatic).
 inline constexpr uint64_t kAutomaticHostBudgetPercent = 80;
 
+/// This machine's physical memory, 0 if it cannot be read.
+uint64_t PhysicalMemoryBytes();
+
 /// The host budget: host.pinned_memory_bytes, or kAutomaticHostBudgetPercent of physical memory
 /// when it is 0.
 uint64_t HostBudgetBytes(const EngineOptions& options);
@@ -22,21 +25,31 @@ uint64_t HostBudgetBytes(const EngineOptions& options);
 /// engine runs with, and the count the host budget must leave room for.
 inline constexpr int kMinStateBuffers = 4;
 
-/// Of the host memory still free once every other host allocation is made, the share the state
-/// staging buffers may take when their count is automatic.
+/// Of the host memory still free once every other host allocation is made, the least share the
+/// state staging buffers may take when their count is automatic, whatever speculative updates
+/// would like of it.
 inline constexpr double kStateStagingShare = 0.25;
+
+/// The host memory automatic state staging may take of the `host_free_bytes` the budget has
+/// left once every buffer the engine needs is in: all of it, less `speculation_bytes` — what
+/// speculative updates of gated steps would keep there (a second buffer of each host-kept
+/// chunk's states, the parameters from before of each NVMe-kept chunk with device parameters;
+/// 0 when steps are not gated) — and never less than kStateStagingShare of it. Nothing else
+/// draws on the budget once the engine is created, and a read-ahead that covers more of a step
+/// is what keeps the drives busy while forward runs.
+uint64_t StateStagingRoom(uint64_t host_free_bytes, uint64_t speculation_bytes);
 
 /// The staging buffers the budget must hold room for: host.optimizer_buffer_count, or
 /// kMinStateBuffers when that is 0 (automatic).
 int MinStateBuffers(const HostOptions& host);
 
 /// How many state staging buffers of `buffer_bytes` the engine allocates for `nvme_chunks`
-/// chunks with optimizer states on NVMe, `host_free_bytes` of its budget being free otherwise.
-/// host.optimizer_buffer_count when set; automatic (0): one per such chunk and one spare, so the
-/// whole step's state reads can run ahead of backward — during the previous commit and forward,
-/// when the drives would otherwise be idle — within kStateStagingShare of the free host memory,
-/// and never fewer than kMinStateBuffers.
+/// chunks with optimizer states on NVMe, with `room_bytes` of host memory for them
+/// (StateStagingRoom). host.optimizer_buffer_count when set; automatic (0): one per such chunk
+/// and one spare, so the whole step's state reads can run ahead of backward — during the
+/// previous commit and forward, when the drives would otherwise be idle — as many as the room
+/// holds, and never fewer than kMinStateBuffers.
 int StateBufferCount(const HostOptions& host, size_t nvme_chunks, uint64_t buffer_bytes,
-                     uint64_t host_free_bytes);
+                     uint64_t room_bytes);
 
 }  // namespace strata::offload

@@ -1,5 +1,7 @@
 #include "strata/offload/pipeline_benchmark.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -36,11 +38,24 @@ Status QueueCompute(Device& device, double ms) {
   });
 }
 
-/// HostDevice with room for every chunk's parameters and gradients, copies at copy_gbps.
+/// Chunks whose working parameters and gradients the device has room for: all of them, or with
+/// parameters offloaded, the one in use, the prefetched ones and one being evicted.
+int DeviceChunkSlots(const PipelineBenchmarkOptions& o) {
+  if (o.params == Tier::kDevice) return o.chunks + 1;
+  return std::min(o.chunks, EngineOptions().placement.prefetch_depth + 2);
+}
+
+/// HostDevice with room for DeviceChunkSlots chunks' parameters and gradients, copies at
+/// copy_gbps.
 Result<std::unique_ptr<Device>> CreateBenchmarkDevice(const PipelineBenchmarkOptions& o) {
-  return CreateHostDevice({.memory_budget_bytes = 2 * o.chunk_bytes * (o.chunks + 1) + kMiB,
+  return CreateHostDevice({.memory_budget_bytes = 2 * o.chunk_bytes * DeviceChunkSlots(o) + kMiB,
                            .copy_bytes_per_second = o.copy_gbps * 1e9});
 }
+
+/// Host->device copies a step makes of each chunk: the upload of its updated parameters, or with
+/// parameters offloaded, a fetch for forward and another for backward (the updated parameters
+/// stay home until the next forward fetches them).
+int UploadsPerChunk(const PipelineBenchmarkOptions& o) { return o.params == Tier::kDevice ? 1 : 2; }
 
 /// Forward and backward of every chunk, alone on the compute stream.
 Result<double> TimeCompute(Device& device, const PipelineBenchmarkOptions& o) {
@@ -51,14 +66,15 @@ Result<double> TimeCompute(Device& device, const PipelineBenchmarkOptions& o) {
   return SecondsSince(start);
 }
 
-/// One chunk's working bytes per chunk in one direction, alone on its stream.
-Result<double> TimeCopies(Device& device, const PipelineBenchmarkOptions& o, bool to_device) {
+/// One chunk's working bytes `per_chunk` times per chunk in one direction, alone on its stream.
+Result<double> TimeCopies(Device& device, const PipelineBenchmarkOptions& o, bool to_device,
+                          int per_chunk) {
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer on_device, device.Allocate(o.chunk_bytes));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer on_host, AlignedBuffer::Allocate(o.chunk_bytes));
   std::memset(on_host.data(), 0, on_host.size());
   const Stream stream = to_device ? Stream::kHostToDevice : Stream::kDeviceToHost;
   const auto start = Clock::now();
-  for (int c = 0; c < o.chunks; ++c) {
+  for (int c = 0; c < o.chunks * per_chunk; ++c) {
     STRATA_RETURN_IF_ERROR(
         to_device ? device.CopyToDevice(on_device.data(), on_host.data(), o.chunk_bytes)
                   : device.CopyToHost(on_host.data(), on_device.data(), o.chunk_bytes));
@@ -67,13 +83,22 @@ Result<double> TimeCopies(Device& device, const PipelineBenchmarkOptions& o, boo
   return SecondsSince(start);
 }
 
+/// Distinct chunks' arrays the CPU optimizer reference steps in turn: enough for 256 MiB, far
+/// beyond any cache, so reusing them flatters nothing, and a model larger than memory can be
+/// timed. Every chunk of the model is still stepped.
+int AdamReferenceChunks(const PipelineBenchmarkOptions& o, size_t numel) {
+  const uint64_t per_chunk = ChunkStateBytes(numel) + 2 * o.chunk_bytes;
+  return int(std::min<uint64_t>(uint64_t(o.chunks), (256 * kMiB + per_chunk - 1) / per_chunk));
+}
+
 /// The optimizer step of every chunk, alone, on arrays laid out as the engine's.
 Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
   STRATA_ASSIGN_OR_RETURN(cpu_adam::CpuOptimizer optimizer,
                           cpu_adam::CpuOptimizer::Create({.threads = o.threads}));
   const size_t wsize = DTypeSize(o.working_dtype);
+  const int distinct = AdamReferenceChunks(o, numel);
   std::vector<AlignedBuffer> states, grads, copies;
-  for (int c = 0; c < o.chunks; ++c) {
+  for (int c = 0; c < distinct; ++c) {
     STRATA_ASSIGN_OR_RETURN(AlignedBuffer s, AlignedBuffer::Allocate(ChunkStateBytes(numel)));
     STRATA_ASSIGN_OR_RETURN(AlignedBuffer g, AlignedBuffer::Allocate(numel * wsize));
     STRATA_ASSIGN_OR_RETURN(AlignedBuffer p, AlignedBuffer::Allocate(numel * wsize));
@@ -86,7 +111,8 @@ Result<double> TimeCpuAdam(const PipelineBenchmarkOptions& o, size_t numel) {
     copies.push_back(std::move(p));
   }
   auto step_all = [&](int64_t step) -> Status {
-    for (int c = 0; c < o.chunks; ++c) {
+    for (int chunk = 0; chunk < o.chunks; ++chunk) {
+      const int c = chunk % distinct;
       float* s = reinterpret_cast<float*>(states[c].data());
       STRATA_RETURN_IF_ERROR(optimizer.Step(
           cpu_adam::AdamWHyperParams{.step = step},
@@ -115,12 +141,36 @@ int NvmeStateChunks(const PipelineBenchmarkOptions& o, size_t numel) {
   return o.chunks - int(std::min<uint64_t>(in_host, uint64_t(o.chunks)));
 }
 
+/// The state staging buffers the engine takes for this model: Engine::Create's rule
+/// (host_memory.h) on the host memory its other buffers leave (Engine::Impl::HostBuffersOf for
+/// these chunks: gradients landing, the updated parameters, the parameters' home on host, the
+/// delayed update's copy, the states kept in host memory).
+int EngineStateBuffers(const PipelineBenchmarkOptions& o, size_t numel, int nvme_chunks) {
+  EngineOptions options;
+  options.host.optimizer_buffer_count = o.state_buffers;
+  const uint64_t chunk = AlignUp(o.chunk_bytes, kHostAlignment);
+  const uint64_t states = AlignUp(ChunkStateBytes(numel), kHostAlignment);
+  const int host_kept = o.chunks - nvme_chunks;
+  const uint64_t per_chunk =
+      chunk * (2 + (o.params == Tier::kHost ? 1 : 0) + (o.delayed_update ? 1 : 0));
+  const uint64_t used = per_chunk * uint64_t(o.chunks) + states * uint64_t(host_kept);
+  const uint64_t budget = HostBudgetBytes(options);
+  const uint64_t free = budget - std::min(budget, used);
+  const bool gated = o.gradient_clipping > 0 || o.working_dtype == DType::kFp16;
+  uint64_t speculation = 0;
+  if (gated && o.speculative_updates) {
+    speculation = states * uint64_t(host_kept) +
+                  (o.params == Tier::kDevice ? chunk * uint64_t(nvme_chunks) : 0);
+  }
+  return StateBufferCount(options.host, size_t(nvme_chunks), states,
+                          StateStagingRoom(free, speculation));
+}
+
 /// Reads, then writes, `chunks` chunks' optimizer states through a swap space, with as many in
 /// flight as the engine has staging buffers. Returns {read seconds, write seconds}.
 Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, size_t numel,
                                            int chunks) {
-  const EngineOptions defaults;
-  const NvmeOptions& nv = defaults.nvme;
+  const NvmeOptions nv;
   STRATA_ASSIGN_OR_RETURN(auto io,
                           nvme::IoEngine::Create({.backend = nv.backend,
                                                   .block_size = nv.block_size,
@@ -133,9 +183,7 @@ Result<std::pair<double, double>> TimeNvme(const PipelineBenchmarkOptions& o, si
       nvme::SwapSpace::Create(
           {.paths = o.nvme_paths, .bytes_per_path = per_path, .checksums = nv.checksums}, *io));
   // The engine's staging buffers: same count, size and registration, so the same I/O path.
-  const int in_flight = std::min(
-      chunks, StateBufferCount(defaults.host, size_t(chunks), AlignUp(bytes, kHostAlignment),
-                               HostBudgetBytes(defaults)));
+  const int in_flight = std::min(chunks, EngineStateBuffers(o, numel, chunks));
   STRATA_ASSIGN_OR_RETURN(auto staging, StagingPool::Create({.buffer_bytes = bytes,
                                                              .buffer_count = size_t(in_flight)}));
   const bool registered = io->RegisterBuffers(staging->arena(), staging->buffer_bytes());
@@ -254,11 +302,20 @@ Status PipelineBenchmarkOptions::Validate() const {
     return InvalidArgument("--forward-ms and --backward-ms must be in [0, 60000]");
   }
   if (copy_gbps < 0) return InvalidArgument("--copy-gbps must be >= 0");
+  if (params != Tier::kDevice && params != Tier::kHost) {
+    return InvalidArgument("--offload-param must be device or host");
+  }
+  if (params != Tier::kDevice && delayed_update) {
+    return InvalidArgument("--delayed-update needs the parameters on the device");
+  }
   if (optimizer_states != Tier::kHost && optimizer_states != Tier::kNvme) {
     return InvalidArgument("--offload-optimizer must be host or nvme");
   }
   if (optimizer_states == Tier::kNvme && nvme_paths.empty()) {
     return InvalidArgument("--offload-optimizer nvme needs --nvme-path DIR");
+  }
+  if (state_buffers < 0 || state_buffers > 4096) {
+    return InvalidArgument("--state-buffers must be in [0, 4096]");
   }
   if (max_states_in_host > 0 && optimizer_states != Tier::kNvme) {
     return InvalidArgument("--max-states-in-host needs --offload-optimizer nvme");
@@ -288,7 +345,7 @@ Result<std::vector<ResourceTime>> TimeResourcesAlone(const PipelineBenchmarkOpti
   STRATA_ASSIGN_OR_RETURN(double compute, TimeCompute(*device, o));
   resources.push_back({"compute", compute, 0});
   say("device->host copies alone");
-  STRATA_ASSIGN_OR_RETURN(double d2h, TimeCopies(*device, o, /*to_device=*/false));
+  STRATA_ASSIGN_OR_RETURN(double d2h, TimeCopies(*device, o, /*to_device=*/false, 1));
   resources.push_back({"device_to_host", d2h, chunk_copy_bytes});
   say("cpu adam alone");
   STRATA_ASSIGN_OR_RETURN(double adam, TimeCpuAdam(o, numel));
@@ -301,8 +358,9 @@ Result<std::vector<ResourceTime>> TimeResourcesAlone(const PipelineBenchmarkOpti
     resources.push_back({"nvme_write", nvme.second, ChunkStateBytes(numel) * nvme_chunks});
   }
   say("host->device copies alone");
-  STRATA_ASSIGN_OR_RETURN(double h2d, TimeCopies(*device, o, /*to_device=*/true));
-  resources.push_back({"host_to_device", h2d, chunk_copy_bytes});
+  STRATA_ASSIGN_OR_RETURN(double h2d,
+                          TimeCopies(*device, o, /*to_device=*/true, UploadsPerChunk(o)));
+  resources.push_back({"host_to_device", h2d, chunk_copy_bytes * UploadsPerChunk(o)});
   return resources;
 }
 
@@ -334,9 +392,10 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   EngineOptions options;
   options.precision.working_dtype = o.working_dtype;
   options.placement.optimizer_states = o.optimizer_states;
-  options.placement.params = Tier::kDevice;
+  options.placement.params = o.params;
   options.placement.chunk_bytes = o.chunk_bytes;
   options.optimizer.cpu_threads = o.threads;
+  options.host.optimizer_buffer_count = o.state_buffers;
   options.optimizer.gradient_clipping = o.gradient_clipping;
   options.optimizer.speculative_updates = o.speculative_updates;
   options.optimizer.delayed_update = o.delayed_update;
@@ -364,6 +423,12 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
     }
   }
   if (running) STRATA_RETURN_IF_ERROR(running->get().status());
+  const TierUsage host = engine->tier_usage(Tier::kHost);
+  result.host_budget_bytes = host.budget_bytes;
+  result.host_peak_bytes = host.peak_bytes;
+  result.physical_memory_bytes = PhysicalMemoryBytes();
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) == 0) result.peak_rss_bytes = uint64_t(usage.ru_maxrss) * 1024;
   std::vector<double> sorted = result.step_seconds;
   std::sort(sorted.begin(), sorted.end());
   result.step_median_seconds = sorted[sorted.size() / 2];

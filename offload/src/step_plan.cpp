@@ -54,7 +54,17 @@ double StateReadAheadShare(const PlanInput& in, const PlanRow& row, const Machin
   const double budget =
       double(kAutomaticHostBudgetPercent) / 100 * memory.host_bytes / in.gpus - row.host.total();
   const uint64_t free = memory.host_bytes > 0 ? uint64_t(std::max(0.0, budget)) : UINT64_MAX;
-  const int buffers = StateBufferCount(HostOptions{}, size_t(chunks), buffer, free);
+  // What speculative updates of gated steps keep in host memory instead: a second buffer of
+  // the host-kept states, and the parameters from before of NVMe-kept chunks on the device.
+  double speculation = 0.0;
+  if (in.speculative_updates && (in.gradient_clipping > 0 || in.working_dtype == DType::kFp16)) {
+    speculation = row.host.optimizer_states;
+    if (row.params == Tier::kDevice) {
+      speculation += row.nvme.optimizer_states / chunk_states * double(in.chunk_bytes);
+    }
+  }
+  const int buffers = StateBufferCount(HostOptions{}, size_t(chunks), buffer,
+                                       StateStagingRoom(free, uint64_t(speculation)));
   return std::min(1.0, double(buffers - 1) / chunks);
 }
 

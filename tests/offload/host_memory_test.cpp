@@ -5,13 +5,13 @@
 namespace strata::offload {
 namespace {
 
-TEST(HostMemoryTest, AutomaticStateBuffersCoverEveryNvmeChunkWithinAQuarterOfTheFreeMemory) {
+TEST(HostMemoryTest, AutomaticStateBuffersCoverEveryNvmeChunkWithinTheirRoom) {
   const HostOptions automatic;  // optimizer_buffer_count 0.
   const uint64_t buffer = 48 << 20;
   // Room for all: one per chunk and a spare.
   EXPECT_EQ(StateBufferCount(automatic, 16, buffer, uint64_t(64) << 30), 17);
-  // A quarter of 1 GiB holds 5 of them.
-  EXPECT_EQ(StateBufferCount(automatic, 16, buffer, uint64_t(1) << 30), 5);
+  // 256 MiB holds 5 of them.
+  EXPECT_EQ(StateBufferCount(automatic, 16, buffer, uint64_t(256) << 20), 5);
   // Never fewer than DeepSpeed's 4, which the budget always holds room for (MinStateBuffers).
   EXPECT_EQ(StateBufferCount(automatic, 16, buffer, 0), kMinStateBuffers);
   EXPECT_EQ(StateBufferCount(automatic, 1, buffer, uint64_t(64) << 30), kMinStateBuffers);
@@ -20,6 +20,17 @@ TEST(HostMemoryTest, AutomaticStateBuffersCoverEveryNvmeChunkWithinAQuarterOfThe
   const HostOptions set{.optimizer_buffer_count = 2};
   EXPECT_EQ(StateBufferCount(set, 16, buffer, uint64_t(64) << 30), 2);
   EXPECT_EQ(MinStateBuffers(set), 2);
+}
+
+// Staging takes what the budget has left, less what speculative updates would keep there, and
+// at least a quarter of it.
+TEST(HostMemoryTest, StagingRoomIsTheFreeMemorySpeculationDoesNotWant) {
+  const uint64_t free = uint64_t(4) << 30;
+  EXPECT_EQ(StateStagingRoom(free, 0), free);  // Steps not gated: all of it.
+  EXPECT_EQ(StateStagingRoom(free, uint64_t(1) << 30), uint64_t(3) << 30);
+  EXPECT_EQ(StateStagingRoom(free, uint64_t(4) << 30), uint64_t(1) << 30);   // A quarter.
+  EXPECT_EQ(StateStagingRoom(free, uint64_t(64) << 30), uint64_t(1) << 30);  // Still a quarter.
+  EXPECT_EQ(StateStagingRoom(0, uint64_t(1) << 30), 0u);
 }
 
 TEST(HostMemoryTest, TheBudgetIsThePinnedBytesSetOrMostOfPhysicalMemory) {

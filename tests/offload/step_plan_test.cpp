@@ -99,23 +99,31 @@ TEST(StepPlanTest, ADelayedUpdateHasTheWholeStepToRunIn) {
 }
 
 TEST(StepPlanTest, StateReadsAheadOfBackwardAreBoundedByTheStagingTheHostHolds) {
-  // 12 GB of states in 64 MiB bf16 chunks: 30 chunks of 384 MiB. A 10 GB host leaves the engine
-  // 8 GB less 2 GB of gradients; a quarter of that, 1.5 GB, is fewer than the 4 buffers it always
-  // takes: 3 of the 30 chunks' reads (0.3 s of 3 s) run ahead.
+  // 12 GB of states in 64 MiB bf16 chunks: 30 chunks of 384 MiB. A 3.5 GB host leaves the
+  // engine 2.8 GB less 2 GB of gradients: 0.8 GB holds fewer than the 4 buffers it always takes:
+  // 3 of the 30 chunks' reads (0.3 s of 3 s) run ahead.
   const PlanRow row = [] {
     for (const PlanRow& r : PlanMemory(kModel)) {
       if (r.name == "ZeRO-2, optimizer -> nvme") return r;
     }
     return PlanRow{};
   }();
-  const StepPrediction tight = PredictStep(kModel, row, kRates, {.host_bytes = 10e9});
+  const StepPrediction tight = PredictStep(kModel, row, kRates, {.host_bytes = 3.5e9});
   EXPECT_DOUBLE_EQ(tight.update_seconds, 9.0 - 0.3);
   EXPECT_DOUBLE_EQ(tight.step_seconds, 1.0 + 8.7);
-  // Chunks 4x smaller: 120 of 96 MiB; 1.5 GB holds 14 buffers, 13 chunks read ahead.
+  // Chunks 4x smaller: 120 of 96 MiB; 0.8 GB holds 7 buffers, 6 chunks read ahead.
   PlanInput small = kModel;
   small.chunk_bytes = 16 * kMiB;
-  const StepPrediction many = PredictStep(small, row, kRates, {.host_bytes = 10e9});
-  EXPECT_DOUBLE_EQ(many.update_seconds, 9.0 - 3.0 * 13 / 120);
+  const StepPrediction many = PredictStep(small, row, kRates, {.host_bytes = 3.5e9});
+  EXPECT_DOUBLE_EQ(many.update_seconds, 9.0 - 3.0 * 6 / 120);
+  // With speculative updates of clipped steps, the parameters from before of the 30 chunks
+  // (2 GB) come first: a 6.5 GB host leaves 5.2 - 2 - 2 = 1.2 GB, 2 buffers, so 4 again;
+  // unclipped, staging takes all 3.2 GB: 7 buffers, 6 chunks (0.6 s) ahead.
+  PlanInput speculating = kModel;
+  speculating.gradient_clipping = 1.0;
+  EXPECT_DOUBLE_EQ(PredictStep(speculating, row, kRates, {.host_bytes = 6.5e9}).update_seconds,
+                   9.0 - 0.3);
+  EXPECT_DOUBLE_EQ(PredictStep(kModel, row, kRates, {.host_bytes = 6.5e9}).update_seconds, 8.4);
   // Room for every chunk: forward's second of reads runs ahead.
   EXPECT_DOUBLE_EQ(PredictStep(kModel, row, kRates, {.host_bytes = 1e12}).update_seconds, 8.0);
   // An update that waits for backward's end (no speculation on a gated step) reads during

@@ -220,6 +220,29 @@ TEST(CliTest, BenchPipelineClipsWhenAskedToAndSaysWhatRolledBack) {
   }
 }
 
+// With the working parameters homed on host (how a model larger than memory runs on HostDevice,
+// whose device memory is host memory too), forward and backward each fetch every chunk, so the
+// host->device reference copies twice the bytes the device->host one does; the engine's host
+// memory stays within its budget and the process's peak is reported.
+TEST(CliTest, BenchPipelineWithParametersOnHostFetchesEachChunkTwice) {
+  auto r =
+      RunCli(std::string("bench pipeline --chunks 6 --chunk-size 256KiB --forward-ms 1 ") +
+                 "--backward-ms 1 --copy-gbps 0 --warmup 1 --steps 2 --json " +
+                 "--offload-param cpu --offload-optimizer nvme --nvme-path " + ::testing::TempDir(),
+             /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["offload_param"], "host");
+  const auto& resources = j["resources"];
+  EXPECT_EQ(resources["host_to_device"]["bytes"].get<uint64_t>(), 2u * 6 * (256u << 10));
+  EXPECT_EQ(resources["device_to_host"]["bytes"].get<uint64_t>(), 6u * (256u << 10));
+  // Parameters (twice: the update writes a second copy), gradients and the state staging.
+  EXPECT_GE(j["host_peak_bytes"].get<uint64_t>(), 3u * 6 * (256u << 10));
+  EXPECT_LE(j["host_peak_bytes"].get<uint64_t>(), j["host_budget_bytes"].get<uint64_t>());
+  EXPECT_GT(j["peak_rss_bytes"].get<uint64_t>(), 0u);
+  EXPECT_GT(j["physical_memory_bytes"].get<uint64_t>(), j["peak_rss_bytes"].get<uint64_t>());
+}
+
 TEST(CliTest, BenchPipelineBadInput) {
   auto r = RunCli("bench pipeline --offload-optimizer nvme");
   EXPECT_EQ(r.exit_code, 2);
@@ -236,9 +259,16 @@ TEST(CliTest, BenchPipelineBadInput) {
   r = RunCli("bench pipeline --gradient-clipping -1");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.out.find("--gradient-clipping must be"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --offload-param nvme");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--offload-param must be device or host"), std::string::npos) << r.out;
+  r = RunCli("bench pipeline --offload-param host --delayed-update");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--delayed-update needs"), std::string::npos) << r.out;
   r = RunCli("bench pipeline --help");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("--offload-optimizer"), std::string::npos);
+  EXPECT_NE(r.out.find("--offload-param"), std::string::npos);
   EXPECT_NE(r.out.find("--clip-triggered"), std::string::npos);
 }
 
@@ -381,8 +411,10 @@ TEST(CliTest, TrainWithDelayedUpdatesStillLearnsAndDiffersOnlyFromTheDelay) {
     return nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
   };
   const auto exact = run("");
-  const auto delayed = run("--delayed-update --delayed-update-from 3 --checkpoint-every 5 "
-                           "--checkpoint " + ::testing::TempDir() + "/delayed_checkpoint");
+  const auto delayed =
+      run("--delayed-update --delayed-update-from 3 --checkpoint-every 5 "
+          "--checkpoint " +
+          ::testing::TempDir() + "/delayed_checkpoint");
   ASSERT_FALSE(exact.is_discarded());
   ASSERT_FALSE(delayed.is_discarded());
   ASSERT_EQ(delayed["steps"].size(), 30u);

@@ -27,6 +27,10 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
       o.chunks, FormatBytes(o.chunk_bytes).c_str(), std::string(DTypeName(o.working_dtype)).c_str(),
       FormatCount(r.params).c_str(), o.forward_ms, o.backward_ms, o.copy_gbps,
       std::string(TierName(o.optimizer_states)).c_str());
+  if (o.params != Tier::kDevice) {
+    std::printf("working parameters on %s: the device holds a few chunks at a time\n\n",
+                std::string(TierName(o.params)).c_str());
+  }
   if (o.max_states_in_host > 0) {
     std::printf("(up to %s of the states in host memory instead)\n\n",
                 FormatBytes(o.max_states_in_host).c_str());
@@ -60,6 +64,10 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
   std::printf("  %-26s %12.3f  (target <= %.2f)\n", "step / slowest", r.ratio_to_slowest,
               nvme_used ? 1.15 : 1.10);
   std::printf("  %-26s %12.3f\n", "step / serial sum", r.ratio_to_serial);
+  std::printf("  %-26s %12s  (peak of %s budget)\n", "engine host memory",
+              FormatBytes(r.host_peak_bytes).c_str(), FormatBytes(r.host_budget_bytes).c_str());
+  std::printf("  %-26s %12s  (of %s physical)\n", "process peak resident",
+              FormatBytes(r.peak_rss_bytes).c_str(), FormatBytes(r.physical_memory_bytes).c_str());
   if (o.gradient_clipping > 0 || o.working_dtype == DType::kFp16) {
     std::printf("  %-26s %12d  (of %zu; updates made ahead of the verdict, redone)\n",
                 "rolled-back steps", r.rolled_back_steps, r.step_seconds.size());
@@ -75,7 +83,9 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["params"] = r.params;
   j["precision"] = DTypeName(o.working_dtype);
   j["offload_optimizer"] = TierName(o.optimizer_states);
+  j["offload_param"] = TierName(o.params);
   j["max_states_in_host"] = o.max_states_in_host;
+  j["state_buffers"] = o.state_buffers;
   j["forward_ms"] = o.forward_ms;
   j["backward_ms"] = o.backward_ms;
   j["copy_gbps"] = o.copy_gbps;
@@ -96,14 +106,19 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["ratio_to_slowest"] = r.ratio_to_slowest;
   j["ratio_to_serial"] = r.ratio_to_serial;
   j["rolled_back_steps"] = r.rolled_back_steps;
+  j["host_budget_bytes"] = r.host_budget_bytes;
+  j["host_peak_bytes"] = r.host_peak_bytes;
+  j["peak_rss_bytes"] = r.peak_rss_bytes;
+  j["physical_memory_bytes"] = r.physical_memory_bytes;
   return j;
 }
 
 int RunBenchPipeline(const std::vector<std::string>& args) {
   const std::string command = "strata bench pipeline";
   PipelineBenchmarkOptions o;
-  std::string precision = "bf16", offload_optimizer = "host", nvme_path;
-  int64_t chunks = o.chunks, threads = 0, warmup = o.warmup_steps, steps = o.timed_steps;
+  std::string precision = "bf16", offload_optimizer = "host", offload_param = "device", nvme_path;
+  int64_t chunks = o.chunks, threads = 0, state_buffers = 0, warmup = o.warmup_steps,
+          steps = o.timed_steps;
   bool json = false, no_speculation = false;
   FlagParser flags(command,
                    "Time a synthetic model's training step through the offload engine on "
@@ -117,9 +132,15 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
                   "host<->device bandwidth per direction, GB/s; 0 = memcpy (default 4)");
   flags.AddString("offload-optimizer", &offload_optimizer, "TIER",
                   "where optimizer states live: host (default) or nvme");
+  flags.AddString("offload-param", &offload_param, "TIER",
+                  "where working parameters live: device (default) or host; with host the "
+                  "device holds a few chunks and forward and backward fetch them");
   flags.AddString("nvme-path", &nvme_path, "DIR", "directory for NVMe swap (with nvme)");
   flags.AddBytes("max-states-in-host", &o.max_states_in_host,
                  "with nvme: this much of the states (the first chunks) in host memory instead");
+  flags.AddInt("state-buffers", &state_buffers,
+               "with nvme: staging buffers for the states (host.optimizer_buffer_count); "
+               "0 (default) = automatic");
   flags.AddDouble("gradient-clipping", &o.gradient_clipping,
                   "clip to this global gradient norm (default 0 = off); the synthetic "
                   "gradients are zero, so no step clips unless --clip-triggered");
@@ -149,9 +170,13 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   o.speculative_updates = !no_speculation;
   if (o.clip_triggered && o.gradient_clipping == 0) o.gradient_clipping = 1.0;
   o.optimizer_states = *tier;
+  auto param_tier = ParseTier(offload_param);
+  if (!param_tier.ok()) return Fail(kExitUsage, param_tier.status().message(), command);
+  o.params = *param_tier;
   if (!nvme_path.empty()) o.nvme_paths = {nvme_path};
   o.chunks = static_cast<int>(std::clamp<int64_t>(chunks, -1, 1 << 30));
   o.threads = static_cast<int>(std::clamp<int64_t>(threads, 0, 4096));
+  o.state_buffers = static_cast<int>(std::clamp<int64_t>(state_buffers, -1, 1 << 20));
   o.warmup_steps = static_cast<int>(std::clamp<int64_t>(warmup, -1, 1000));
   o.timed_steps = static_cast<int>(std::clamp<int64_t>(steps, 0, 1000));
   if (Status s = o.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);

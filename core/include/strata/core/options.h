@@ -51,8 +51,8 @@ struct HostOptions {
   /// Number of staging buffers for optimizer state moving to and from NVMe; each holds one
   /// chunk's states from its read to its write, so it bounds how many chunks' states are read
   /// ahead of backward. 0 = automatic (the default): one per NVMe-state chunk and one more, so
-  /// a whole step's reads can run during forward, within a quarter of the host memory left free
-  /// and never fewer than 4. DeepSpeed: offload_optimizer.buffer_count (default 4, >= 1).
+  /// a whole step's reads can run during forward, within the host budget left free (less what
+  /// speculative updates would keep there, at least a quarter of it) and never fewer than 4. DeepSpeed: offload_optimizer.buffer_count (default 4, >= 1).
   int optimizer_buffer_count = 0;
   /// Number of staging buffers for parameters moving to and from NVMe. Must be >= 1.
   /// DeepSpeed: offload_param.buffer_count (default 5).

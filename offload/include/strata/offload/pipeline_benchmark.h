@@ -38,11 +38,20 @@ struct PipelineBenchmarkOptions {
   double copy_gbps = 4.0;
   /// Home of the optimizer states: host or nvme.
   Tier optimizer_states = Tier::kHost;
+  /// Home of the working parameters: device, or host (DeepSpeed offload_param cpu), in which
+  /// case the device holds prefetch_depth + 2 chunks and forward and backward each fetch every
+  /// chunk. On HostDevice the device's memory is host memory too: a model whose states exceed
+  /// the machine's memory leaves no room for its working parameters and gradients "on the
+  /// device" unless they are offloaded as well, as ZeRO-Infinity does for such a model.
+  Tier params = Tier::kDevice;
   /// NVMe directories (required for nvme).
   std::vector<std::string> nvme_paths;
   /// With states on nvme: this many bytes of them (whole chunks, the first) in host memory
   /// instead (placement.max_states_in_host); NVMe alone is then timed on the rest.
   uint64_t max_states_in_host = 0;
+  /// host.optimizer_buffer_count: staging buffers for the states on NVMe; 0 = automatic. The
+  /// NVMe reference runs with as many in flight.
+  int state_buffers = 0;
   /// Clip gradients to this global norm (OptimizerOptions::gradient_clipping); 0 = off. The
   /// synthetic model's gradients are zero, so this alone never clips: it measures a gated step
   /// whose verdict agrees with the speculation.
@@ -85,6 +94,13 @@ struct PipelineBenchmarkResult {
   double ratio_to_serial = 0.0;   ///< step_median / serial.
   int rolled_back_steps = 0;      ///< Timed steps whose speculative updates were rolled back.
   uint64_t params = 0;            ///< Parameters of the synthetic model.
+  /// The engine's host memory budget and the most of it in use during the engine steps.
+  uint64_t host_budget_bytes = 0;
+  uint64_t host_peak_bytes = 0;
+  /// The process's peak resident memory over the whole run (references included), and the
+  /// machine's physical memory, to show a model larger than memory never came near it.
+  uint64_t peak_rss_bytes = 0;
+  uint64_t physical_memory_bytes = 0;
 };
 
 /// Each resource timed alone on the bytes and work a step gives it, in pipeline order (the
