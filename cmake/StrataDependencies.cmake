@@ -46,5 +46,19 @@ if(NOT STRATA_WITH_CUDA STREQUAL "OFF")
                         "toolkit or set CUDACXX to nvcc")
   endif()
 endif()
-message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, liburing ${liburing_VERSION}, "
+# MPI (Open MPI) is optional: the collectives of several ranks on host memory, and the tests
+# that start ranks with mpirun.
+set(STRATA_MPI_ENABLED OFF)
+if(NOT STRATA_WITH_MPI STREQUAL "OFF")
+  # The C API, used from C++: the CXX component without the deprecated C++ bindings.
+  set(MPI_CXX_SKIP_MPICXX ON)
+  find_package(MPI COMPONENTS CXX)               # MPI::MPI_CXX, MPIEXEC_EXECUTABLE
+  if(MPI_CXX_FOUND)
+    set(STRATA_MPI_ENABLED ON)
+  elseif(STRATA_WITH_MPI STREQUAL "ON")
+    message(FATAL_ERROR "STRATA_WITH_MPI=ON but MPI was not found; install libopenmpi-dev")
+  endif()
+endif()
+message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, MPI ${STRATA_MPI_ENABLED}, "
+               "liburing ${liburing_VERSION}, "
                "xxHash ${xxhash_VERSION}, TBB ${TBB_VERSION}, Boost ${Boost_VERSION}")

@@ -15,6 +15,7 @@ packages=(
   python3-matplotlib            # scripts/plot_bench.py: charts of strata bench all
   clang libclang-rt-14-dev      # libFuzzer: the parser fuzzers (scripts/fuzz.sh)
   wrk                           # load on the metrics endpoint while training (its test)
+  libopenmpi-dev openmpi-bin    # collectives of several ranks on host memory (MPI communicator)
 )
 
 missing=()

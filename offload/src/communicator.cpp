@@ -1,5 +1,8 @@
 #include "strata/offload/communicator.h"
 
+#include <cstring>
+#include <future>
+
 namespace strata::offload {
 namespace {
 
@@ -7,10 +10,43 @@ class SingleRankCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  Status AllReduceSum(std::span<double> /*values*/) override { return Status(); }
+
+  void AllReduce(void* /*data*/, size_t /*count*/, DType /*dtype*/, ReduceOp /*op*/,
+                 CollectiveReady ready, CollectiveDone done) override {
+    Run(ready, done, [] {});
+  }
+  void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp /*op*/,
+                     CollectiveReady ready, CollectiveDone done) override {
+    Run(ready, done, [=] { std::memmove(recv, send, recv_count * DTypeSize(dtype)); });
+  }
+  void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
+                 CollectiveReady ready, CollectiveDone done) override {
+    Run(ready, done, [=] { std::memmove(recv, send, send_count * DTypeSize(dtype)); });
+  }
+  void AllReduceScalars(std::span<double> /*values*/, ReduceOp /*op*/, CollectiveReady ready,
+                        CollectiveDone done) override {
+    Run(ready, done, [] {});
+  }
+
+ private:
+  /// In place and in order: nothing else is queued.
+  template <typename Op>
+  static void Run(const CollectiveReady& ready, const CollectiveDone& done, Op op) {
+    Status status = ready ? ready() : Status();
+    if (status.ok()) op();
+    if (done) done(std::move(status));
+  }
 };
 
 }  // namespace
+
+Status Communicator::AllReduceSum(std::span<double> values) {
+  std::promise<Status> finished;
+  std::future<Status> result = finished.get_future();
+  AllReduceScalars(values, ReduceOp::kSum, {},
+                   [&finished](Status status) { finished.set_value(std::move(status)); });
+  return result.get();
+}
 
 std::unique_ptr<Communicator> CreateSingleRankCommunicator() {
   return std::make_unique<SingleRankCommunicator>();

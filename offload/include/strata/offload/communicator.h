@@ -1,32 +1,72 @@
 // Communicator: the collectives the engine needs across data-parallel ranks.
 //
-// The engine reduces two things across ranks every step: the gradients of each chunk (summed,
-// then each rank updates its shard) and the step's global facts (sum of squares for gradient
-// clipping, whether any rank overflowed). This interface says exactly that much, so a
-// single-process run needs no NCCL and the NCCL implementation (with the multi-rank issue) can
-// drop in. Rank sharding of chunks is not implemented yet: with more than one rank, Engine::Create
-// refuses the communicator with Unavailable.
+// Collectives are enqueued, never run in place: each call queues one behind those queued before
+// it and returns at once, and the communicator runs them in that order, each once its input is
+// ready, reporting through a callback — as NCCL does on a CUDA stream and torch.distributed's
+// work handles do. Ranks must enqueue the same collectives in the same order, so they are
+// enqueued in program order from the trainer's thread (GradsReady, Acquire, Step), never from a
+// completion callback, whose order differs from rank to rank.
+//
+// Implementations: a single rank (every collective is a copy or nothing), and MPI on host
+// memory (mpi_communicator.h), which is what HostDevice runs with; NCCL on a CUDA stream comes
+// with GPU sharding. Rank sharding of chunks is not implemented yet: with more than one rank,
+// Engine::Create refuses the communicator with Unavailable.
 #pragma once
 
+#include <cstddef>
+#include <functional>
 #include <memory>
 #include <span>
 
+#include "strata/core/dtype.h"
 #include "strata/core/status.h"
 
 namespace strata::offload {
 
-/// Thread safety: implementations are called from the engine's loop thread only, one collective
-/// at a time, in the same order on every rank.
+enum class ReduceOp : int {
+  kSum = 0,
+  kMax = 1,
+};
+
+/// Called once per collective with its result, on the communicator's thread (or, for the single
+/// rank, before the enqueueing call returns). It must not block or enqueue collectives.
+using CollectiveDone = std::function<void(Status)>;
+/// Blocks until a collective's input is ready (a device event has completed, say), on the
+/// communicator's thread, before the collective runs; an error fails the collective without
+/// running it — on this rank only, so the others will time out. Empty: ready when enqueued.
+using CollectiveReady = std::function<Status()>;
+
+/// Thread safety: the enqueueing calls from one thread at a time, in the same order on every
+/// rank. Buffers must stay valid, and unwritten by anyone else, until `done` runs. A collective
+/// that fails (a peer that never joins it times out) leaves the communicator failed: every
+/// later one reports the same error.
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  /// Element-wise sum of `values` over all ranks, in place.
-  virtual Status AllReduceSum(std::span<double> values) = 0;
+
+  /// Element-wise `op` of `count` elements of `data` over all ranks, in place.
+  virtual void AllReduce(void* data, size_t count, DType dtype, ReduceOp op, CollectiveReady ready,
+                         CollectiveDone done) = 0;
+  /// Element-wise `op` over all ranks of `send` (size() * recv_count elements); rank r receives
+  /// elements [r * recv_count, (r + 1) * recv_count) of the result in `recv`.
+  virtual void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                             ReduceOp op, CollectiveReady ready, CollectiveDone done) = 0;
+  /// Every rank's `send_count` elements of `send`, in rank order, into `recv` on every rank.
+  virtual void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
+                         CollectiveReady ready, CollectiveDone done) = 0;
+
+  /// Element-wise `op` of a step's scalars over all ranks, in place: gradient norms, overflow
+  /// counts (in double, whatever the training dtype).
+  virtual void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
+                                CollectiveDone done) = 0;
+
+  /// AllReduceScalars with kSum, blocking until it (and so all before it) has run.
+  Status AllReduceSum(std::span<double> values);
 };
 
-/// The only rank: every collective is the identity.
+/// The only rank: all-reduces leave the data as it is, reduce-scatter and all-gather copy.
 std::unique_ptr<Communicator> CreateSingleRankCommunicator();
 
 }  // namespace strata::offload
