@@ -14,10 +14,12 @@ struct CliResult {
   std::string out;  // stdout and stderr together (stderr is redirected into it)
 };
 
-/// Runs `strata <args>` through the shell; `args` is shell text.
-inline CliResult RunCli(const std::string& args, bool merge_stderr = true) {
-  const std::string command =
-      std::string(STRATA_CLI) + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+/// Runs `strata <args>` through the shell; `args` is shell text. `env`: variable assignments
+/// ("RANK=1 WORLD_SIZE=2") the command runs with, on top of this process's environment.
+inline CliResult RunCli(const std::string& args, bool merge_stderr = true,
+                        const std::string& env = "") {
+  const std::string command = (env.empty() ? "" : "env " + env + " ") + std::string(STRATA_CLI) +
+                              " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
   CliResult result;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return result;

@@ -385,6 +385,21 @@ std::vector<double> Losses(const nlohmann::json& document) {
   return losses;
 }
 
+// Started as one of several ranks, each process would train alone and write the same
+// checkpoints: until sharding exists, train says so and trains nothing. Malformed launcher
+// variables are usage errors naming them.
+TEST(CliTest, TrainRefusesSeveralRanksUntilTheyCanShardOneModel) {
+  auto r =
+      RunCli("train --model tiny --steps 1", true, "OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("started by mpirun as rank 1 of 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not built yet"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("step 1"), std::string::npos) << r.out;
+  r = RunCli("train --model tiny --steps 1", true, "RANK=2 WORLD_SIZE=2");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("RANK=\"2\" is not a number in [0, 1]"), std::string::npos) << r.out;
+}
+
 TEST(CliTest, TrainJsonHasEveryStepAndTheLossFalls) {
   auto r = RunCli(TinyTrain("--steps 30 --lr 1e-2 --json"), /*merge_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;

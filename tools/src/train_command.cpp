@@ -23,6 +23,7 @@
 #include "strata/core/host_device.h"
 #include "strata/core/log.h"
 #include "strata/examples/byte_lm_trainer.h"
+#include "strata/offload/ranks.h"
 
 namespace strata::tools {
 namespace {
@@ -393,6 +394,17 @@ Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload
 }
 
 int Train(const TrainFlags& f) {
+  // Started as one of several ranks, each process would train the whole model alone and write
+  // the same checkpoints: refused until the ranks can shard one model (ZeRO, issue 13).
+  Result<offload::RankInfo> ranks = offload::DetectRanks();
+  if (!ranks.ok()) return Fail(kExitUsage, ranks.status().message(), kCommand);
+  if (ranks->size > 1) {
+    return Fail(kExitFailure,
+                "started by " + ranks->launcher + " as rank " + std::to_string(ranks->rank) +
+                    " of " + std::to_string(ranks->size) +
+                    ": training one model across several ranks (ZeRO sharding) is not built "
+                    "yet; start a single process");
+  }
   if (f.metrics_port > 65535) {
     return Fail(kExitUsage, "--metrics-port must be in [0, 65535]", kCommand);
   }
