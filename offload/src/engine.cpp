@@ -8,6 +8,7 @@
 #include "host_memory.h"
 #include "strata/core/bytes.h"
 #include "strata/core/log.h"
+#include "strata/offload/ranks.h"
 
 namespace strata::offload {
 
@@ -45,7 +46,7 @@ Engine::Impl::Impl(const EngineOptions& options, Device& device, ChunkLayout lay
       layout_(std::move(layout)),
       environment_(std::move(environment)),
       device_budget_(Tier::kDevice, DeviceBudgetBytes(device)),
-      host_budget_(Tier::kHost, HostBudgetBytes(options)),
+      host_budget_(Tier::kHost, HostBudgetBytes(options, environment_.ranks_on_node)),
       nvme_budget_(Tier::kNvme, 0) {}
 
 Engine::Impl::~Impl() {
@@ -364,7 +365,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
 
   STRATA_ASSIGN_OR_RETURN(
       cpu_adam::CpuOptimizer optimizer,
-      cpu_adam::CpuOptimizer::Create({.threads = options_.optimizer.cpu_threads}));
+      cpu_adam::CpuOptimizer::Create(
+          {.threads = OptimizerThreads(options_, environment_.ranks_on_node)}));
   optimizer_.emplace(std::move(optimizer));
   m_.Register(metrics_);
   m_.loss_scale->Set(pipeline_.loss_scale());
@@ -645,6 +647,18 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options, Dev
                                                std::span<const ParameterSpec> parameters,
                                                EngineEnvironment environment) {
   STRATA_RETURN_IF_ERROR(options.Validate());
+  if (environment.ranks_on_node < 0) {
+    return InvalidArgument("EngineEnvironment::ranks_on_node must be >= 0 (0 = the launcher's)");
+  }
+  if (environment.ranks_on_node == 0) {
+    STRATA_ASSIGN_OR_RETURN(RankInfo ranks, DetectRanks());
+    environment.ranks_on_node = ranks.local_size;
+    if (ranks.local_size > 1) {
+      Log(LogLevel::kInfo, std::to_string(ranks.local_size) + " ranks on this node (" +
+                               ranks.launcher +
+                               "): the automatic host budget and optimizer threads are shared");
+    }
+  }
   STRATA_ASSIGN_OR_RETURN(ChunkLayout layout,
                           ChunkLayout::Build(parameters, options.precision.working_dtype,
                                              options.placement.chunk_bytes));

@@ -1,5 +1,6 @@
 #include "host_memory.h"
 
+#include <tbb/info.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,9 +12,15 @@ uint64_t PhysicalMemoryBytes() {
   return pages > 0 && page_size > 0 ? uint64_t(pages) * uint64_t(page_size) : 0;
 }
 
-uint64_t HostBudgetBytes(const EngineOptions& options) {
+uint64_t HostBudgetBytes(const EngineOptions& options, int ranks_on_node) {
   if (options.host.pinned_memory_bytes > 0) return options.host.pinned_memory_bytes;
-  return PhysicalMemoryBytes() / 100 * kAutomaticHostBudgetPercent;
+  return PhysicalMemoryBytes() / 100 * kAutomaticHostBudgetPercent /
+         uint64_t(std::max(1, ranks_on_node));
+}
+
+int OptimizerThreads(const EngineOptions& options, int ranks_on_node) {
+  if (options.optimizer.cpu_threads > 0) return options.optimizer.cpu_threads;
+  return std::max(1, tbb::info::default_concurrency() / std::max(1, ranks_on_node));
 }
 
 int MinStateBuffers(const HostOptions& host) {

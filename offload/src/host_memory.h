@@ -17,9 +17,13 @@ inline constexpr uint64_t kAutomaticHostBudgetPercent = 80;
 /// This machine's physical memory, 0 if it cannot be read.
 uint64_t PhysicalMemoryBytes();
 
-/// The host budget: host.pinned_memory_bytes, or kAutomaticHostBudgetPercent of physical memory
-/// when it is 0.
-uint64_t HostBudgetBytes(const EngineOptions& options);
+/// The host budget: host.pinned_memory_bytes, or when it is 0, kAutomaticHostBudgetPercent of
+/// physical memory shared evenly by the `ranks_on_node` (>= 1) ranks on this node.
+uint64_t HostBudgetBytes(const EngineOptions& options, int ranks_on_node = 1);
+
+/// The CPU optimizer's threads: optimizer.cpu_threads, or when it is 0, this process's share of
+/// the hardware threads among `ranks_on_node` ranks (at least one).
+int OptimizerThreads(const EngineOptions& options, int ranks_on_node = 1);
 
 /// DeepSpeed's offload_optimizer.buffer_count default: the fewest state staging buffers the
 /// engine runs with, and the count the host budget must leave room for.

@@ -91,6 +91,39 @@ INSTANTIATE_TEST_SUITE_P(Placements, EngineEquivalenceTest,
                            return param.param.name;
                          });
 
+// Ranks on one node share its memory and cores: the automatic host budget is divided among
+// them, counted from the launcher's environment unless the trainer says; a set budget is kept.
+TEST(EngineTest, RanksOnANodeShareTheAutomaticHostBudget) {
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, "");
+  options.nvme.paths.clear();
+  auto budget = [&](const EngineOptions& o, int ranks_on_node) -> uint64_t {
+    auto engine = Engine::Create(o, *device, specs, {.ranks_on_node = ranks_on_node});
+    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+    return engine.ok() ? (*engine)->tier_usage(Tier::kHost).budget_bytes : 0;
+  };
+  const uint64_t alone = budget(options, 1);
+  EXPECT_EQ(budget(options, 4), alone / 4);
+  EXPECT_EQ(budget(options, 0), alone);  // No launcher here.
+  // Two torchrun ranks on this node.
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "4", 1);
+  setenv("LOCAL_RANK", "1", 1);
+  setenv("LOCAL_WORLD_SIZE", "2", 1);
+  EXPECT_EQ(budget(options, 0), alone / 2);
+  EngineOptions set = options;
+  set.host.pinned_memory_bytes = 256 << 20;
+  EXPECT_EQ(budget(set, 0), uint64_t(256) << 20);
+  // A launcher's variables that make no sense are the caller's error.
+  setenv("LOCAL_RANK", "2", 1);
+  auto bad = Engine::Create(options, *device, specs);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("LOCAL_RANK"), std::string::npos);
+  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}) unsetenv(name);
+}
+
 TEST(EngineTest, StatesFillMaxStatesInHostAndSpillTheRestToNvme) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);

@@ -37,8 +37,21 @@ TEST(HostMemoryTest, TheBudgetIsThePinnedBytesSetOrMostOfPhysicalMemory) {
   EngineOptions options;
   options.host.pinned_memory_bytes = 12345;
   EXPECT_EQ(HostBudgetBytes(options), 12345u);
+  EXPECT_EQ(HostBudgetBytes(options, 8), 12345u);  // Set per rank.
   options.host.pinned_memory_bytes = 0;
   EXPECT_GT(HostBudgetBytes(options), 0u);
+  EXPECT_EQ(HostBudgetBytes(options, 8), HostBudgetBytes(options) / 8);
+}
+
+TEST(HostMemoryTest, OptimizerThreadsAreSetOrTheNodesSharedEvenly) {
+  EngineOptions options;
+  options.optimizer.cpu_threads = 3;
+  EXPECT_EQ(OptimizerThreads(options, 8), 3);
+  options.optimizer.cpu_threads = 0;
+  const int all = OptimizerThreads(options);
+  EXPECT_GE(all, 1);
+  EXPECT_EQ(OptimizerThreads(options, 2), std::max(1, all / 2));
+  EXPECT_EQ(OptimizerThreads(options, 1 << 20), 1);
 }
 
 }  // namespace

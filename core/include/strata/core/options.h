@@ -170,7 +170,8 @@ struct OptimizerOptions {
   /// Micro-batches whose gradients are summed before one optimizer step; >= 1.
   /// DeepSpeed: gradient_accumulation_steps.
   int gradient_accumulation_steps = 1;
-  /// Threads of the CPU optimizer (oneTBB arena); 0 = all hardware threads.
+  /// Threads of the CPU optimizer (oneTBB arena); 0 = the hardware threads, shared evenly by the
+  /// ranks on the node (EngineEnvironment::ranks_on_node).
   int cpu_threads = 0;
 
   friend bool operator==(const OptimizerOptions&, const OptimizerOptions&) = default;

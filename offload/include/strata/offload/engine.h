@@ -155,6 +155,10 @@ struct SaveOptions {
 struct EngineEnvironment {
   /// Collectives across data-parallel ranks; null = a single rank.
   std::unique_ptr<Communicator> communicator;
+  /// Ranks sharing this node's memory and cores: the automatic host budget and CPU optimizer
+  /// threads are divided among them, so that 8 ranks do not each take 80% of memory and every
+  /// core. 0 (the default) = the launcher's count (DetectRanks' local_size; 1 without one).
+  int ranks_on_node = 0;
   /// Wraps the NVMe I/O backend the engine creates (tests inject faults with it).
   std::function<std::unique_ptr<nvme::IoBackend>(std::unique_ptr<nvme::IoBackend>)> wrap_io_backend;
 };
