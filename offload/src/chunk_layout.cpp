@@ -22,8 +22,12 @@ size_t ParameterSpec::numel() const {
 }
 
 Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters,
-                                       DType working_dtype, uint64_t chunk_bytes) {
+                                       DType working_dtype, uint64_t chunk_bytes, int world_size) {
   if (parameters.empty()) return InvalidArgument("no parameters registered");
+  if (world_size < 1 || world_size > (1 << 24)) {
+    return InvalidArgument("world size " + std::to_string(world_size) +
+                           " must be in [1, 16777216]");
+  }
   if (chunk_bytes < kHostAlignment) {
     return InvalidArgument("chunk_bytes " + std::to_string(chunk_bytes) +
                            " is below the minimum of 4096");
@@ -31,11 +35,15 @@ Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters
   const size_t target_numel = std::max<size_t>(chunk_bytes / DTypeSize(working_dtype), 1);
 
   ChunkLayout layout;
+  layout.world_size_ = world_size;
   std::unordered_set<std::string_view> seen;
   ChunkInfo open;                      // The chunk being filled.
   std::vector<ChunkSegment> segments;  // Of the open chunk.
   auto close = [&] {
-    open.numel = AlignUp(open.used_numel, kChunkAlignment);
+    // N aligned shards (N need not be a power of two, which AlignUp needs).
+    const size_t shards = size_t(world_size);
+    const size_t unit = kChunkAlignment * shards;
+    open.numel = (open.used_numel + unit - 1) / unit * unit;
     layout.max_chunk_numel_ = std::max(layout.max_chunk_numel_, open.numel);
     layout.total_numel_ += open.numel;
     layout.chunks_.push_back(open);
@@ -91,6 +99,25 @@ Result<ChunkLayout> ChunkLayout::Build(std::span<const ParameterSpec> parameters
   }
   close();
   return layout;
+}
+
+ChunkShard ChunkLayout::shard(size_t chunk, int rank) const {
+  const size_t size = chunks_[chunk].numel / size_t(world_size_);
+  return {size * size_t(rank), size * size_t(rank + 1)};
+}
+
+std::vector<ChunkSegment> ChunkLayout::ShardSegments(size_t chunk, int rank) const {
+  const ChunkShard own = shard(chunk, rank);
+  std::vector<ChunkSegment> cut;
+  for (const ChunkSegment& s : segments_[chunk]) {
+    const size_t begin = std::max(s.begin, own.begin), end = std::min(s.end, own.end);
+    if (begin >= end) continue;
+    cut.push_back({.begin = begin - own.begin,
+                   .end = end - own.begin,
+                   .weight_decay = s.weight_decay,
+                   .lr_scale = s.lr_scale});
+  }
+  return cut;
 }
 
 }  // namespace strata::offload

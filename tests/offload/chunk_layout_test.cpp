@@ -392,6 +392,66 @@ TEST(ChunkLayoutTest, RandomModelsKeepTheInvariants) {
   }
 }
 
+// Across N ranks every chunk is padded to N aligned shards that cover it without overlap, and
+// each rank's segments cover its shard with the group settings of the elements they hold. One
+// rank is the unsharded layout.
+TEST(ChunkLayoutTest, ShardsSplitEveryChunkEvenlyAcrossTheRanks) {
+  std::mt19937 rng(20261202);
+  std::vector<ParameterSpec> params;
+  for (int i = 0; i < 30; ++i) {
+    params.push_back(Param("p" + std::to_string(i), {1 + int64_t(rng() % 3000)}));
+    if (i % 4 == 1) params.back().weight_decay = 0.0;  // Biases and norms: their own group.
+    if (i % 7 == 3) params.back().lr_scale = 0.5;
+  }
+  const ChunkLayout one = MustBuild(params, DType::kBf16, 16 * kKiB);
+  for (int world : {1, 2, 3, 8}) {
+    SCOPED_TRACE("world size " + std::to_string(world));
+    auto built = ChunkLayout::Build(params, DType::kBf16, 16 * kKiB, world);
+    ASSERT_TRUE(built.ok()) << built.status().ToString();
+    const ChunkLayout& layout = *built;
+    EXPECT_EQ(layout.world_size(), world);
+    ASSERT_EQ(layout.chunk_count(), one.chunk_count());  // Same packing, more padding.
+    for (size_t c = 0; c < layout.chunk_count(); ++c) {
+      const ChunkInfo& chunk = layout.chunk(c);
+      EXPECT_EQ(chunk.used_numel, one.chunk(c).used_numel);
+      const size_t unit = kChunkAlignment * world;  // Not a power of two for 3 ranks.
+      EXPECT_EQ(chunk.numel, (chunk.used_numel + unit - 1) / unit * unit);
+      size_t next = 0;
+      for (int r = 0; r < world; ++r) {
+        const ChunkShard shard = layout.shard(c, r);
+        EXPECT_EQ(shard.begin, next);
+        EXPECT_EQ(shard.numel(), chunk.numel / world);
+        EXPECT_EQ(shard.numel() % kChunkAlignment, 0u);
+        next = shard.end;
+        // The rank's segments tile its shard, each with the settings of its elements.
+        size_t covered = 0;
+        for (const ChunkSegment& piece : layout.ShardSegments(c, r)) {
+          EXPECT_EQ(piece.begin, covered);
+          EXPECT_LT(piece.begin, piece.end);
+          covered = piece.end;
+          const size_t first = shard.begin + piece.begin, last = shard.begin + piece.end - 1;
+          for (size_t element : {first, last}) {
+            const auto& whole = layout.segments(c);
+            auto it = std::find_if(whole.begin(), whole.end(), [&](const ChunkSegment& w) {
+              return w.begin <= element && element < w.end;
+            });
+            ASSERT_NE(it, whole.end());
+            EXPECT_EQ(it->weight_decay, piece.weight_decay);
+            EXPECT_EQ(it->lr_scale, piece.lr_scale);
+          }
+        }
+        EXPECT_EQ(covered, shard.numel());
+      }
+      EXPECT_EQ(next, chunk.numel);
+    }
+    if (world == 1) {
+      EXPECT_EQ(layout.total_numel(), one.total_numel());
+    }
+  }
+  EXPECT_EQ(ChunkLayout::Build(params, DType::kBf16, 16 * kKiB, 0).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(ChunkLayoutTest, RejectsNoParameters) {
   EXPECT_EQ(BuildError({}), "no parameters registered");
 }

@@ -12,6 +12,11 @@
 // is a multiple of kChunkAlignment elements, so each state array of a chunk (fp32 or 16-bit) is a
 // whole number of 4 KiB pages: chunks can go to O_DIRECT files and DMA without copies, and the
 // padding is zero and stays zero through every optimizer step.
+//
+// Across N data-parallel ranks (ZeRO), every chunk is padded to a multiple of N *
+// kChunkAlignment elements and cut into N equal shards: rank r owns elements
+// [r * S, (r + 1) * S) of every chunk, S = numel / N, and keeps optimizer states for its shards
+// only. Each shard keeps the alignment of a whole chunk. A parameter may straddle shards.
 #pragma once
 
 #include <cstddef>
@@ -82,6 +87,13 @@ struct ChunkInfo {
   bool frozen = false;  ///< Its parameters are frozen (ParameterSpec::frozen), all or none.
 };
 
+/// One rank's part of a chunk: elements [begin, end).
+struct ChunkShard {
+  size_t begin = 0;
+  size_t end = 0;
+  size_t numel() const { return end - begin; }
+};
+
 /// A run of a chunk's elements [begin, end) whose parameters share their group settings, so
 /// one optimizer call updates them all (padding goes with the parameter before it).
 struct ChunkSegment {
@@ -97,9 +109,11 @@ class ChunkLayout {
   /// Packs `parameters` with chunks of at most `chunk_bytes` of working parameters of
   /// `working_dtype` (except a lone larger parameter). InvalidArgument for no parameters, an
   /// empty or duplicate name, a dimension < 1, initial values of the wrong length, or a chunk
-  /// size smaller than 4 KiB; each message names the parameter.
+  /// size smaller than 4 KiB; each message names the parameter. `world_size` (>= 1): the
+  /// data-parallel ranks each chunk is sharded across (padding every chunk to a multiple of
+  /// world_size * kChunkAlignment elements; 1 = not sharded).
   static Result<ChunkLayout> Build(std::span<const ParameterSpec> parameters, DType working_dtype,
-                                   uint64_t chunk_bytes);
+                                   uint64_t chunk_bytes, int world_size = 1);
 
   size_t chunk_count() const { return chunks_.size(); }
   size_t parameter_count() const { return locations_.size(); }
@@ -111,6 +125,13 @@ class ChunkLayout {
   /// The chunk's elements in runs of equal group settings, covering [0, numel) in order: one
   /// run unless its parameters were registered with different settings.
   const std::vector<ChunkSegment>& segments(size_t chunk) const { return segments_[chunk]; }
+  /// Ranks each chunk is sharded across (1 = not sharded).
+  int world_size() const { return world_size_; }
+  /// Rank `rank`'s shard of chunk `chunk` (the whole chunk with one rank).
+  ChunkShard shard(size_t chunk, int rank) const;
+  /// segments(chunk) cut to rank `rank`'s shard, with offsets from the shard's first element:
+  /// the optimizer calls that update the shard's own state arrays.
+  std::vector<ChunkSegment> ShardSegments(size_t chunk, int rank) const;
   /// Largest chunk, in elements.
   size_t max_chunk_numel() const { return max_chunk_numel_; }
   /// Sum of all chunks' elements (with padding).
@@ -127,6 +148,7 @@ class ChunkLayout {
   size_t max_chunk_numel_ = 0;
   size_t total_numel_ = 0;
   size_t parameter_numel_ = 0;
+  int world_size_ = 1;
 };
 
 }  // namespace strata::offload
