@@ -316,6 +316,12 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       pool.emplace(std::move(created));
       return Status();
     };
+    // Parameter staging first: automatic state staging takes what the budget has left.
+    if (nvme_params) {
+      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, layout_.max_chunk_numel() * wsize,
+                                       options_.host.param_buffer_count,
+                                       "the parameter staging buffers"));
+    }
     if (nvme_states) {
       const size_t bytes = ChunkStateBytes(max_nvme_state_numel());
       const size_t nvme_chunks = size_t(std::count_if(chunks_.begin(), chunks_.end(), [](auto& c) {
@@ -335,11 +341,6 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
               (options_.host.optimizer_buffer_count > 0 ? " (host.optimizer_buffer_count)" : ""));
       state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
                                                        state_staging_->pool().buffer_bytes());
-    }
-    if (nvme_params) {
-      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, layout_.max_chunk_numel() * wsize,
-                                       options_.host.param_buffer_count,
-                                       "the parameter staging buffers"));
     }
   }
 

@@ -38,7 +38,8 @@ inline constexpr double kStateStagingShare = 0.25;
 /// left once every buffer the engine needs is in: all of it, less `speculation_bytes` — what
 /// speculative updates of gated steps would keep there (a second buffer of each host-kept
 /// chunk's states, the parameters from before of each NVMe-kept chunk with device parameters;
-/// 0 when steps are not gated) — and never less than kStateStagingShare of it. Nothing else
+/// 0 when steps are not gated) — and never less than kStateStagingShare of it. The state
+/// staging is the last fixed allocation (the parameter staging comes before it), nothing else
 /// draws on the budget once the engine is created, and a read-ahead that covers more of a step
 /// is what keeps the drives busy while forward runs.
 uint64_t StateStagingRoom(uint64_t host_free_bytes, uint64_t speculation_bytes);

@@ -124,6 +124,29 @@ TEST(EngineTest, RanksOnANodeShareTheAutomaticHostBudget) {
   for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}) unsetenv(name);
 }
 
+// Automatic state staging takes the host budget that is left, but not the parameter staging
+// buffers' share: with parameters on NVMe too, a budget a page short of 7 state buffers and
+// the parameter pool gets 6 state buffers, not 7 and a failed Create.
+TEST(EngineTest, AutomaticStateStagingLeavesRoomForTheParameterStaging) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);  // Six chunks: 7 buffers would be all.
+  const auto specs = model.Specs();
+  auto device = MakeDevice(64 << 20);
+  EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kNvme}, nvme.path());
+  options.host.optimizer_buffer_count = 7;
+  const uint64_t seven = std::move(Engine::Create(options, *device, specs))
+                             .value()
+                             ->tier_usage(Tier::kHost)
+                             .used_bytes;
+  options.host.optimizer_buffer_count = 0;  // Automatic.
+  options.host.pinned_memory_bytes = seven - 4096;
+  options.host.buffer_size = 4096;  // DeepSpeed's aio buffer, checked against the budget.
+  auto engine = Engine::Create(options, *device, specs);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const uint64_t state_buffer = 5120 * 12;  // One fp32 chunk's master and moments.
+  EXPECT_EQ((*engine)->tier_usage(Tier::kHost).used_bytes, seven - state_buffer);
+}
+
 TEST(EngineTest, StatesFillMaxStatesInHostAndSpillTheRestToNvme) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
