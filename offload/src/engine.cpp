@@ -54,6 +54,9 @@ Engine::Impl::~Impl() {
   // everything else started (a step, updates begun during backward, fetches, preloads) ends.
   boost::asio::post(loop_.executor(), [this] { pipeline_.Cancel(); });
   WaitIdle();
+  // Collectives still queued would run on the chunks' buffers freed below: the communicator
+  // drains them (or fails them) first.
+  environment_.communicator.reset();
   // Copies queued on the device's streams (even by a Create that failed half-way) read and
   // write buffers freed below.
   device_.Synchronize().IgnoreError();

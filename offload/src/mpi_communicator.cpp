@@ -6,11 +6,15 @@
 #if STRATA_WITH_MPI
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -37,45 +41,63 @@ using Clock = std::chrono::steady_clock;
 std::string MpiErrorText(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
     return "MPI error " + std::to_string(code);
+  }
   return std::string(text, size_t(length));
 }
 
-/// The one thread of the process that calls MPI. It initializes MPI when it starts, unless the
-/// trainer did, and finalizes it at process exit — unless a collective that timed out is still
-/// not complete a few seconds later (its peer is dead): then it leaves MPI as it is, so that the
-/// process exits and mpirun takes the job down instead of every rank hanging in MPI_Finalize.
+std::string Seconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g s", seconds);
+  return text;
+}
+
+/// The one thread of the process that calls MPI, shared by every communicator: it runs their
+/// jobs one at a time in the order posted. It initializes MPI when it starts (for every thread,
+/// MPI_THREAD_MULTIPLE), unless the trainer did, and finalizes it at process exit (an atexit
+/// handler; the object itself is never destroyed, so a communicator that outlives the handler
+/// finds it stopped rather than freed) — unless the trainer finalized MPI already, or a
+/// collective that timed out is still not complete a few seconds later (its peer is dead): then
+/// it leaves MPI as it is, so the process exits and mpirun takes the job down instead of every
+/// rank hanging in MPI_Finalize.
 class MpiThread {
  public:
   static MpiThread& Get() {
-    static MpiThread thread;
-    return thread;
+    static MpiThread* const thread = [] {
+      auto* created = new MpiThread;
+      std::atexit([] { Get().Stop(); });
+      return created;
+    }();
+    return *thread;
   }
 
   /// How starting MPI went.
   const Status& started() const { return started_; }
+  bool on_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
-  /// Runs `job` on the MPI thread after every job posted before it.
-  void Post(std::function<void()> job) {
+  /// Runs `job` on the MPI thread after every job posted before it; false (and `job` dropped)
+  /// once the thread stopped at exit.
+  bool Post(std::function<void()> job) {
     std::lock_guard lock(mutex_);
+    if (stopping_) return false;
     jobs_.push_back(std::move(job));
     wake_.notify_one();
+    return true;
   }
 
-  /// Runs `job` there and waits for its result.
-  template <typename T>
-  T Call(std::function<T()> job) {
-    std::packaged_task<T()> task(std::move(job));
-    std::future<T> result = task.get_future();
-    Post([&task] { task(); });
-    return result.get();
+  /// A collective that timed out, with what it may still write: MPI is finalized only if it
+  /// completes after all. MPI thread.
+  void Abandon(MPI_Request request, std::shared_ptr<void> buffers) {
+    abandoned_.push_back({request, std::move(buffers)});
   }
-
-  /// A collective that timed out: MPI is finalized only if it completes after all. MPI thread.
-  void Abandon(MPI_Request request) { abandoned_.push_back(request); }
 
  private:
+  struct Abandoned {
+    MPI_Request request;
+    std::shared_ptr<void> buffers;  // Kept for MPI to write into until the process ends.
+  };
+
   MpiThread() {
     std::promise<Status> started;
     std::future<Status> result = started.get_future();
@@ -83,13 +105,19 @@ class MpiThread {
     started_ = result.get();
   }
 
-  ~MpiThread() {
+  /// Runs the jobs posted so far, then finalizes MPI. From exit on the MPI thread itself (a
+  /// callback that exits), it cannot wait for itself: MPI is left as it is.
+  void Stop() {
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
       wake_.notify_one();
     }
-    thread_.join();
+    if (on_thread()) {
+      thread_.detach();
+    } else if (thread_.joinable()) {
+      thread_.join();
+    }
   }
 
   void Main(std::promise<Status>& started) {
@@ -109,8 +137,9 @@ class MpiThread {
                                           "of its own, so initialize it with that level"));
     } else {
       int provided = MPI_THREAD_SINGLE;
-      const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+      const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
       owner = code == MPI_SUCCESS;
+      // Below MULTIPLE, only this thread may call MPI: enough for Strata, which says so.
       started.set_value(owner ? Status() : Internal("MPI_Init_thread: " + MpiErrorText(code)));
     }
     for (;;) {
@@ -124,15 +153,17 @@ class MpiThread {
       }
       job();
     }
-    if (owner && AbandonedComplete()) MPI_Finalize();
+    MPI_Finalized(&finalized);
+    if (owner && !finalized && AbandonedComplete()) MPI_Finalize();
   }
 
   /// Whether every abandoned collective completed, given a grace period for late peers.
   bool AbandonedComplete() {
     const auto deadline = Clock::now() + std::chrono::seconds(5);
-    for (MPI_Request& request : abandoned_) {
+    for (Abandoned& abandoned : abandoned_) {
       int finished = 0;
-      while (MPI_Test(&request, &finished, MPI_STATUS_IGNORE) == MPI_SUCCESS && !finished) {
+      while (MPI_Test(&abandoned.request, &finished, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+             !finished) {
         if (Clock::now() > deadline) return false;
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
@@ -145,20 +176,20 @@ class MpiThread {
   std::condition_variable wake_;
   std::deque<std::function<void()>> jobs_;
   bool stopping_ = false;
-  std::vector<MPI_Request> abandoned_;  // MPI thread only.
+  std::vector<Abandoned> abandoned_;  // MPI thread only.
   Status started_;
   std::thread thread_;
 };
 
 /// Element-wise reductions of 16-bit floats, which MPI has no type for: each pair is reduced
-/// in fp32 and rounded back once.
+/// in fp32 and rounded back once. A NaN wins a max, as it does a sum.
 template <float (*ToFp32)(uint16_t), uint16_t (*FromFp32)(float), bool kMax>
 void Reduce16(void* in, void* inout, int* length, MPI_Datatype* /*type*/) {
   const auto* a = static_cast<const uint16_t*>(in);
   auto* b = static_cast<uint16_t*>(inout);
   for (int i = 0; i < *length; ++i) {
     const float x = ToFp32(a[i]), y = ToFp32(b[i]);
-    b[i] = FromFp32(kMax ? std::fmax(x, y) : x + y);
+    b[i] = FromFp32(kMax ? (std::isnan(x) || x > y ? x : y) : x + y);
   }
 }
 
@@ -188,116 +219,171 @@ const MpiTypes& Types() {  // MPI thread only.
   return types;
 }
 
+/// Polls `request` until it completes or `timeout_seconds` pass. MPI thread. On a timeout the
+/// request is handed to the MPI thread with `buffers`, which MPI may still write.
+Status Await(MPI_Request request, double timeout_seconds, const std::string& name,
+             std::shared_ptr<void> buffers) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_seconds);
+  auto pause = std::chrono::microseconds(0);
+  for (;;) {
+    int finished = 0;
+    if (const int code = MPI_Test(&request, &finished, MPI_STATUS_IGNORE); code != MPI_SUCCESS) {
+      return Internal(name + " failed: " + MpiErrorText(code));
+    }
+    if (finished) return Status();
+    if (Clock::now() > deadline) {
+      MpiThread::Get().Abandon(request, std::move(buffers));
+      return Unavailable(name + " did not complete within " + Seconds(timeout_seconds) +
+                         ": another rank died or stopped enqueueing the same collectives "
+                         "(MpiCommunicatorOptions::timeout_seconds)");
+    }
+    // Short collectives finish within the first polls; long ones are polled at most 1 ms
+    // apart.
+    if (pause.count() > 0) std::this_thread::sleep_for(pause);
+    pause = std::min(std::chrono::microseconds(1000),
+                     pause + std::chrono::microseconds(pause.count() < 50 ? 5 : 50));
+  }
+}
+
+/// What a communicator's queued jobs share with it: they may outlive it (the last owner of a
+/// communicator can be one of its own callbacks, on the MPI thread).
+struct CommState {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0;
+  int size = 1;
+  double timeout_seconds = 0;
+  // MPI thread only: the first failure, which every later collective reports, and whether a
+  // collective timed out (the communicator then stays: freeing it under a request MPI may
+  // still complete crashes its progress engine).
+  Status failed;
+  bool timed_out = false;
+};
+
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, int rank, int size, double timeout_seconds)
-      : comm_(comm), rank_(rank), size_(size), timeout_seconds_(timeout_seconds) {}
+  explicit MpiCommunicator(std::shared_ptr<CommState> state) : state_(std::move(state)) {}
 
   ~MpiCommunicator() override {
-    // Behind every collective enqueued: they run (or fail) first. A communicator with a
-    // collective that timed out stays: MPI may still complete it, and freeing its
-    // communicator under it crashes MPI's progress engine.
-    MpiThread::Get().Call<int>([this] {
-      MPI_Comm comm = comm_;
-      return timed_out_ ? MPI_SUCCESS : MPI_Comm_free(&comm);
+    // Behind every collective enqueued: they run (or fail) first. Waited for, unless this is
+    // the MPI thread (a callback held the last reference), which cannot wait for itself.
+    auto freed = std::make_shared<std::promise<void>>();
+    std::future<void> done = freed->get_future();
+    const bool posted = MpiThread::Get().Post([state = state_, freed] {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && !state->timed_out) MPI_Comm_free(&state->comm);
+      freed->set_value();
     });
+    if (posted && !MpiThread::Get().on_thread()) done.wait();
   }
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  int rank() const override { return state_->rank; }
+  int size() const override { return state_->size; }
 
   void AllReduce(void* data, size_t count, DType dtype, ReduceOp op, CollectiveReady ready,
                  CollectiveDone done) override {
-    Enqueue("all-reduce of " + std::to_string(count) + " elements", std::move(ready),
-            std::move(done), [=, this](MPI_Request* request) {
+    Enqueue("all-reduce of " + std::to_string(count) + " elements", count, std::move(ready),
+            std::move(done), [=](MPI_Comm comm, MPI_Request* request) {
               return MPI_Iallreduce(MPI_IN_PLACE, data, int(count), Types().Type(dtype),
-                                    Types().Op(dtype, op), comm_, request);
+                                    Types().Op(dtype, op), comm, request);
             });
   }
 
   void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
                      CollectiveReady ready, CollectiveDone done) override {
     Enqueue("reduce-scatter of " + std::to_string(recv_count) + " elements per rank",
-            std::move(ready), std::move(done), [=, this](MPI_Request* request) {
+            recv_count * size_t(size()), std::move(ready), std::move(done),
+            [=](MPI_Comm comm, MPI_Request* request) {
               return MPI_Ireduce_scatter_block(send, recv, int(recv_count), Types().Type(dtype),
-                                               Types().Op(dtype, op), comm_, request);
+                                               Types().Op(dtype, op), comm, request);
             });
   }
 
   void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                  CollectiveReady ready, CollectiveDone done) override {
-    Enqueue("all-gather of " + std::to_string(send_count) + " elements per rank", std::move(ready),
-            std::move(done), [=, this](MPI_Request* request) {
+    Enqueue("all-gather of " + std::to_string(send_count) + " elements per rank",
+            send_count * size_t(size()), std::move(ready), std::move(done),
+            [=](MPI_Comm comm, MPI_Request* request) {
               return MPI_Iallgather(send, int(send_count), Types().Type(dtype), recv,
-                                    int(send_count), Types().Type(dtype), comm_, request);
+                                    int(send_count), Types().Type(dtype), comm, request);
             });
   }
 
   void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
                         CollectiveDone done) override {
-    Enqueue("all-reduce of " + std::to_string(values.size()) + " step scalars", std::move(ready),
-            std::move(done), [=, this](MPI_Request* request) {
-              return MPI_Iallreduce(MPI_IN_PLACE, values.data(), int(values.size()), MPI_DOUBLE,
-                                    op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_, request);
-            });
+    // MPI works on a copy the job owns, copied back on success: a collective that times out
+    // may complete later, and the caller's span (a local, often) is gone by then.
+    auto copy = std::make_shared<std::vector<double>>();
+    Enqueue(
+        "all-reduce of " + std::to_string(values.size()) + " step scalars", values.size(),
+        [ready = std::move(ready), values, copy]() -> Status {
+          Status status = ready ? ready() : Status();
+          copy->assign(values.begin(), values.end());
+          return status;
+        },
+        [done = std::move(done), values, copy](Status status) {
+          if (status.ok()) std::copy(copy->begin(), copy->end(), values.begin());
+          if (done) done(std::move(status));
+        },
+        [copy, op](MPI_Comm comm, MPI_Request* request) {
+          return MPI_Iallreduce(MPI_IN_PLACE, copy->data(), int(copy->size()), MPI_DOUBLE,
+                                op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm, request);
+        },
+        copy);
   }
 
  private:
-  using Start = std::function<int(MPI_Request*)>;
+  using Start = std::function<int(MPI_Comm, MPI_Request*)>;
 
-  void Enqueue(std::string what, CollectiveReady ready, CollectiveDone done, Start start) {
+  /// Queues one collective of `count` elements. `buffers`: what MPI may still write should it
+  /// time out and complete later (kept to the end of the process).
+  void Enqueue(std::string what, size_t count, CollectiveReady ready, CollectiveDone done,
+               Start start, std::shared_ptr<void> buffers = nullptr) {
     const uint64_t number = ++enqueued_;
-    MpiThread::Get().Post([this, number, what = std::move(what), ready = std::move(ready),
-                           done = std::move(done), start = std::move(start)] {
-      Status status = failed_;
-      if (status.ok() && ready) status = ready();
-      if (status.ok()) status = Run(number, what, start);
-      if (!status.ok() && failed_.ok()) failed_ = status;
-      if (done) done(std::move(status));
-    });
+    auto job = [state = state_, number, count, what = std::move(what), ready = std::move(ready),
+                done = std::move(done), start = std::move(start),
+                buffers = std::move(buffers)]() mutable {
+      const std::string name = "rank " + std::to_string(state->rank) + " of " +
+                               std::to_string(state->size) + ": collective #" +
+                               std::to_string(number) + " (" + what + ")";
+      Status status = state->failed;
+      // MPI counts are ints: refused alike on every rank, before any MPI call.
+      if (status.ok() && count > size_t(std::numeric_limits<int>::max())) {
+        status = InvalidArgument(name + " is larger than MPI's int counts allow");
+      }
+      if (status.ok() && ready) {
+        try {
+          status = ready();
+        } catch (const std::exception& e) {
+          status = Internal(name + ": its ready function threw: " + e.what());
+        }
+      }
+      if (status.ok()) {
+        MPI_Request request = MPI_REQUEST_NULL;
+        if (const int code = start(state->comm, &request); code != MPI_SUCCESS) {
+          status = Internal(name + " could not start: " + MpiErrorText(code));
+        } else {
+          status = Await(request, state->timeout_seconds, name, std::move(buffers));
+          if (!status.ok() && status.code() == StatusCode::kUnavailable) state->timed_out = true;
+        }
+      }
+      if (!status.ok() && status.code() != StatusCode::kInvalidArgument && state->failed.ok()) {
+        state->failed = status;
+      }
+      if (!done) return;
+      try {
+        done(std::move(status));
+      } catch (...) {
+        // Nothing to tell: the callback's own failure is its owner's to report.
+      }
+    };
+    if (!MpiThread::Get().Post(std::move(job)) && done) {
+      done(Unavailable("MPI was finalized at process exit"));
+    }
   }
 
-  /// Starts one collective and polls it to completion or to the timeout. MPI thread.
-  Status Run(uint64_t number, const std::string& what, const Start& start) {
-    const std::string name = "rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-                             ": collective #" + std::to_string(number) + " (" + what + ")";
-    MPI_Request request = MPI_REQUEST_NULL;
-    if (const int code = start(&request); code != MPI_SUCCESS) {
-      return Internal(name + " could not start: " + MpiErrorText(code));
-    }
-    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_seconds_);
-    auto pause = std::chrono::microseconds(0);
-    for (;;) {
-      int finished = 0;
-      if (const int code = MPI_Test(&request, &finished, MPI_STATUS_IGNORE); code != MPI_SUCCESS) {
-        return Internal(name + " failed: " + MpiErrorText(code));
-      }
-      if (finished) return Status();
-      if (Clock::now() > deadline) {
-        MpiThread::Get().Abandon(request);
-        timed_out_ = true;
-        return Unavailable(name + " did not complete within " +
-                           std::to_string(int(std::ceil(timeout_seconds_))) +
-                           " s: another rank died or stopped enqueueing the same collectives "
-                           "(MpiCommunicatorOptions::timeout_seconds)");
-      }
-      // Short collectives finish within the first polls; long ones cost a few microseconds
-      // of latency at most 1 ms apart.
-      if (pause.count() > 0) std::this_thread::sleep_for(pause);
-      pause = std::min(std::chrono::microseconds(1000),
-                       pause + std::chrono::microseconds(pause.count() < 50 ? 5 : 50));
-    }
-  }
-
-  const MPI_Comm comm_;
-  const int rank_;
-  const int size_;
-  const double timeout_seconds_;
+  std::shared_ptr<CommState> state_;
   uint64_t enqueued_ = 0;  // Enqueueing thread.
-  // MPI thread only: the first failure, which every later collective reports, and whether a
-  // collective timed out.
-  Status failed_;
-  bool timed_out_ = false;
 };
 
 }  // namespace
@@ -310,25 +396,38 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicato
   }
   MpiThread& thread = MpiThread::Get();
   STRATA_RETURN_IF_ERROR(thread.started());
-  struct World {
-    int code = MPI_SUCCESS;
-    MPI_Comm comm = MPI_COMM_NULL;
-    int rank = 0, size = 1;
-  };
-  const World world = thread.Call<World>([] {
-    World w;
-    w.code = MPI_Comm_dup(MPI_COMM_WORLD, &w.comm);
-    if (w.code == MPI_SUCCESS) {
-      MPI_Comm_set_errhandler(w.comm, MPI_ERRORS_RETURN);
-      MPI_Comm_rank(w.comm, &w.rank);
-      MPI_Comm_size(w.comm, &w.size);
-      Types();
+  auto state = std::make_shared<CommState>();
+  state->timeout_seconds = options.timeout_seconds;
+  std::promise<Status> created;
+  std::future<Status> result = created.get_future();
+  const bool posted = thread.Post([state, &created] {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {
+      created.set_value(Unavailable("MPI was finalized in this process"));
+      return;
     }
-    return w;
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (const int code = MPI_Comm_idup(MPI_COMM_WORLD, &state->comm, &request);
+        code != MPI_SUCCESS) {
+      created.set_value(Internal("MPI_Comm_idup: " + MpiErrorText(code)));
+      return;
+    }
+    Status status =
+        Await(request, state->timeout_seconds, "creating a communicator (MPI_Comm_idup)", nullptr);
+    if (status.ok()) {
+      MPI_Comm_set_errhandler(state->comm, MPI_ERRORS_RETURN);
+      MPI_Comm_rank(state->comm, &state->rank);
+      MPI_Comm_size(state->comm, &state->size);
+      Types();
+    } else {
+      state->timed_out = true;
+    }
+    created.set_value(std::move(status));
   });
-  if (world.code != MPI_SUCCESS) return Internal("MPI_Comm_dup: " + MpiErrorText(world.code));
-  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(
-      world.comm, world.rank, world.size, options.timeout_seconds));
+  if (!posted) return Unavailable("MPI was finalized at process exit");
+  STRATA_RETURN_IF_ERROR(result.get());
+  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(std::move(state)));
 }
 
 #endif  // STRATA_WITH_MPI

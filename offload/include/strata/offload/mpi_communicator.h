@@ -2,16 +2,21 @@
 // by mpirun or srun. It is what HostDevice shards with, so every sharded path runs and is
 // tested on a machine without GPUs.
 //
-// One thread per process makes every MPI call, in the order collectives were enqueued: MPI is
-// initialized there (MPI_THREAD_FUNNELED) on first use and finalized at process exit, so a
-// trainer that never touches MPI itself needs nothing more. A trainer that initialized MPI
-// before must have asked for MPI_THREAD_MULTIPLE, since its calls and this thread's may overlap.
+// One thread per process makes every MPI call, for every MPI communicator, one collective at a
+// time in the order they were enqueued (across communicators too: enqueue the collectives of
+// different communicators in the same order on every rank, as with NCCL communicators that
+// share a stream). MPI is initialized there for every thread (MPI_THREAD_MULTIPLE) on first
+// use and finalized at process exit, so a trainer that never touches MPI needs nothing more and
+// one that does may call it from its own threads. A trainer that initialized MPI before must
+// have asked for MPI_THREAD_MULTIPLE; one that finalizes it itself may, and the communicators
+// left then do nothing.
 //
 // Each collective is nonblocking MPI polled until done or until the timeout: a peer that died
 // or stopped enqueueing collectives becomes an error naming the collective and the wait, where
 // a blocking call would hang every rank. MPI cannot cancel a collective, so one that timed out
 // may still write its output buffers should the peer come back: after such an error, keep
-// them alive and exit (every later collective fails the same way).
+// them alive and exit (every later collective fails the same way). AllReduceScalars works on a
+// copy of its own, so its span need not outlive the error.
 #pragma once
 
 #include <memory>
@@ -30,9 +35,11 @@ struct MpiCommunicatorOptions {
 /// Whether this build has MPI (STRATA_WITH_MPI).
 bool MpiAvailable();
 
-/// A communicator over MPI_COMM_WORLD (a duplicate of it). Errors: Unavailable in a build
-/// without MPI, or when MPI was finalized or initialized by the trainer below
-/// MPI_THREAD_MULTIPLE; InvalidArgument for a timeout <= 0; Internal when MPI fails to start.
+/// A communicator over MPI_COMM_WORLD (a duplicate of it). Collective: every rank creates its
+/// communicators in the same order, and not from a collective's callback. Errors: Unavailable in a
+/// build without MPI, or when MPI was finalized or initialized by the trainer below
+/// MPI_THREAD_MULTIPLE, or when the other ranks do not join within the timeout;
+/// InvalidArgument for a timeout <= 0; Internal when MPI fails to start.
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicatorOptions& options);
 
 }  // namespace strata::offload
