@@ -65,6 +65,7 @@ std::vector<int> ExpandTasksPerNode(std::string_view text) {
 
 struct Launcher {
   const char* name;
+  const char* trigger;  ///< Set in the environment of the processes it starts.
   const char* rank;
   const char* size;
   const char* local_rank;  ///< nullptr: not given by this launcher.
@@ -72,28 +73,34 @@ struct Launcher {
 };
 
 constexpr Launcher kLaunchers[] = {
-    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    {"srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
-    {"pmix", "PMIX_RANK", "PMIX_SIZE", nullptr, nullptr},
+    {"torchrun", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"torchrun", "RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
+     nullptr},
+    {"pmix", "PMIX_RANK", "PMIX_RANK", "PMIX_SIZE", nullptr, nullptr},
 };
 
 }  // namespace
 
 Result<RankInfo> DetectRanks(const GetEnv& getenv) {
   for (const Launcher& launcher : kLaunchers) {
-    if (getenv(launcher.rank) == nullptr) continue;
+    if (getenv(launcher.trigger) == nullptr) continue;
     RankInfo info;
     info.launcher = launcher.name;
     STRATA_ASSIGN_OR_RETURN(std::optional<int> size, ReadInt(getenv, launcher.size, 1, kMaxRanks));
     if (!size) {
-      return InvalidArgument(std::string(launcher.rank) + " is set but " + launcher.size +
+      return InvalidArgument(std::string(launcher.trigger) + " is set but " + launcher.size +
                              " is not: cannot tell how many ranks there are");
     }
     info.size = *size;
     STRATA_ASSIGN_OR_RETURN(std::optional<int> rank,
                             ReadInt(getenv, launcher.rank, 0, info.size - 1));
+    if (!rank) {
+      return InvalidArgument(std::string(launcher.trigger) + " is set but " + launcher.rank +
+                             " is not: cannot tell which rank this is");
+    }
     info.rank = *rank;
     info.local_rank = info.rank;
     info.local_size = info.size;
@@ -102,16 +109,16 @@ Result<RankInfo> DetectRanks(const GetEnv& getenv) {
     if (launcher.local_size != nullptr) {
       STRATA_ASSIGN_OR_RETURN(local_size, ReadInt(getenv, launcher.local_size, 1, info.size));
     } else if (launcher.name == std::string_view("srun")) {
-      const char* per_node = getenv("SLURM_TASKS_PER_NODE");
+      const char* per_node = getenv("SLURM_STEP_TASKS_PER_NODE");
       STRATA_ASSIGN_OR_RETURN(std::optional<int> node,
                               ReadInt(getenv, "SLURM_NODEID", 0, kMaxRanks));
       const std::vector<int> counts = ExpandTasksPerNode(per_node ? per_node : "");
       if (per_node != nullptr && counts.empty()) {
-        return InvalidArgument(std::string("SLURM_TASKS_PER_NODE=\"") + per_node +
+        return InvalidArgument(std::string("SLURM_STEP_TASKS_PER_NODE=\"") + per_node +
                                "\" is not a list of counts such as \"2(x3),1\"");
       }
       if (node && size_t(*node) < counts.size()) local_size = std::min(counts[*node], info.size);
-      local_size_source = "SLURM_TASKS_PER_NODE";
+      local_size_source = "SLURM_STEP_TASKS_PER_NODE";
     }
     if (local_size) info.local_size = *local_size;
     if (launcher.local_rank != nullptr) {

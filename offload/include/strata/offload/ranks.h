@@ -24,18 +24,21 @@ struct RankInfo {
 };
 
 /// Reads the rank from the environment, through `getenv` (the process's by default; tests pass
-/// their own). Checked in this order, the first launcher whose rank variable is set wins:
+/// their own). The innermost launcher wins, checked in this order:
+///   torchrun: when TORCHELASTIC_RUN_ID is set (torchrun under mpirun or srun): RANK,
+///             WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
 ///   mpirun:   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
-///   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (before Slurm's: torchrun under
-///             srun starts several ranks per Slurm task)
-///   srun:     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and this node's count in
-///             SLURM_TASKS_PER_NODE ("2(x3),1": two on each of the first three nodes, one on
-///             the fourth) at SLURM_NODEID
+///   others that set RANK (DeepSpeed's launcher): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
+///   srun:     a job step's SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, and this node's
+///             count in SLURM_STEP_TASKS_PER_NODE ("2(x3),1": two on each of the first three
+///             nodes, one on the fourth) at SLURM_NODEID. A batch script's own environment
+///             (SLURM_NTASKS without a step) names the allocation, not ranks: one process.
 ///   PMIx:     PMIX_RANK, with the size from PMIX_SIZE (PMIx launchers other than the above)
 /// Where the local rank or size is not given, every rank counts as on this node (local rank =
 /// rank, local size = size): per-node shares of memory and cores then err on the small side.
 /// Errors: InvalidArgument naming the variable when one is not a number in range (a rank not
-/// below the size, a size below 1) or the size is missing where the rank is set.
+/// below the size, a size below 1), or the size or rank is missing where the launcher's mark
+/// is set.
 Result<RankInfo> DetectRanks(const std::function<const char*(const char*)>& getenv =
                                  [](const char* name) { return std::getenv(name); });
 
