@@ -45,11 +45,23 @@ int DeviceChunkSlots(const PipelineBenchmarkOptions& o) {
   return std::min(o.chunks, EngineOptions().placement.prefetch_depth + 2);
 }
 
-/// HostDevice with room for DeviceChunkSlots chunks' parameters and gradients, copies at
-/// copy_gbps.
+/// Device memory: DeviceChunkSlots chunks' parameters and gradients.
+uint64_t DeviceBytes(const PipelineBenchmarkOptions& o) {
+  return 2 * o.chunk_bytes * uint64_t(DeviceChunkSlots(o)) + kMiB;
+}
+
+/// HostDevice with DeviceBytes of memory, copies at copy_gbps.
 Result<std::unique_ptr<Device>> CreateBenchmarkDevice(const PipelineBenchmarkOptions& o) {
-  return CreateHostDevice({.memory_budget_bytes = 2 * o.chunk_bytes * DeviceChunkSlots(o) + kMiB,
-                           .copy_bytes_per_second = o.copy_gbps * 1e9});
+  return CreateHostDevice(
+      {.memory_budget_bytes = DeviceBytes(o), .copy_bytes_per_second = o.copy_gbps * 1e9});
+}
+
+/// The engine's host budget: the automatic one, less the device's memory, which on HostDevice
+/// comes out of the same RAM (a GPU's would not): otherwise automatic staging could fill the
+/// budget on top of a large model's "device" memory and run the machine out of memory.
+uint64_t EngineHostBudget(const PipelineBenchmarkOptions& o) {
+  const uint64_t automatic = HostBudgetBytes(EngineOptions());
+  return automatic - std::min(automatic / 2, DeviceBytes(o));
 }
 
 /// Host->device copies a step makes of each chunk: the upload of its updated parameters, or with
@@ -154,7 +166,7 @@ int EngineStateBuffers(const PipelineBenchmarkOptions& o, size_t numel, int nvme
   const uint64_t per_chunk =
       chunk * (2 + (o.params == Tier::kHost ? 1 : 0) + (o.delayed_update ? 1 : 0));
   const uint64_t used = per_chunk * uint64_t(o.chunks) + states * uint64_t(host_kept);
-  const uint64_t budget = HostBudgetBytes(options);
+  const uint64_t budget = EngineHostBudget(o);
   const uint64_t free = budget - std::min(budget, used);
   const bool gated = o.gradient_clipping > 0 || o.working_dtype == DType::kFp16;
   uint64_t speculation = 0;
@@ -396,6 +408,7 @@ Result<PipelineBenchmarkResult> RunPipelineBenchmark(const PipelineBenchmarkOpti
   options.placement.chunk_bytes = o.chunk_bytes;
   options.optimizer.cpu_threads = o.threads;
   options.host.optimizer_buffer_count = o.state_buffers;
+  options.host.pinned_memory_bytes = EngineHostBudget(o);
   options.optimizer.gradient_clipping = o.gradient_clipping;
   options.optimizer.speculative_updates = o.speculative_updates;
   options.optimizer.delayed_update = o.delayed_update;

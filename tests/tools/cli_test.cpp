@@ -239,6 +239,10 @@ TEST(CliTest, BenchPipelineWithParametersOnHostFetchesEachChunkTwice) {
   // Parameters (twice: the update writes a second copy), gradients and the state staging.
   EXPECT_GE(j["host_peak_bytes"].get<uint64_t>(), 3u * 6 * (256u << 10));
   EXPECT_LE(j["host_peak_bytes"].get<uint64_t>(), j["host_budget_bytes"].get<uint64_t>());
+  // HostDevice's memory is RAM too: the engine's automatic budget leaves it out.
+  const uint64_t device_bytes = 2u * 4 * (256u << 10) + (1u << 20);  // 4 chunk slots.
+  EXPECT_EQ(j["host_budget_bytes"].get<uint64_t>(),
+            j["physical_memory_bytes"].get<uint64_t>() / 100 * 80 - device_bytes);
   EXPECT_GT(j["peak_rss_bytes"].get<uint64_t>(), 0u);
   EXPECT_GT(j["physical_memory_bytes"].get<uint64_t>(), j["peak_rss_bytes"].get<uint64_t>());
 }

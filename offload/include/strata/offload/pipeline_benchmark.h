@@ -10,7 +10,8 @@
 // on NVMe.
 //
 // The NVMe reads and writes of a step share the same drives, so the "nvme" resource is their sum;
-// both are reported separately too.
+// both are reported separately too. HostDevice's memory is host RAM, so the engine's automatic
+// host budget is taken less the device's memory.
 #pragma once
 
 #include <cstdint>
