@@ -184,6 +184,18 @@ TEST(CliTest, BenchPipelineMeasuresEveryResourceAndTheStep) {
       EXPECT_GT(resources[name]["seconds"].get<double>(), 0.0) << name;
     }
     EXPECT_EQ(resources.contains("nvme_read"), std::string(tier) == "nvme");
+    if (std::string(tier) == "nvme") {
+      // Timed before the steps and after them: the reference is the mean.
+      const double before = j["nvme_before_seconds"].get<double>();
+      const double after = j["nvme_after_seconds"].get<double>();
+      EXPECT_GT(before, 0.0);
+      EXPECT_GT(after, 0.0);
+      EXPECT_NEAR(resources["nvme_read"]["seconds"].get<double>() +
+                      resources["nvme_write"]["seconds"].get<double>(),
+                  (before + after) / 2, 1e-9);
+    } else {
+      EXPECT_EQ(j["nvme_after_seconds"].get<double>(), 0.0);
+    }
     // Compute alone is 3 chunks x (2 + 3) ms of sleeping.
     EXPECT_GE(resources["compute"]["seconds"].get<double>(), 0.015);
     ASSERT_EQ(j["step_seconds"].size(), 3u);

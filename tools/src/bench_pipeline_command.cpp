@@ -54,6 +54,10 @@ void PrintTable(const PipelineBenchmarkOptions& o, const PipelineBenchmarkResult
       std::printf("  %-26s %12.4f\n", resource.name.c_str(), resource.seconds);
     }
   }
+  if (r.nvme_after_seconds > 0) {
+    std::printf("\n  (nvme alone: %.4f s before the engine steps, %.4f s after; the mean above)",
+                r.nvme_before_seconds, r.nvme_after_seconds);
+  }
   std::printf("\n  %-26s %12.4f  (%s)\n", "slowest resource", r.slowest_seconds, r.slowest.c_str());
   std::printf("  %-26s %12.4f\n", "serial sum (no overlap)", r.serial_seconds);
   std::printf("  %-26s %12.4f  (median of %zu)\n", "engine step", r.step_median_seconds,
@@ -106,6 +110,8 @@ nlohmann::ordered_json ToJson(const PipelineBenchmarkOptions& o, const PipelineB
   j["ratio_to_slowest"] = r.ratio_to_slowest;
   j["ratio_to_serial"] = r.ratio_to_serial;
   j["rolled_back_steps"] = r.rolled_back_steps;
+  j["nvme_before_seconds"] = r.nvme_before_seconds;
+  j["nvme_after_seconds"] = r.nvme_after_seconds;
   j["host_budget_bytes"] = r.host_budget_bytes;
   j["host_peak_bytes"] = r.host_peak_bytes;
   j["peak_rss_bytes"] = r.peak_rss_bytes;

@@ -10,7 +10,8 @@
 // on NVMe.
 //
 // The NVMe reads and writes of a step share the same drives, so the "nvme" resource is their sum;
-// both are reported separately too. HostDevice's memory is host RAM, so the engine's automatic
+// both are reported separately too, each the mean of a timing before the engine steps and one
+// after them (drives drift). HostDevice's memory is host RAM, so the engine's automatic
 // host budget is taken less the device's memory.
 #pragma once
 
@@ -94,7 +95,11 @@ struct PipelineBenchmarkResult {
   double ratio_to_slowest = 0.0;  ///< step_median / slowest (target <= 1.10 / 1.15).
   double ratio_to_serial = 0.0;   ///< step_median / serial.
   int rolled_back_steps = 0;      ///< Timed steps whose speculative updates were rolled back.
-  uint64_t params = 0;            ///< Parameters of the synthetic model.
+  /// NVMe alone (read + write), timed before the engine steps and again after them: the drives'
+  /// speed drifts, so the nvme resources are the mean of the two. 0 without NVMe.
+  double nvme_before_seconds = 0.0;
+  double nvme_after_seconds = 0.0;
+  uint64_t params = 0;  ///< Parameters of the synthetic model.
   /// The engine's host memory budget and the most of it in use during the engine steps.
   uint64_t host_budget_bytes = 0;
   uint64_t host_peak_bytes = 0;
