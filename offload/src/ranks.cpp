@@ -79,7 +79,9 @@ constexpr Launcher kLaunchers[] = {
     {"torchrun", "RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
     {"srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
      nullptr},
-    {"pmix", "PMIX_RANK", "PMIX_RANK", "PMIX_SIZE", nullptr, nullptr},
+    // PMIx exports no size: Open MPI 5's launcher (PRRTE) sets PMIX_RANK and
+    // OMPI_COMM_WORLD_SIZE, not always OMPI_COMM_WORLD_RANK.
+    {"pmix", "PMIX_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", nullptr, nullptr},
 };
 
 }  // namespace

@@ -65,10 +65,11 @@ TEST(RanksTest, EachLauncherIsRead) {
   ASSERT_TRUE(second_node.ok()) << second_node.status().ToString();
   EXPECT_EQ(second_node->local_size, 2);
 
-  auto pmix = Detect({{"PMIX_RANK", "2"}, {"PMIX_SIZE", "3"}});
+  auto pmix = Detect({{"PMIX_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"}});
   ASSERT_TRUE(pmix.ok()) << pmix.status().ToString();
   EXPECT_EQ(pmix->launcher, "pmix");
   EXPECT_EQ(pmix->rank, 2);
+  EXPECT_EQ(pmix->size, 3);  // Open MPI 5: PMIX_RANK and OMPI_COMM_WORLD_SIZE, no PMIx size.
 }
 
 // torchrun under srun or mpirun starts several ranks per task: its own variables say who a
@@ -107,7 +108,7 @@ TEST(RanksTest, TheLauncherThatStartedTheProcessWins) {
 // Without the node's count every rank is taken to share this node: per-node shares are then
 // too small, never too large.
 TEST(RanksTest, AMissingLocalSizeCountsEveryRankAsLocal) {
-  auto info = Detect({{"PMIX_RANK", "1"}, {"PMIX_SIZE", "4"}});
+  auto info = Detect({{"PMIX_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"}});
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_EQ(info->local_rank, 1);
   EXPECT_EQ(info->local_size, 4);

@@ -33,7 +33,8 @@ struct RankInfo {
 ///             count in SLURM_STEP_TASKS_PER_NODE ("2(x3),1": two on each of the first three
 ///             nodes, one on the fourth) at SLURM_NODEID. A batch script's own environment
 ///             (SLURM_NTASKS without a step) names the allocation, not ranks: one process.
-///   PMIx:     PMIX_RANK, with the size from PMIX_SIZE (PMIx launchers other than the above)
+///   PMIx:     PMIX_RANK, with the size from OMPI_COMM_WORLD_SIZE (PMIx defines no size
+///             variable; Open MPI 5's launcher sets these two)
 /// Where the local rank or size is not given, every rank counts as on this node (local rank =
 /// rank, local size = size): per-node shares of memory and cores then err on the small side.
 /// Errors: InvalidArgument naming the variable when one is not a number in range (a rank not
