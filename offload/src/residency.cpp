@@ -142,24 +142,41 @@ Status Residency::WaitForTrainerUse() {
   return Status();
 }
 
-Residency::Memory Residency::DropLocked(Copy& copy) {
+void Residency::DropLocked(Copy& copy) {
   copy.state = State::kAbsent;
-  return std::exchange(copy.memory, Memory());
+  spare_.push_back(std::exchange(copy.memory, Memory()));
+}
+
+std::optional<Residency::Memory> Residency::TakeSpareLocked(uint64_t slot_bytes, size_t param_bytes,
+                                                            bool grads) {
+  for (auto it = spare_.begin(); it != spare_.end(); ++it) {
+    if (it->slot.bytes() == slot_bytes && it->params.size() == param_bytes &&
+        it->grads.valid() == grads) {
+      Memory memory = std::move(*it);
+      spare_.erase(it);
+      return memory;
+    }
+  }
+  return std::nullopt;
+}
+
+void Residency::FreeSpareLocked(std::unique_lock<std::mutex>& lock) {
+  Memory freed = std::move(spare_.back());
+  spare_.pop_back();
+  // Freeing device memory may wait for the device (cudaFree does): not under the lock.
+  lock.unlock();
+  freed = Memory();
+  lock.lock();
 }
 
 void Residency::Drop(const std::vector<size_t>& chunks) {
-  std::vector<Memory> dropped;
-  {
-    std::lock_guard lock(mutex_);
-    for (size_t i : chunks) {
-      if (!engine_.chunks_[i].params_offloaded()) continue;
-      Copy& copy = copies_[i];
-      if (copy.state == State::kFetching) copy.stale = true;
-      if (copy.state == State::kResident) dropped.push_back(DropLocked(copy));
-    }
-  }
-  dropped.clear();  // Freed without the lock.
   std::lock_guard lock(mutex_);
+  for (size_t i : chunks) {
+    if (!engine_.chunks_[i].params_offloaded()) continue;
+    Copy& copy = copies_[i];
+    if (copy.state == State::kFetching) copy.stale = true;
+    if (copy.state == State::kResident) DropLocked(copy);
+  }
   changed_.notify_all();
 }
 
@@ -223,12 +240,12 @@ void Residency::EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock) {
   copy.state = State::kEvicting;
   Memory memory = std::exchange(copy.memory, Memory());
   // The trainer's queued work on the chunk must finish before its memory is reused. Wait, and
-  // free, without the lock: that work may call into the engine. Nothing else moves an evicting
-  // chunk.
+  // without the lock: that work may call into the engine. Nothing else moves an evicting chunk.
+  // Its memory is then spare, for the fetch that evicted it.
   lock.unlock();
   engine_.device_.SynchronizeEvent(copy.released).IgnoreError();
-  memory = Memory();
   lock.lock();
+  spare_.push_back(std::move(memory));
   copy.state = State::kAbsent;
   engine_.m_.evictions->Increment();
 }
@@ -238,7 +255,15 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
   Copy& copy = copies_[chunk];
   TierBudget& budget = engine_.device_budget_;
   const uint64_t bytes = c.device_slot_bytes(engine_.working_dtype());
-  while (!budget.TryReserve(bytes)) {
+  const size_t wbytes = c.working_bytes(engine_.working_size());
+  std::optional<Memory> memory;
+  // Memory of the chunk's size that an eviction or a commit left spare, else new memory within
+  // the budget: spare memory of other sizes goes first, then victims, whose memory may fit.
+  while (!(memory = TakeSpareLocked(bytes, wbytes, !c.frozen())) && !budget.TryReserve(bytes)) {
+    if (!spare_.empty()) {
+      FreeSpareLocked(lock);
+      continue;
+    }
     if (std::optional<size_t> victim = PickVictimLocked(chunk, demand)) {
       EvictLocked(*victim, lock);
       continue;
@@ -264,14 +289,17 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
     WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kDeviceMemory));
     changed_.wait(lock);
   }
-  BudgetReservation slot(&budget, bytes);
-  const size_t wbytes = c.working_bytes(engine_.working_size());
-  STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, engine_.device_.Allocate(wbytes));
-  DeviceBuffer grads;  // A frozen chunk has none.
-  if (!c.frozen()) {
-    STRATA_ASSIGN_OR_RETURN(grads, engine_.device_.Allocate(wbytes));
+  if (!memory) {
+    BudgetReservation slot(&budget, bytes);
+    STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, engine_.device_.Allocate(wbytes));
+    DeviceBuffer grads;  // A frozen chunk has none.
+    if (!c.frozen()) {
+      STRATA_ASSIGN_OR_RETURN(grads, engine_.device_.Allocate(wbytes));
+    }
+    memory =
+        Memory{.slot = std::move(slot), .params = std::move(params), .grads = std::move(grads)};
   }
-  copy.memory = {.slot = std::move(slot), .params = std::move(params), .grads = std::move(grads)};
+  copy.memory = std::move(*memory);
   copy.state = State::kFetching;
   copy.stale = false;
   copy.fetch_status = Status();
@@ -326,13 +354,12 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
     e.m_.h2d_bytes->Increment(double(c.frozen() ? bytes : 2 * bytes));
     e.m_.fetches->Increment();
   }
-  Memory dropped;
   std::lock_guard lock(mutex_);
   if (status.ok() && !copy.stale) {
     copy.state = State::kResident;
   } else {
     copy.fetch_status = status;
-    dropped = DropLocked(copy);
+    DropLocked(copy);
   }
   changed_.notify_all();
 }

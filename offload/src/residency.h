@@ -1,12 +1,12 @@
 // Residency: which chunks' working parameters are on the device for forward and backward, and
 // who is using them (ZeRO-3 style parameter offload).
 //
-// It owns the device copies of offloaded parameters and their gradient buffers, the device
-// budget they take, every chunk's pins (the trainer's, and the gradient copies' that read a
-// chunk's gradient buffer), the release events that mark the trainer's last queued use of a
-// chunk, and the access order recorded in the first step, which predicts the next chunks
-// (prefetch) and each chunk's next use (eviction drops the one used furthest in the future,
-// Belady's rule; least recently used until the order is known).
+// It owns the device copies of offloaded parameters and their gradient buffers (and the memory
+// of those it dropped, for the next fetch), the device budget they take, every chunk's pins (the
+// trainer's, and the gradient copies' that read a chunk's gradient buffer), the release events that
+// mark the trainer's last queued use of a chunk, and the access order recorded in the first step,
+// which predicts the next chunks (prefetch) and each chunk's next use (eviction drops the one used
+// furthest in the future, Belady's rule; least recently used until the order is known).
 //
 // Threads: Acquire, Release and PinGrads run on the trainer thread; fetch completions, UnpinGrads
 // and Drop on the event loop. Its state is guarded by its own mutex, which is never held while
@@ -97,9 +97,12 @@ class Residency {
   Status StartFetchLocked(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock);
   std::optional<size_t> PickVictimLocked(size_t target, bool demand) const;
   void EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock);
-  /// Takes the copy's memory away (to be freed by the caller once the lock is released: freeing
-  /// device memory may wait for the device).
-  Memory DropLocked(Copy& copy);
+  /// Takes the copy's memory away, into spare_.
+  void DropLocked(Copy& copy);
+  /// Spare memory of exactly this shape, if there is some.
+  std::optional<Memory> TakeSpareLocked(uint64_t slot_bytes, size_t param_bytes, bool grads);
+  /// Frees one spare copy's memory (and its budget), without the lock.
+  void FreeSpareLocked(std::unique_lock<std::mutex>& lock);
   size_t NextUseLocked(size_t chunk) const;  // Distance in the recorded order; max() = never.
   void RecordAccessLocked(size_t chunk);
   void PrefetchLocked(std::unique_lock<std::mutex>& lock);
@@ -109,6 +112,11 @@ class Residency {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Copy> copies_;
+  // Device memory of copies evicted or dropped (nothing on the device uses it any more), kept
+  // with its budget for the next fetch of the same size: allocating per fetch costs a
+  // cudaMalloc and a cudaFree, which waits for the whole device, and on HostDevice a fresh
+  // mapping whose every page faults on first touch. Freed when a fetch needs room it lacks.
+  std::vector<Memory> spare_;
   uint64_t use_tick_ = 0;
   bool recording_ = true;  // The first step records the order of Acquire calls.
   std::vector<size_t> order_;

@@ -450,6 +450,29 @@ TEST(EngineContractTest, FetchesCountEveryByteTheyUpload) {
   EXPECT_EQ(counters.host_to_device_bytes, counters.fetches * 2 * chunk_bytes);
 }
 
+// A fetch reuses the device memory of a copy evicted or dropped before it, where the sizes
+// match: allocating per fetch costs a cudaMalloc and a cudaFree (which waits for the whole
+// device) on a GPU, and on HostDevice a fresh mapping whose every page faults on first touch.
+TEST(EngineContractTest, FetchesReuseTheDeviceMemoryOfEvictedChunks) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
+  auto inner = MakeDevice(2 * kSlotBytes);
+  WrappedDevice device(*inner);
+  auto engine = MakeEngine(options, device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  const int allocations = device.allocations();
+  const uint64_t fetches = engine->counters().fetches;
+  for (int step = 1; step < 3; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+  EXPECT_GT(engine->counters().fetches, fetches + 2 * engine->chunk_count());
+  EXPECT_EQ(device.allocations(), allocations);
+  // What the device holds stays within its budget, spare copies included.
+  EXPECT_LE(device.memory_info().peak_bytes, 2 * kSlotBytes);
+}
+
 // Defect 9: destroying an engine whose updates were started by backward waits for them (under
 // AddressSanitizer, a state read landing in a freed staging buffer would be caught), and for
 // the gated journeys that wait for a verdict that never comes.

@@ -38,6 +38,8 @@ class WrappedDevice final : public Device {
   /// that leaves it fails and is counted.
   void CheckCopyBounds() { check_bounds_ = true; }
   int copies_out_of_bounds() const { return out_of_bounds_; }
+  /// Successful Allocate calls so far.
+  int allocations() const { return allocation_count_; }
 
   const DeviceProperties& properties() const override { return properties_; }
   DeviceMemoryInfo memory_info() const override {
@@ -48,6 +50,7 @@ class WrappedDevice final : public Device {
   Result<DeviceBuffer> Allocate(size_t bytes) override {
     Result<DeviceBuffer> buffer = inner_.Allocate(bytes);
     if (buffer.ok()) {
+      ++allocation_count_;
       std::lock_guard lock(mutex_);
       allocations_[reinterpret_cast<uintptr_t>(buffer->data())] = bytes;
     }
@@ -122,6 +125,7 @@ class WrappedDevice final : public Device {
   std::atomic<bool> check_bounds_{false};
   std::atomic<std::chrono::milliseconds> copy_delay_{std::chrono::milliseconds(0)};
   std::atomic<int> out_of_bounds_{0};
+  std::atomic<int> allocation_count_{0};
   std::mutex mutex_;
   std::map<uintptr_t, size_t> allocations_;  // Start -> bytes asked for, of every allocation.
 };
