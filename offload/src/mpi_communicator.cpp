@@ -303,9 +303,13 @@ class MpiCommunicator final : public Communicator {
                  CollectiveReady ready, CollectiveDone done) override {
     Enqueue("all-gather of " + std::to_string(send_count) + " elements per rank",
             send_count * size_t(size()), std::move(ready), std::move(done),
-            [=](MPI_Comm comm, MPI_Request* request) {
-              return MPI_Iallgather(send, int(send_count), Types().Type(dtype), recv,
-                                    int(send_count), Types().Type(dtype), comm, request);
+            [=, rank = rank()](MPI_Comm comm, MPI_Request* request) {
+              // MPI forbids overlapping buffers; its own slot of recv is MPI_IN_PLACE.
+              const bool in_place = send == static_cast<const std::byte*>(recv) +
+                                                size_t(rank) * send_count * DTypeSize(dtype);
+              return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, int(send_count),
+                                    Types().Type(dtype), recv, int(send_count), Types().Type(dtype),
+                                    comm, request);
             });
   }
 

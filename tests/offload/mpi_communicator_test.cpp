@@ -90,20 +90,25 @@ TEST(MpiCommunicatorTest, ReduceScatterLeavesEachRankItsShardOfTheSum) {
   }
 }
 
+// Out of place, and in place (each rank's shard already where the result puts it), which is
+// how a sharded engine gathers the parameters its ranks updated.
 TEST(MpiCommunicatorTest, AllGatherPutsEveryRanksShardInRankOrder) {
   auto comm = Create();
   ASSERT_NE(comm, nullptr);
   const int n = comm->size(), r = comm->rank();
   constexpr size_t kShard = 300;
-  std::vector<uint16_t> send(kShard), recv(kShard * n, 0);
-  for (size_t i = 0; i < kShard; ++i) send[i] = Fp32ToBf16(float(r * 1000 + int(i)));
-  ASSERT_TRUE(RunOne([&](CollectiveDone done) {
-                comm->AllGather(send.data(), recv.data(), kShard, DType::kBf16, {},
-                                std::move(done));
-              }).ok());
-  for (int from = 0; from < n; ++from) {
-    for (size_t i = 0; i < kShard; ++i) {
-      ASSERT_EQ(recv[from * kShard + i], Fp32ToBf16(float(from * 1000 + int(i))));
+  for (bool in_place : {false, true}) {
+    std::vector<uint16_t> send(kShard), recv(kShard * n, 0);
+    uint16_t* mine = in_place ? recv.data() + size_t(r) * kShard : send.data();
+    for (size_t i = 0; i < kShard; ++i) mine[i] = Fp32ToBf16(float(r * 1000 + int(i)));
+    ASSERT_TRUE(RunOne([&](CollectiveDone done) {
+                  comm->AllGather(mine, recv.data(), kShard, DType::kBf16, {}, std::move(done));
+                }).ok());
+    for (int from = 0; from < n; ++from) {
+      for (size_t i = 0; i < kShard; ++i) {
+        ASSERT_EQ(recv[from * kShard + i], Fp32ToBf16(float(from * 1000 + int(i))))
+            << "in place " << in_place;
+      }
     }
   }
 }

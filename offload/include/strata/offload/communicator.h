@@ -7,9 +7,9 @@
 // enqueued in program order from the trainer's thread (GradsReady, Acquire, Step), never from a
 // completion callback, whose order differs from rank to rank.
 //
-// Implementations: a single rank (every collective is a copy or nothing), and MPI on host
-// memory (mpi_communicator.h), which is what HostDevice runs with; NCCL on a CUDA stream comes
-// with GPU sharding. Rank sharding of chunks is not implemented yet: with more than one rank,
+// Implementations: a single rank (every collective is a copy or nothing), MPI on host memory
+// (mpi_communicator.h), which is what HostDevice runs with, and ranks that are threads of one
+// process (local_communicator.h), for tests; NCCL on a CUDA stream comes with GPU sharding. Rank sharding of chunks is not implemented yet: with more than one rank,
 // Engine::Create refuses the communicator with Unavailable.
 #pragma once
 
@@ -54,6 +54,7 @@ class Communicator {
   virtual void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
                              ReduceOp op, CollectiveReady ready, CollectiveDone done) = 0;
   /// Every rank's `send_count` elements of `send`, in rank order, into `recv` on every rank.
+  /// `send` may be this rank's own slot of `recv` (recv + rank() * send_count): in place.
   virtual void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                          CollectiveReady ready, CollectiveDone done) = 0;
 
