@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstddef>
 #include <optional>
+#include <vector>
 
 #include "loop_sync.h"
 #include "strata/core/aligned_buffer.h"
@@ -18,6 +19,7 @@
 #include "strata/cpu_adam/cpu_optimizer.h"
 #include "strata/nvme/swap_space.h"
 #include "strata/offload/engine.h"
+#include "thread_signal.h"
 
 namespace strata::offload {
 
@@ -43,6 +45,11 @@ const char* ChunkPhaseName(ChunkPhase phase);
 struct Chunk {
   size_t numel = 0;
   ChunkPlacement placement;
+  // The elements whose optimizer states this rank keeps and updates: the whole chunk, or with
+  // several ranks (ZeRO stages 1 and 2) this rank's shard of it; and the parameter-group runs
+  // in it, with offsets from its first element.
+  ChunkShard shard;
+  std::vector<ChunkSegment> segments;
 
   // Device-home parameters: the working parameters and their gradient buffer, always there.
   // (Offloaded parameters come and go with Residency.)
@@ -51,14 +58,17 @@ struct Chunk {
 
   // Host.
   AlignedBuffer grads_landing;  // The working-dtype gradients copied out of the device.
-  AlignedBuffer grads_sum;      // fp32 sum over micro-steps (gradient_accumulation_steps > 1).
-  AlignedBuffer param_copy;     // New working parameters (device- and host-home parameters).
+  // fp32 sum over micro-steps (gradient_accumulation_steps > 1), and with several ranks the
+  // input of the reduce-scatter.
+  AlignedBuffer grads_sum;
+  AlignedBuffer grads_shard;  // Several ranks: this rank's shard of the sum over ranks.
+  AlignedBuffer param_copy;   // New working parameters (device- and host-home parameters).
   // optimizer.delayed_update: the parameters a delayed step made, held back from the device
   // until the next step is done with the ones it has (StepPipeline::Released, or the next
   // Step() at the latest).
   AlignedBuffer delayed_params;
-  AlignedBuffer host_params;    // Host-home working parameters.
-  AlignedBuffer host_states;    // Host-home optimizer states.
+  AlignedBuffer host_params;  // Host-home working parameters.
+  AlignedBuffer host_states;  // Host-home optimizer states.
   // Where a speculative update (StepPipeline) writes host-home states, leaving host_states as
   // they were for a verdict that clips or overflows; the commit swaps the two. Allocated where
   // the host budget has room; a chunk without one waits for the verdict.
@@ -109,6 +119,18 @@ struct Chunk {
   // skips a parameter whose .grad is None. Written by the commit and Load.
   int64_t steps_taken = 0;
 
+  // --- Several ranks (step_pipeline.h, "Sharding"): the chunk's collectives. The signals are
+  // what the communicator's thread waits on before a collective reads the chunk's buffers (reset
+  // by the trainer thread at the chunk's last GradsReady, opened by the loop); the semaphores
+  // are released on the loop when a collective is done, with its status.
+  ThreadSignal grads_summed;   // grads_sum holds this rank's gradients: reduce-scatter them.
+  ThreadSignal shard_updated;  // param_copy holds the shard's new parameters: all-gather them.
+  std::optional<LoopSemaphore> grads_reduced;
+  std::optional<LoopSemaphore> params_gathered;
+  Status reduce_status;  // Loop thread, like what follows.
+  Status gather_status;
+  bool gathered = false;  // This step's all-gather is done (or failed).
+
   /// Moves to `to`, checking that the step allows it; a move it does not allow is a bug in the
   /// engine and aborts with both phases named.
   void MoveTo(ChunkPhase to);
@@ -125,9 +147,11 @@ struct Chunk {
     return frozen() ? AlignUp(working_bytes(DTypeSize(working_dtype)), kHostAlignment)
                     : ChunkDeviceBytes(numel, working_dtype);
   }
-  /// Bytes of the fp32 state a checkpoint holds for it: master | exp_avg | exp_avg_sq, or just
-  /// the values (its working parameters widened) when frozen.
-  size_t state_bytes() const { return frozen() ? numel * sizeof(float) : ChunkStateBytes(numel); }
+  /// Bytes of the fp32 state this rank keeps for it (and a checkpoint holds): master | exp_avg |
+  /// exp_avg_sq of its shard, or just the values (its working parameters widened) when frozen.
+  size_t state_bytes() const {
+    return frozen() ? numel * sizeof(float) : ChunkStateBytes(shard.numel());
+  }
 };
 
 }  // namespace strata::offload

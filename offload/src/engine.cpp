@@ -95,10 +95,13 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   if (environment_.communicator == nullptr) {
     environment_.communicator = CreateSingleRankCommunicator();
   }
-  if (environment_.communicator->size() > 1) {
-    return Unavailable("sharding across " + std::to_string(environment_.communicator->size()) +
-                       " ranks is not implemented yet; run one rank per engine");
+  rank_ = environment_.communicator->rank();
+  if (environment_.communicator->size() != layout_.world_size()) {
+    return InvalidArgument("the chunk layout was built for " +
+                           std::to_string(layout_.world_size()) + " ranks, the communicator has " +
+                           std::to_string(environment_.communicator->size()));
   }
+  STRATA_RETURN_IF_ERROR(CheckShardable());
   // (EngineOptions::Validate refused device-kept states with offloaded parameters.)
   const bool wants_device_states =
       place.optimizer_states == Tier::kDevice || place.offload_ratio < 1.0;
@@ -116,6 +119,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   for (size_t i = 0; i < n_chunks; ++i) {
     Chunk& c = chunks_[i];
     c.numel = layout_.chunk(i).numel;
+    c.shard = layout_.shard(i, rank());
+    c.segments = layout_.ShardSegments(i, rank());
     c.placement.params = place.params;
     if (place.params == Tier::kNvme &&
         params_in_host + c.working_bytes(wsize) <= place.max_params_in_host) {
@@ -350,27 +355,34 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   AllocateStateShadows();
 
   // --- Initial values: master = given values (padding zero), moments zero; a frozen chunk's
-  // "states" are just the values (Chunk::state_bytes) ---
+  // "states" are just the values (Chunk::state_bytes). With several ranks, the states hold
+  // this rank's shard of the master, and the working parameters come from the whole of it ---
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer whole,
+                          AlignedBuffer::Allocate(layout_.max_chunk_numel() * sizeof(float)));
   for (size_t i = 0; i < n_chunks; ++i) {
     const ChunkInfo& info = layout_.chunk(i);
-    std::memset(states.data(), 0, chunks_[i].state_bytes());
-    auto* master = reinterpret_cast<float*>(states.data());
+    const Chunk& c = chunks_[i];
+    auto* master = reinterpret_cast<float*>(whole.data());
+    std::memset(master, 0, c.numel * sizeof(float));
     for (size_t p = info.first_parameter; p < info.first_parameter + info.parameter_count; ++p) {
       const std::span<const float> values = parameters[p].initial_values;
       if (!values.empty())
         std::copy(values.begin(), values.end(), master + layout_.location(p).offset);
     }
+    std::memset(states.data(), 0, c.state_bytes());
+    const size_t own = c.frozen() ? 0 : c.shard.begin;
+    const size_t own_numel = c.frozen() ? c.numel : c.shard.numel();
+    std::memcpy(states.data(), master + own, own_numel * sizeof(float));
     STRATA_RETURN_IF_ERROR(WriteNvmeHome(i, states.data(), /*shadow=*/false));
-    STRATA_RETURN_IF_ERROR(WriteMemoryHome(i, states.data()));
+    STRATA_RETURN_IF_ERROR(WriteMemoryHome(i, states.data(), master));
   }
   STRATA_ASSIGN_OR_RETURN(compute_marker_, device_.CreateEvent());
   STRATA_RETURN_IF_ERROR(residency_.Initialize());
 
-  STRATA_ASSIGN_OR_RETURN(
-      cpu_adam::CpuOptimizer optimizer,
-      cpu_adam::CpuOptimizer::Create(
-          {.threads = OptimizerThreads(options_, environment_.ranks_on_node)}));
+  STRATA_ASSIGN_OR_RETURN(cpu_adam::CpuOptimizer optimizer,
+                          cpu_adam::CpuOptimizer::Create(
+                              {.threads = OptimizerThreads(options_, environment_.ranks_on_node)}));
   optimizer_.emplace(std::move(optimizer));
   m_.Register(metrics_);
   m_.loss_scale->Set(pipeline_.loss_scale());
@@ -416,14 +428,18 @@ void Engine::Impl::AllocateParamsBefore() {
                           : ""));
 }
 
+bool Engine::Impl::Speculates() const {
+  // (Several ranks do not speculate yet: step_pipeline.h, "Sharding".)
+  return options_.optimizer.speculative_updates && pipeline_.gated() && !sharded();
+}
+
 bool Engine::Impl::WantsStateShadow(const Chunk& c) const {
-  return options_.optimizer.speculative_updates && pipeline_.gated() && !c.frozen() &&
-         c.placement.optimizer_states == Tier::kHost;
+  return Speculates() && !c.frozen() && c.placement.optimizer_states == Tier::kHost;
 }
 
 bool Engine::Impl::WantsParamsBefore(const Chunk& c) const {
-  return options_.optimizer.speculative_updates && pipeline_.gated() && !c.frozen() &&
-         c.placement.optimizer_states == Tier::kNvme && c.placement.params == Tier::kDevice;
+  return Speculates() && !c.frozen() && c.placement.optimizer_states == Tier::kNvme &&
+         c.placement.params == Tier::kDevice;
 }
 
 uint64_t Engine::Impl::SpeculationBytes() const {
@@ -436,7 +452,7 @@ uint64_t Engine::Impl::SpeculationBytes() const {
 }
 
 void Engine::Impl::AllocateStateShadows() {
-  if (!options_.optimizer.speculative_updates || !pipeline_.gated()) return;
+  if (!Speculates()) return;
   size_t wanted = 0, given = 0;
   uint64_t bytes = 0, missing = 0;
   // Backward order: the chunks whose gradients land first have the most backward left to
@@ -504,8 +520,12 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
   // Frozen chunks have no gradients; device-kept ones keep theirs there.
   if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) return buffers;
   buffers.push_back({&c.grads_landing, c.working_bytes(wsize), "the gradients of " + name});
-  if (options_.optimizer.gradient_accumulation_steps > 1) {
+  if (options_.optimizer.gradient_accumulation_steps > 1 || sharded()) {
     buffers.push_back({&c.grads_sum, c.numel * sizeof(float), "the gradient sum of " + name});
+  }
+  if (sharded()) {
+    buffers.push_back({&c.grads_shard, c.shard.numel() * sizeof(float),
+                       "this rank's shard of the gradients of " + name});
   }
   if (c.placement.params != Tier::kNvme) {
     buffers.push_back(
@@ -593,10 +613,40 @@ void Engine::Impl::SpillStatesToNvme() {
   // No spill fits: everything stays, and the host allocation that fails says what.
 }
 
+Status Engine::Impl::CheckShardable() const {
+  if (!sharded()) return Status();
+  const PlacementOptions& place = options_.placement;
+  const std::string across = "across " + std::to_string(ranks()) + " ranks: ";
+  if (place.zero_stage == 0) {
+    return Unavailable(across +
+                       "plain data parallelism (zero_optimization.stage 0) is not built; stages "
+                       "1 and 2 shard the optimizer states");
+  }
+  if (place.zero_stage == 3) {
+    return Unavailable(across +
+                       "zero_optimization.stage 3 (sharded parameters) is not built "
+                       "yet; stages 1 and 2 are");
+  }
+  if (place.params != Tier::kDevice) {
+    return Unavailable(across +
+                       "offloaded parameters come with stage 3; keep them on the device "
+                       "(offload_param none)");
+  }
+  if (place.optimizer_states == Tier::kDevice || place.offload_ratio < 1.0) {
+    return Unavailable(across +
+                       "optimizer states kept on the device are not sharded yet; "
+                       "offload them all (cpu or nvme, ratio 1)");
+  }
+  if (options_.optimizer.delayed_update) {
+    return Unavailable(across + "the delayed parameter update is not built for several ranks");
+  }
+  return Status();
+}
+
 size_t Engine::Impl::max_nvme_state_numel() const {
   size_t numel = 0;
   for (const Chunk& c : chunks_) {
-    if (c.placement.optimizer_states == Tier::kNvme) numel = std::max(numel, c.numel);
+    if (c.placement.optimizer_states == Tier::kNvme) numel = std::max(numel, c.shard.numel());
   }
   return numel;
 }
@@ -663,9 +713,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options, Dev
                                "): the automatic host budget and optimizer threads are shared");
     }
   }
+  const int world_size = environment.communicator ? environment.communicator->size() : 1;
   STRATA_ASSIGN_OR_RETURN(ChunkLayout layout,
                           ChunkLayout::Build(parameters, options.precision.working_dtype,
-                                             options.placement.chunk_bytes));
+                                             options.placement.chunk_bytes, world_size));
   auto impl = std::make_unique<Impl>(options, device, std::move(layout), std::move(environment));
   STRATA_RETURN_IF_ERROR(impl->Initialize(parameters));
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));

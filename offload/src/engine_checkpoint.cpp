@@ -51,13 +51,15 @@ Status Engine::Impl::ReadFrozenValues(size_t chunk, float* out) {
 
 namespace {
 
-/// The chunk's working parameters: its master (the first numel floats of `states`) rounded.
-Result<AlignedBuffer> WorkingParams(const Chunk& c, const std::byte* states, DType dtype) {
+/// The chunk's working parameters: its master (numel floats) rounded.
+Result<AlignedBuffer> WorkingParams(const Chunk& c, const float* master, DType dtype) {
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer working,
                           AlignedBuffer::Allocate(c.working_bytes(DTypeSize(dtype))));
-  Fp32ToDType({reinterpret_cast<const float*>(states), c.numel}, dtype, working.data());
+  Fp32ToDType({master, c.numel}, dtype, working.data());
   return working;
 }
+
+const float* MasterOf(const std::byte* states) { return reinterpret_cast<const float*>(states); }
 
 }  // namespace
 
@@ -68,18 +70,21 @@ Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool s
     STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, states, c.state_bytes()));
   }
   if (c.placement.params == Tier::kNvme) {
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer working, WorkingParams(c, states, working_dtype()));
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer working,
+                            WorkingParams(c, MasterOf(states), working_dtype()));
     const nvme::ExtentId extent = shadow ? c.param_shadow() : c.param_extents[c.param_current];
     STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, working.data(), working.size()));
   }
   return Status();
 }
 
-Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states) {
+Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states, const float* master) {
   Chunk& c = chunks_[chunk];
   // Everything that can fail before the first byte changes.
   Result<AlignedBuffer> working = AlignedBuffer();
-  if (c.placement.params != Tier::kNvme) working = WorkingParams(c, states, working_dtype());
+  if (c.placement.params != Tier::kNvme) {
+    working = WorkingParams(c, master != nullptr ? master : MasterOf(states), working_dtype());
+  }
   STRATA_RETURN_IF_ERROR(working.status());
   if (c.placement.optimizer_states == Tier::kDevice) {
     STRATA_RETURN_IF_ERROR(device_.CopyToDevice(c.device_states.data(), states, c.state_bytes()));
@@ -133,8 +138,16 @@ Status CheckHasState(const ChunkLayout& layout, const Chunk& c, size_t parameter
 
 }  // namespace
 
+Status Engine::Impl::CheckUnsharded(const std::string& operation) const {
+  if (!sharded()) return Status();
+  return Unavailable(operation + " with the optimizer states sharded across " +
+                     std::to_string(ranks()) +
+                     " ranks is not built yet (sharded checkpoints come next)");
+}
+
 Status Engine::Impl::ReadParameterState(size_t parameter, ParameterState state,
                                         std::span<float> out) {
+  STRATA_RETURN_IF_ERROR(CheckUnsharded("reading a parameter's optimizer state"));
   STRATA_RETURN_IF_ERROR(CheckParameter(layout_, parameter, out.size()));
   const ParameterLocation& loc = layout_.location(parameter);
   STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(loc.chunk, "reading a parameter's state"));
@@ -150,6 +163,7 @@ Status Engine::Impl::ReadParameterState(size_t parameter, ParameterState state,
 
 Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
                                          std::span<const float> values) {
+  STRATA_RETURN_IF_ERROR(CheckUnsharded("writing a parameter's optimizer state"));
   STRATA_RETURN_IF_ERROR(CheckParameter(layout_, parameter, values.size()));
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("WriteParameterState"));
   if (std::optional<size_t> held = residency_.FirstAcquired()) {
@@ -194,6 +208,7 @@ Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
 }
 
 Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
+  STRATA_RETURN_IF_ERROR(CheckUnsharded("Save"));
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Save"));
   STRATA_RETURN_IF_ERROR(pipeline_.FlushDelayedParameters());
   json manifest = internal::NewManifest();
@@ -263,6 +278,7 @@ LossScalerState Engine::Impl::ScalerAfterLoad(const internal::EngineManifest& sa
 }
 
 Status Engine::Impl::Load(const std::filesystem::path& dir) {
+  STRATA_RETURN_IF_ERROR(CheckUnsharded("Load"));
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("Load"));
   if (std::optional<size_t> held = residency_.FirstAcquired()) {
     return FailedPrecondition("Load while chunk " + std::to_string(*held) +

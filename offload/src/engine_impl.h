@@ -76,8 +76,10 @@ class Engine::Impl {
   /// `states`) where they live on NVMe: into the current extents, or the shadow ones (which a
   /// commit or Load then flips current).
   Status WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow);
-  /// The same for what lives in host or device memory.
-  Status WriteMemoryHome(size_t chunk, const std::byte* states);
+  /// The same for what lives in host or device memory. `master`: the whole chunk's master, for
+  /// its working parameters, where `states` holds only this rank's shard (null: the master in
+  /// `states`).
+  Status WriteMemoryHome(size_t chunk, const std::byte* states, const float* master = nullptr);
   /// Blocks until nothing reads or writes what WriteMemoryHome replaces: no fetch in flight, and
   /// the trainer's queued device work on every chunk has run. Trainer thread, between steps.
   Status WaitForQuietMemory();
@@ -114,6 +116,8 @@ class Engine::Impl {
   /// Whether speculative updates want a second buffer of chunk `c`'s host-kept states
   /// (AllocateStateShadows), or its parameters from before (AllocateParamsBefore).
   bool WantsStateShadow(const Chunk& c) const;
+  /// Gated steps update ahead of their verdict (OptimizerOptions::speculative_updates).
+  bool Speculates() const;
   bool WantsParamsBefore(const Chunk& c) const;
   /// The host memory those two would take for every chunk that wants them.
   uint64_t SpeculationBytes() const;
@@ -121,7 +125,18 @@ class Engine::Impl {
   /// for as many chunks as the host budget has room left (the last chunks first), so their
   /// updates can run before the global norm is known. Never fails: chunks without one wait.
   void AllocateStateShadows();
-  /// Elements of the largest chunk whose states are on NVMe (what state staging holds).
+  /// This rank and the ranks the chunks are sharded across (1: not sharded). Fixed by the
+  /// layout (the communicator goes before the engine's last coroutines do).
+  int rank() const { return rank_; }
+  int ranks() const { return layout_.world_size(); }
+  bool sharded() const { return ranks() > 1; }
+  /// Unavailable naming what is not built for several ranks (stage 0 and 3, offloaded
+  /// parameters, device-kept states, the delayed update); OK for one rank.
+  Status CheckShardable() const;
+  /// Unavailable for `operation` (checkpoints, state access) on a sharded engine: not built yet.
+  Status CheckUnsharded(const std::string& operation) const;
+  /// Elements of this rank's share of the largest chunk whose states are on NVMe (what state
+  /// staging holds).
   size_t max_nvme_state_numel() const;
 
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
@@ -143,6 +158,7 @@ class Engine::Impl {
   Device& device_;
   ChunkLayout layout_;
   EngineEnvironment environment_;
+  int rank_ = 0;  // environment_.communicator's rank (Initialize).
   // Budgets before everything that holds reservations on them (destroyed after).
   TierBudget device_budget_;
   TierBudget host_budget_;

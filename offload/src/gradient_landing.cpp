@@ -80,9 +80,13 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
     hyper_ = {.lr = next_lr_,
               .delayed = o.delayed_update && step_count_.load() >= o.delayed_update_from_step};
     step_open_ = true;
+    reduce_order_.clear();
+    all_arrived_.Reset();
   }
   c.micro_steps = micro_step;
   c.MoveTo(last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
+  // Several ranks: the chunk's reduce-scatter, in this call's place in the program order.
+  if (last && e.sharded()) EnqueueReduceLocked(chunk);
   e.Spawn(last ? Journey(chunk, micro_step) : LandMicroStep(chunk, micro_step));
   return Status();
 }
@@ -132,8 +136,10 @@ Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const vo
                                                             bool last) {
   cpu_adam::CpuOptimizer& optimizer = *engine_.optimizer_;
   const DType dtype = engine_.working_dtype();
-  if (gas_ > 1) AccumulateGrads(optimizer, sum, grads, dtype, numel, micro_step == 1);
-  if (!last) return cpu_adam::GradientStats{};
+  // Several ranks reduce the fp32 sum (measured after, on this rank's shard: ReduceGrads).
+  const bool sharded = engine_.sharded();
+  if (gas_ > 1 || sharded) AccumulateGrads(optimizer, sum, grads, dtype, numel, micro_step == 1);
+  if (!last || sharded) return cpu_adam::GradientStats{};
   return gas_ > 1 ? optimizer.ComputeGradientStats(sum, DType::kFp32, numel)
                   : optimizer.ComputeGradientStats(grads, dtype, numel);
 }

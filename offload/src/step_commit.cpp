@@ -59,8 +59,12 @@ StepPipeline::StepPipeline(Engine::Impl& engine, const EngineOptions& options)
 void StepPipeline::Initialize() {
   for (Chunk& c : engine_.chunks_) {
     c.grads_copied.emplace(0);
+    c.grads_reduced.emplace(0);
+    c.params_gathered.emplace(0);
     if (!c.frozen()) ++trained_chunks_;
   }
+  engine_ranks_ = engine_.ranks();
+  step_ = FreshStepState();
   preloads_.resize(engine_.chunks_.size());
   boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });
 }
@@ -100,8 +104,7 @@ void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count,
   engine_.m_.loss_scale->Set(loss_scaler_.scale());
 }
 
-Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation,
-                                   bool acquire) const {
+Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, bool acquire) const {
   std::unique_lock lock(mutex_);
   if (acquire && options_.optimizer.delayed_update) {
     // A trainer overlaps the next forward with every step when updates are delayed; a step
@@ -139,6 +142,7 @@ std::future<Result<StepReport>> StepPipeline::Step() {
   std::promise<Result<StepReport>> promise;
   std::future<Result<StepReport>> future = promise.get_future();
   bool delayed = false;
+  std::vector<size_t> gather_order;
   {
     std::lock_guard lock(mutex_);
     Status refused;
@@ -154,6 +158,7 @@ std::future<Result<StepReport>> StepPipeline::Step() {
             "none (then it is not updated)");
       }
     }
+    if (refused.ok()) refused = CheckShardedStepLocked();
     if (refused.ok() && std::all_of(chunks.begin(), chunks.end(),
                                     [](const Chunk& c) { return c.micro_steps == 0; })) {
       // Some chunks may sit a step out, but a step without any gradients is a trainer's bug.
@@ -171,8 +176,9 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     // The trainer is done with every chunk: parameters a delayed step held back go up now at
     // the latest (most went as the chunks were released after their last gradients).
     for (size_t i = 0; i < chunks.size() && refused.ok(); ++i) {
-      refused = UploadDelayedLocked(i).WithContext(
-          "uploading the parameters chunk " + std::to_string(i) + " was delayed from the last step");
+      refused =
+          UploadDelayedLocked(i).WithContext("uploading the parameters chunk " + std::to_string(i) +
+                                             " was delayed from the last step");
     }
     if (!refused.ok()) {
       promise.set_value(refused);
@@ -180,7 +186,11 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     }
     step_running_ = true;
     delayed = hyper_.delayed;
+    if (sharded()) gather_order = reduce_order_;
   }
+  // Several ranks: the norm's all-reduce, then the parameters' all-gathers, in the order every
+  // rank reduced the gradients. They run as their inputs come (see "Sharding" in the header).
+  if (sharded()) EnqueueStepCollectives(gather_order);
   if (delayed) {
     // The trainer's next forward runs beside this step: it must find the device's parameters
     // complete (a failure shows again in the commit's own wait). The trainer waits here: a
@@ -214,10 +224,12 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
       engine_.Spawn(DropPreload(i));
     }
   }
-  // Chunks without gradients this step are known now: a gated step may be decided.
-  if (gated() && !step_.decided && AllArrived()) Decide();
+  // Chunks without gradients this step are known now: a gated step may be decided. (Several
+  // ranks decide through a collective, and every chunk has gradients.)
+  if (gated() && !sharded() && !step_.decided && AllArrived()) Decide();
   // A retry after a failed attempt finishes what that attempt left (see step_pipeline.h).
-  if (!step_.skip && (!gated() || step_.decided)) {
+  // (Several ranks do not retry, and their journeys update and gather each chunk themselves.)
+  if (!sharded() && !step_.skip && (!gated() || step_.decided)) {
     for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
       const ChunkPhase phase = engine_.chunks_[i].phase_now();
       if (engine_.chunks_[i].update_at_commit) continue;  // The commit's to update.
@@ -250,7 +262,12 @@ void StepPipeline::Arrive(size_t chunk) {
     KeepFirstError(
         c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk)));
   }
-  if (gated() && !step_.decided && AllArrived()) Decide();
+  if (!AllArrived()) return;
+  if (sharded()) {
+    all_arrived_.Open(Status());  // The norm's all-reduce may read every chunk's stats.
+  } else if (gated() && !step_.decided) {
+    Decide();
+  }
 }
 
 bool StepPipeline::AllArrived() const {
@@ -258,9 +275,9 @@ bool StepPipeline::AllArrived() const {
   return step_.arrived == trained_chunks_ || (step_.requested && step_.arrived == step_.used);
 }
 
-void StepPipeline::Decide() {
-  // Every norm is in. Sums go in chunk order so results are reproducible.
-  double totals[2] = {0.0, 0.0};  // Sum of squares, count of non-finite chunks.
+StepPipeline::VerdictTotals StepPipeline::LocalTotals() const {
+  // Sums go in chunk order so results are reproducible.
+  VerdictTotals totals = {0.0, 0.0};
   for (const Chunk& each : engine_.chunks_) {
     if (each.micro_steps == 0) continue;  // No gradients this step.
     if (each.stats.all_finite) {
@@ -269,9 +286,14 @@ void StepPipeline::Decide() {
       totals[1] += 1.0;
     }
   }
-  Status reduced = engine_.environment_.communicator->AllReduceSum(totals);
-  if (!reduced.ok()) KeepFirstError(reduced);
-  const double scale = loss_scale();
+  return totals;
+}
+
+void StepPipeline::Decide() { ApplyVerdict(LocalTotals()); }
+
+void StepPipeline::ApplyVerdict(const VerdictTotals& totals) {
+  // Several ranks sum their gradients: the step takes their mean, as DeepSpeed and DDP do.
+  const double scale = loss_scale() * engine_.ranks();
   step_.decided = true;
   step_.skip = loss_scaler_.checks_overflow() && totals[1] > 0.0;
   step_.grad_norm = step_.skip ? std::nan("") : std::sqrt(totals[0]) / scale;
@@ -297,6 +319,13 @@ void StepPipeline::Cancel() {
   if (step_.requested) return;
   step_.cancelled = true;
   gate_.Open();
+  // Several ranks: without Step() no all-gather was enqueued; journeys that wait for one end.
+  if (!sharded()) return;
+  for (Chunk& c : engine_.chunks_) {
+    if (c.micro_steps != gas_) continue;
+    c.gather_status = Cancelled("the engine was destroyed before Step()");
+    c.params_gathered->Release();
+  }
 }
 
 void StepPipeline::MaybeFinish() {
@@ -306,7 +335,13 @@ void StepPipeline::MaybeFinish() {
   for (const Chunk& c : chunks) {
     if (c.phase_now() == ChunkPhase::kLanding) return;  // Gradients still landing.
   }
-  if (gated() && !step_.decided) return;
+  // Several ranks: the norm's all-reduce and every chunk's all-gather are done too.
+  if ((gated() || sharded()) && !step_.decided) return;
+  if (sharded()) {
+    for (const Chunk& c : chunks) {
+      if (c.micro_steps > 0 && !c.gathered) return;
+    }
+  }
   if (!step_.error.ok()) {
     FinishStep(std::exchange(step_.error, Status()), /*completed=*/false);
     return;
@@ -408,7 +443,7 @@ Awaitable<void> StepPipeline::Commit() {
   }
 
   double norm = step_.grad_norm;
-  if (!gated()) {
+  if (!gated() && !sharded()) {
     double sum = 0.0;
     for (const Chunk& c : chunks) sum += c.stats.sum_of_squares;
     norm = std::sqrt(sum);
@@ -429,6 +464,7 @@ Awaitable<void> StepPipeline::Commit() {
       c.params_uploaded = false;
       c.restore_params = false;
       c.update_at_commit = false;
+      c.gathered = false;
     }
     step_open_ = false;
   }
@@ -471,7 +507,7 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
   }
   if (completed) {
     if (result.ok()) engine_.m_.UpdateRates();
-    step_ = StepState{};
+    step_ = FreshStepState();
     gate_.Reset();
   } else {
     step_.promise.reset();

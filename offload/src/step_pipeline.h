@@ -49,8 +49,28 @@
 // last GradsReady of the next step), Step() and FlushDelayedParameters send them, under
 // `mutex_` (which Release and Acquire then take too). While a delayed step runs, Acquire is
 // allowed and the next GradsReady waits on `step_done_` until Step()'s future is ready.
+//
+// Sharding (ZeRO stages 1 and 2; EngineEnvironment::communicator with several ranks): each rank
+// keeps and updates the optimizer states of its shard of every chunk (Chunk::shard) and the
+// whole chunk's working parameters. Collectives are enqueued in program order on the trainer
+// thread, the same on every rank, and run on the communicator's thread as their inputs come:
+//
+//   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed)
+//   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
+//                                 all-gather param_copy, chunk by chunk in reduce order
+//                                                                           (ready: shard_updated)
+//
+// The journey then runs: land and sum in fp32 -> grads_summed -> reduce -> measure the shard
+// (ReduceGrads) -> arrive -> gate (gated steps) -> update the shard with the mean gradient
+// (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams); the step commits
+// once the norm's all-reduce (which every step's report needs) and every all-gather are done.
+// A chunk that was not updated opens shard_updated with an error, failing the collective (and,
+// as every later one, the step) on every rank. Not built yet for several ranks: speculative
+// updates (gated steps' updates wait for the verdict), retrying a failed step (the ranks'
+// collectives diverged), chunks that sit a step out, and what Impl::CheckShardable refuses.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -63,6 +83,7 @@
 #include "loop_sync.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/loss_scaler.h"
+#include "thread_signal.h"
 
 namespace strata::offload {
 
@@ -166,6 +187,19 @@ class StepPipeline {
     std::optional<LoopSemaphore> ready;  // Released once the read is done.
   };
 
+  // sharded_step.cpp
+  bool sharded() const;
+  /// Queues `chunk`'s reduce-scatter (trainer thread, under mutex_, at its last GradsReady).
+  void EnqueueReduceLocked(size_t chunk);
+  /// FailedPrecondition for a step that several ranks cannot take (under mutex_, from Step()).
+  Status CheckShardedStepLocked() const;
+  /// Queues the norm's all-reduce and the all-gathers of `order`'s chunks (trainer thread).
+  void EnqueueStepCollectives(const std::vector<size_t>& order);
+  /// Opens grads_summed, waits for the reduce-scatter and measures this rank's shard.
+  Awaitable<void> ReduceGrads(size_t chunk);
+  /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
+  Awaitable<void> GatherParams(size_t chunk);
+
   // gradient_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
                       bool last);
@@ -217,8 +251,16 @@ class StepPipeline {
   bool AllArrived() const;
   /// Records `error` as this attempt's failure unless another came first.
   void KeepFirstError(Status error);
+  /// A step's sum of squared gradients and count of chunks with non-finite ones.
+  using VerdictTotals = std::array<double, 2>;
+  VerdictTotals LocalTotals() const;
+  /// The verdict of a gated step from its totals (summed over ranks): clip coefficient, skip.
+  void ApplyVerdict(const VerdictTotals& totals);
+  /// What step_ starts each step as: updates without a verdict scale by 1 / ranks (the mean).
+  StepState FreshStepState() const { return StepState{.grad_scale = 1.0 / engine_ranks_}; }
   /// The factor gradients of global L2 `norm` are scaled by: 1 unless clipping applies.
   double ClipCoefficient(double norm) const;
+  /// One rank: the verdict from this rank's totals.
   void Decide();
   void MaybeFinish();
   Awaitable<void> Commit();
@@ -236,7 +278,7 @@ class StepPipeline {
   // Notified once a step's future is ready: who waits for a step (StepDone) finds it so.
   mutable std::condition_variable step_done_;
   bool StepDone() const { return !step_running_ && !delivering_; }  // Under mutex_.
-  bool step_open_ = false;     // This step's first GradsReady came: hyper_ holds its snapshot.
+  bool step_open_ = false;  // This step's first GradsReady came: hyper_ holds its snapshot.
   // The last attempt failed and Step() has not been called again: no update runs or starts
   // (written on the loop under mutex_).
   bool attempt_failed_ = false;
@@ -244,6 +286,13 @@ class StepPipeline {
   double next_lr_;
   LossScaler loss_scaler_;
   std::atomic<int64_t> step_count_{0};
+
+  // Several ranks (trainer thread, under mutex_): the chunks in the order of their last
+  // GradsReady this step, which their reduce-scatters took and their all-gathers take.
+  std::vector<size_t> reduce_order_;
+  ThreadSignal all_arrived_;        // Every chunk's shard is measured (opened on the loop).
+  VerdictTotals verdict_totals_{};  // The norm's all-reduce's buffer.
+  int engine_ranks_ = 1;            // Set by Initialize.
 
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.

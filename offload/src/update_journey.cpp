@@ -59,6 +59,7 @@ Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, do
 
 Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
   co_await LandGrads(chunk, micro_step, /*last=*/true);
+  if (sharded()) co_await ReduceGrads(chunk);
   Arrive(chunk);
   if (gated()) {
     if (CanSpeculate(chunk)) co_await Update(chunk, /*speculative=*/true);
@@ -66,11 +67,12 @@ Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
     if (engine_.chunks_[chunk].speculated) co_await ResolveSpeculation(chunk);
   }
   if (!step_.skip && !step_.cancelled) co_await Update(chunk);
+  if (sharded()) co_await GatherParams(chunk);
   MaybeFinish();
 }
 
 bool StepPipeline::CanSpeculate(size_t chunk) const {
-  if (!options_.optimizer.speculative_updates || step_.decided || step_.cancelled) return false;
+  if (!engine_.Speculates() || step_.decided || step_.cancelled) return false;
   // A speculation the verdict is sure to roll back is work thrown away: the step overflows, or
   // the norm of the gradients arrived so far (it only grows) already needs clipping.
   if (loss_scaler_.checks_overflow() && step_.arrived_non_finite) return false;
@@ -205,14 +207,15 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
 Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
                                   DType grad_dtype, void* param_copy, double grad_scale) const {
   const OptimizerOptions& o = options_.optimizer;
-  const size_t numel = engine_.chunks_[chunk].numel;
+  const Chunk& c = engine_.chunks_[chunk];
+  const size_t numel = c.shard.numel();  // The elements this rank updates.
   const DType wdtype = engine_.working_dtype();
   const bool copy_out = wdtype != DType::kFp32 && param_copy != nullptr;
   // Out of place, the states the optimizer has go to states_out; one it lacks (Lion's second,
   // Adagrad's first) is left alone there as in place (WriteMemoryHome keeps both buffers' equal).
   const bool out_of_place = states_out != states;
   // One call per run of parameters that share their group settings (one run in most models).
-  for (const ChunkSegment& segment : engine_.layout_.segments(chunk)) {
+  for (const ChunkSegment& segment : c.segments) {
     const size_t begin = segment.begin;
     const cpu_adam::StepBuffers buffers{
         .numel = segment.end - begin,
@@ -230,7 +233,7 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
             out_of_place && UsesExpAvgSq(o.type) ? states_out + 2 * numel + begin : nullptr};
     STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
                                     segment.weight_decay.value_or(o.weight_decay),
-                                    engine_.chunks_[chunk].steps_taken + 1, grad_scale, buffers));
+                                    c.steps_taken + 1, grad_scale, buffers));
   }
   if (wdtype == DType::kFp32 && param_copy != nullptr) {
     std::memcpy(param_copy, states_out, numel * sizeof(float));
@@ -272,7 +275,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     states_out = states;
   }
   StagingBuffer param_buffer;
-  void* param_copy = c.param_copy.data();
+  // This rank's shard of the new parameters (the whole chunk with one rank); the all-gather
+  // brings the other ranks' shards (GatherParams).
+  void* param_copy = c.param_copy.data() + c.shard.begin * e.working_size();
   if (status.ok() && nvme_params) {
     {
       WaitTimer waiting(m.wait_of(UpdateWait::kStagingBuffer));
@@ -284,13 +289,15 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   uint64_t state_checksum = 0;
   uint64_t param_checksum = 0;
   if (status.ok()) {
-    const void* grads = gas_ > 1 ? c.grads_sum.data() : c.grads_landing.data();
-    const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
+    const void* grads = sharded()  ? c.grads_shard.data()
+                        : gas_ > 1 ? c.grads_sum.data()
+                                   : c.grads_landing.data();
+    const DType grad_dtype = sharded() || gas_ > 1 ? DType::kFp32 : e.working_dtype();
     auto update = [&] {
       Status s;
       if (republish) {
         // The states already hold this step: only the working parameters are made again.
-        Fp32ToDType({states, c.numel}, e.working_dtype(), param_copy);
+        Fp32ToDType({states, c.shard.numel()}, e.working_dtype(), param_copy);
       } else {
         if (speculative && nvme_states && !c.params_before.empty()) {
           Fp32ToDType({states, c.numel}, e.working_dtype(), c.params_before.data());
@@ -310,7 +317,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
       WaitTimer waiting(m.wait_of(UpdateWait::kCpuOptimizer));
       status = co_await AwaitJob(e.jobs_, update, &e.jobs_in_flight_);
     }
-    if (status.ok() && !republish) m.optimizer_params->Increment(double(c.numel));
+    if (status.ok() && !republish) m.optimizer_params->Increment(double(c.shard.numel()));
     // Host-home states stepped in place: from here on a failure must not step them again.
     stepped = !nvme_states && states_out == states && (republish || status.ok());
     // Stepped into the shadow: the commit makes them current, unless the verdict drops them.
@@ -343,8 +350,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // if the verdict rolls the update back (the master in host memory, rounded, or the NVMe-kept
   // chunk's params_before; one without waits for the verdict, as reading the states back would
   // cost more than the wait).
+  // (Several ranks upload once the other shards are in: GatherParams.)
   const bool can_restore = !speculative || !nvme_states || !c.params_before.empty();
-  if (status.ok() && can_restore) status = UploadEarly(chunk);
+  if (status.ok() && can_restore && !sharded()) status = UploadEarly(chunk);
   // A speculative update that failed leaves the current states as they were: the retry's
   // verdict may want another scale.
   if (!status.ok()) c.states_in_shadow = false;

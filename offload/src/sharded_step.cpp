@@ -1,0 +1,131 @@
+// A step across several ranks (ZeRO stages 1 and 2): the collectives of each chunk and of the
+// step, enqueued in program order on the trainer thread, and the journey's two waits on them.
+// See "Sharding" in step_pipeline.h.
+#include <string>
+
+#include "engine_impl.h"
+
+namespace strata::offload {
+
+bool StepPipeline::sharded() const { return engine_.sharded(); }
+
+Status StepPipeline::CheckShardedStepLocked() const {
+  if (!sharded()) return Status();
+  if (attempt_failed_) {
+    return FailedPrecondition(
+        "a failed step cannot be retried with the optimizer states sharded across " +
+        std::to_string(engine_.ranks()) +
+        " ranks: the ranks' collectives no longer match; restart the ranks");
+  }
+  const std::vector<Chunk>& chunks = engine_.chunks_;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (!chunks[i].frozen() && chunks[i].micro_steps == 0) {
+      return FailedPrecondition(
+          "chunk " + std::to_string(i) + " received no gradients this step; with several ranks " +
+          "every trained chunk needs them in every step (each rank reduces every chunk)");
+    }
+  }
+  return Status();
+}
+
+void StepPipeline::EnqueueReduceLocked(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  // Nothing of this step has touched the chunk's signals yet: the journey opens them.
+  c.grads_summed.Reset();
+  c.shard_updated.Reset();
+  reduce_order_.push_back(chunk);
+  e.environment_.communicator->ReduceScatter(
+      c.grads_sum.data(), c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
+      [&c] { return c.grads_summed.Wait(); },
+      [&e, &c](Status status) {
+        boost::asio::post(e.loop_.executor(), [&c, status = std::move(status)] {
+          c.reduce_status = status;
+          c.grads_reduced->Release();
+        });
+      });
+}
+
+void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
+  Engine::Impl& e = engine_;
+  Communicator& comm = *e.environment_.communicator;
+  // Every step's report has the global norm; a gated step's updates wait for it.
+  comm.AllReduceScalars(
+      verdict_totals_, ReduceOp::kSum,
+      [this] {
+        Status arrived = all_arrived_.Wait();
+        // Every chunk's stats were written on the loop before it opened the signal.
+        verdict_totals_ = LocalTotals();
+        return arrived;
+      },
+      [this, &e](Status status) {
+        boost::asio::post(e.loop_.executor(), [this, status = std::move(status)] {
+          if (!status.ok()) {
+            KeepFirstError(status.WithContext("reducing the gradient norm across ranks"));
+          }
+          ApplyVerdict(verdict_totals_);  // Even failed: the journeys waiting for it end.
+          MaybeFinish();
+        });
+      });
+  const size_t wsize = e.working_size();
+  for (size_t chunk : order) {
+    Chunk& c = e.chunks_[chunk];
+    comm.AllGather(
+        c.param_copy.data() + c.shard.begin * wsize, c.param_copy.data(), c.shard.numel(),
+        e.working_dtype(), [&c] { return c.shard_updated.Wait(); },
+        [&e, &c](Status status) {
+          boost::asio::post(e.loop_.executor(), [&c, status = std::move(status)] {
+            c.gather_status = status;
+            c.params_gathered->Release();
+          });
+        });
+  }
+}
+
+Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  // A landing that failed fails the reduce-scatter on every rank, rather than sending garbage.
+  c.grads_summed.Open(c.land_status);
+  co_await c.grads_reduced->Acquire();
+  if (!c.reduce_status.ok()) {
+    c.land_status = c.reduce_status.WithContext("reducing the gradients across ranks");
+    co_return;
+  }
+  if (!c.land_status.ok()) co_return;
+  auto measure = [&] {
+    return e.optimizer_->ComputeGradientStats(c.grads_shard.data(), DType::kFp32, c.shard.numel());
+  };
+  Result<cpu_adam::GradientStats> stats = co_await AwaitJob(e.jobs_, measure, &e.jobs_in_flight_);
+  c.land_status = stats.status();
+  if (stats.ok()) c.stats = *stats;
+}
+
+Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
+  Chunk& c = engine_.chunks_[chunk];
+  if (step_.cancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
+  const bool updated = c.phase_now() == ChunkPhase::kUpdated;
+  // A skipped step gathers too (every rank enqueued it) and uploads nothing. A chunk that was
+  // not updated otherwise fails the all-gather, and so the step, on every rank.
+  Status input;
+  if (!updated && !step_.skip) {
+    input = !step_.error.ok()
+                ? step_.error
+                : Unavailable("chunk " + std::to_string(chunk) + " was not updated on rank " +
+                              std::to_string(engine_.rank()));
+  }
+  c.shard_updated.Open(std::move(input));
+  co_await c.params_gathered->Acquire();
+  c.gathered = true;
+  if (!c.gather_status.ok()) {
+    KeepFirstError(c.gather_status.WithContext("gathering the parameters of chunk " +
+                                               std::to_string(chunk) + " across ranks"));
+  } else if (updated) {
+    if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
+      KeepFirstError(
+          uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk)));
+    }
+  }
+}
+
+}  // namespace strata::offload

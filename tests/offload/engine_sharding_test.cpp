@@ -1,0 +1,354 @@
+// Sharded engines (ZeRO stages 1 and 2): several ranks, each an engine on its own HostDevice and
+// thread, joined by local communicators, against one engine trained on the ranks' mean
+// gradients. The gradients are small multiples of 2^-8, so every sum of them is exact in fp32
+// in any order: with two ranks the sharded trajectory must equal the reference bit for bit.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine_test_support.h"
+#include "strata/nvme/fault_injection.h"
+#include "strata/offload/local_communicator.h"
+#include "support/scratch_dir.h"
+
+namespace strata::offload {
+namespace {
+
+using strata::testing::ScratchDir;
+using testing::MakeDevice;
+
+constexpr uint64_t kShardedChunkBytes = 16 * 1024;  // 4096 fp32 elements: several chunks.
+
+/// Parameters of odd sizes that straddle shard boundaries, two parameter groups (biases without
+/// weight decay, a head at half the learning rate) and a frozen one.
+struct ShardedModel {
+  std::vector<std::vector<float>> values;
+  std::vector<ParameterSpec> specs;
+
+  ShardedModel() {
+    const std::vector<std::vector<int64_t>> shapes = {{40, 64}, {64},     {50, 70},
+                                                      {70},     {33, 33}, {300}};
+    for (size_t p = 0; p < shapes.size(); ++p) {
+      size_t numel = 1;
+      for (int64_t d : shapes[p]) numel *= size_t(d);
+      std::vector<float> v(numel);
+      for (size_t i = 0; i < numel; ++i) v[i] = float(int((p * 31 + i * 7) % 41) - 20) / 64.0f;
+      values.push_back(std::move(v));
+    }
+    for (size_t p = 0; p < shapes.size(); ++p) {
+      ParameterSpec spec{.name = "p" + std::to_string(p), .shape = shapes[p]};
+      spec.initial_values = values[p];
+      if (shapes[p].size() == 1) spec.weight_decay = 0.0;
+      if (p == 4) spec.lr_scale = 0.5;
+      if (p == 5) spec.frozen = true;
+      specs.push_back(std::move(spec));
+    }
+  }
+};
+
+/// Rank `rank`'s gradient of element `i` of parameter `p` in a micro-step: a small multiple of
+/// 2^-8 (`scale` times that, for a norm that clips).
+float Grad(int rank, int step, int micro, size_t p, size_t i, float scale = 1.0f) {
+  const int k =
+      int((size_t(rank) * 7 + size_t(step) * 3 + size_t(micro) * 5 + p * 11 + i * 13) % 17) - 8;
+  return scale * float(k) / 256.0f;
+}
+
+using GradFn = std::function<float(int step, int micro, size_t p, size_t i)>;
+
+/// One training step as a trainer drives it: forward over every chunk, backward in reverse
+/// writing `grad`'s gradients, for each micro-step; then Step().
+Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad) {
+  const ChunkLayout& layout = engine.layout();
+  const int gas = 2;
+  for (int micro = 0; micro < gas; ++micro) {
+    for (size_t c = 0; c < engine.chunk_count(); ++c) {
+      STRATA_RETURN_IF_ERROR(engine.Acquire(c).status());
+      engine.Release(c);
+    }
+    for (size_t c = engine.chunk_count(); c-- > 0;) {
+      STRATA_ASSIGN_OR_RETURN(ChunkView view, engine.Acquire(c));
+      if (view.grads != nullptr) {
+        auto* grads = static_cast<float*>(view.grads);
+        for (size_t p = 0; p < layout.parameter_count(); ++p) {
+          const ParameterLocation& loc = layout.location(p);
+          if (loc.chunk != c) continue;
+          for (size_t i = 0; i < loc.numel; ++i) grads[loc.offset + i] = grad(step, micro, p, i);
+        }
+        STRATA_RETURN_IF_ERROR(engine.GradsReady(c));
+      }
+      engine.Release(c);
+    }
+  }
+  return engine.Step().get();
+}
+
+/// Every parameter's working values, as the device holds them.
+std::vector<std::vector<float>> WorkingParameters(Engine& engine) {
+  const ChunkLayout& layout = engine.layout();
+  std::vector<std::vector<float>> out;
+  for (size_t p = 0; p < layout.parameter_count(); ++p) {
+    const ParameterLocation& loc = layout.location(p);
+    auto view = engine.Acquire(loc.chunk);
+    EXPECT_TRUE(view.ok()) << view.status().ToString();
+    if (!view.ok()) return {};
+    const auto* params = static_cast<const float*>(view->params);
+    out.emplace_back(params + loc.offset, params + loc.offset + loc.numel);
+    engine.Release(loc.chunk);
+  }
+  return out;
+}
+
+EngineOptions ShardedOptions(Tier states, const std::string& nvme_path) {
+  EngineOptions o;
+  o.precision.working_dtype = DType::kFp32;
+  o.placement.optimizer_states = states;
+  o.placement.params = Tier::kDevice;
+  o.placement.chunk_bytes = kShardedChunkBytes;
+  o.placement.zero_stage = 2;
+  o.nvme.paths = {nvme_path};
+  o.optimizer.lr = 1e-2;
+  o.optimizer.weight_decay = 0.1;
+  o.optimizer.cpu_threads = 1;
+  o.optimizer.gradient_accumulation_steps = 2;
+  o.host.optimizer_buffer_count = 3;
+  return o;
+}
+
+/// What every rank of a sharded run ends with.
+struct RankResult {
+  Status status;
+  std::vector<StepReport> reports;
+  std::vector<std::vector<float>> params;
+  size_t chunks = 0;
+  size_t trained_numel = 0;  // Elements of the trained chunks (padded to a multiple of ranks).
+  bool padded_to_shards = true;
+  EngineCounters counters;
+};
+
+/// Trains `ranks` sharded engines for `steps` steps, each on a thread of its own; rank r writes
+/// Grad(r, ...) scaled by `scale`.
+std::vector<RankResult> TrainSharded(int ranks, const EngineOptions& options, int steps,
+                                     float scale = 1.0f,
+                                     std::function<EngineEnvironment(int)> environment = {}) {
+  const ShardedModel model;
+  auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
+  EXPECT_TRUE(comms.ok());
+  std::vector<RankResult> results(static_cast<size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      RankResult& result = results[size_t(r)];
+      auto device = MakeDevice(64 << 20);
+      EngineEnvironment env = environment ? environment(r) : EngineEnvironment{};
+      env.communicator = std::move((*comms)[size_t(r)]);
+      env.ranks_on_node = ranks;
+      auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+      if (!engine.ok()) {
+        result.status = engine.status();
+        return;
+      }
+      const ChunkLayout& layout = (*engine)->layout();
+      result.chunks = layout.chunk_count();
+      for (size_t c = 0; c < layout.chunk_count(); ++c) {
+        if (!layout.chunk(c).frozen) result.trained_numel += layout.chunk(c).numel;
+        result.padded_to_shards &=
+            layout.chunk(c).numel % size_t(ranks) == 0 &&
+            layout.shard(c, r).numel() * size_t(ranks) == layout.chunk(c).numel;
+      }
+      for (int step = 0; step < steps && result.status.ok(); ++step) {
+        auto report = TrainStep(**engine, step, [&](int s, int m, size_t p, size_t i) {
+          return Grad(r, s, m, p, i, scale);
+        });
+        result.status = report.status();
+        if (report.ok()) result.reports.push_back(*report);
+      }
+      if (result.status.ok()) result.params = WorkingParameters(**engine);
+      result.counters = (*engine)->counters();
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return results;
+}
+
+/// One engine trained on the ranks' mean gradient (exact: a sum of small multiples of 2^-8,
+/// halved).
+std::vector<std::vector<float>> TrainReference(int ranks, const EngineOptions& options, int steps,
+                                               std::vector<StepReport>* reports,
+                                               float scale = 1.0f) {
+  const ShardedModel model;
+  auto device = MakeDevice(64 << 20);
+  EngineOptions one = options;
+  one.placement.zero_stage = 0;
+  auto engine = Engine::Create(one, *device, model.specs);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return {};
+  for (int step = 0; step < steps; ++step) {
+    auto report = TrainStep(**engine, step, [&](int s, int m, size_t p, size_t i) {
+      float sum = 0.0f;
+      for (int r = 0; r < ranks; ++r) sum += Grad(r, s, m, p, i, scale);
+      return sum / float(ranks);
+    });
+    EXPECT_TRUE(report.ok()) << report.status().ToString();
+    if (!report.ok()) return {};
+    reports->push_back(*report);
+  }
+  return WorkingParameters(**engine);
+}
+
+struct ShardedCase {
+  const char* name;
+  Tier states;
+};
+
+class ShardingTest : public ::testing::TestWithParam<ShardedCase> {};
+
+// Two ranks, each keeping half of every chunk's optimizer states (host or NVMe), reduce-scatter
+// their gradients, update their halves and all-gather the parameters: every rank ends with the
+// parameters of one engine trained on the mean gradient, bit for bit, and reports its norm.
+TEST_P(ShardingTest, TwoRanksTrainExactlyAsOneOnTheMeanGradient) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(GetParam().states, dir.path());
+  constexpr int kSteps = 3;
+  std::vector<RankResult> ranks = TrainSharded(2, options, kSteps);
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(2, options, kSteps, &reference_reports);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
+    ASSERT_EQ(ranks[r].reports.size(), size_t(kSteps));
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_EQ(ranks[r].reports[s].step, s + 1);
+      // The norm is summed in another order (shards, then ranks): equal up to rounding.
+      EXPECT_NEAR(ranks[r].reports[s].grad_norm, reference_reports[s].grad_norm,
+                  1e-9 * reference_reports[s].grad_norm)
+          << "rank " << r << " step " << s;
+      EXPECT_EQ(ranks[r].reports[s].grad_norm, ranks[0].reports[s].grad_norm);
+    }
+  }
+  EXPECT_GT(ranks[0].chunks, 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
+                         ::testing::Values(ShardedCase{"states_host", Tier::kHost},
+                                           ShardedCase{"states_nvme", Tier::kNvme}),
+                         [](const auto& param_info) { return std::string(param_info.param.name); });
+
+// Three ranks: each pads every chunk to three equal shards and updates only its own (a third
+// of the CPU optimizer's work). The mean is not exact any more (a third), but the trajectory is
+// the reference's to rounding, and every rank holds the same parameters bit for bit.
+TEST(ShardingTest, ThreeRanksAgreeBitForBitAndFollowTheMeanGradient) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  constexpr int kSteps = 2;
+  std::vector<RankResult> ranks = TrainSharded(3, options, kSteps);
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(3, options, kSteps, &reference_reports);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, ranks[0].params)) << "rank " << r;
+    EXPECT_LT(testing::MaxAbsDiff(ranks[r].params, reference), 1e-6) << "rank " << r;
+    EXPECT_TRUE(ranks[r].padded_to_shards) << "rank " << r;
+    EXPECT_EQ(ranks[r].counters.optimizer_params, kSteps * ranks[r].trained_numel / 3)
+        << "rank " << r;
+  }
+}
+
+// Gradient clipping uses the global norm of the mean gradient, all-reduced across ranks; the
+// step clips on every rank alike.
+TEST(ShardingTest, ClippingUsesTheGlobalNormOfTheMeanGradient) {
+  ScratchDir dir;
+  EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  options.optimizer.gradient_clipping = 0.5;
+  constexpr int kSteps = 2;
+  constexpr float kScale = 8.0f;  // Norms well above 0.5: every step clips.
+  std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, kScale);
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(2, options, kSteps, &reference_reports, kScale);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_GT(ranks[r].reports[s].grad_norm, 0.5);
+      EXPECT_NEAR(ranks[r].reports[s].grad_norm, reference_reports[s].grad_norm,
+                  1e-9 * reference_reports[s].grad_norm);
+    }
+    // The clip coefficient comes from norms summed in another order: equal to rounding.
+    EXPECT_LT(testing::MaxAbsDiff(ranks[r].params, reference), 1e-6) << "rank " << r;
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, ranks[0].params)) << "rank " << r;
+  }
+}
+
+// A rank whose NVMe fails mid-step fails the step on every rank, at once and naming the cause,
+// rather than leaving the others waiting; the step cannot be retried with several ranks.
+TEST(ShardingTest, AFailingRankFailsTheStepOnEveryRank) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  // Its reads of the states fail: every update of the first step.
+  plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
+  std::vector<RankResult> ranks = TrainSharded(2, options, 2, 1.0f, [&](int rank) {
+    EngineEnvironment env;
+    if (rank == 1) {
+      env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+        return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+      };
+    }
+    return env;
+  });
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_FALSE(ranks[r].status.ok()) << "rank " << r;
+    EXPECT_TRUE(ranks[r].reports.empty()) << "rank " << r;
+  }
+  EXPECT_NE(ranks[0].status.message().find("rank 1"), std::string::npos)
+      << ranks[0].status.message();
+}
+
+// What is not built for several ranks says so at Create, or when called.
+TEST(ShardingTest, WhatIsNotBuiltForSeveralRanksIsRefusedClearly) {
+  ScratchDir dir;
+  const ShardedModel model;
+  auto create = [&](const EngineOptions& options) {
+    auto comms = CreateLocalCommunicators({.size = 2});
+    EngineEnvironment env;
+    env.communicator = std::move((*comms)[0]);
+    auto device = MakeDevice(64 << 20);
+    return Engine::Create(options, *device, model.specs, std::move(env)).status();
+  };
+  EngineOptions stage3 = ShardedOptions(Tier::kHost, dir.path());
+  stage3.placement.zero_stage = 3;
+  EXPECT_EQ(create(stage3).code(), StatusCode::kUnavailable);
+  EXPECT_NE(create(stage3).message().find("stage 3"), std::string::npos);
+  EngineOptions stage0 = ShardedOptions(Tier::kHost, dir.path());
+  stage0.placement.zero_stage = 0;
+  EXPECT_EQ(create(stage0).code(), StatusCode::kUnavailable);
+  EngineOptions params = ShardedOptions(Tier::kHost, dir.path());
+  params.placement.params = Tier::kHost;
+  EXPECT_EQ(create(params).code(), StatusCode::kUnavailable);
+  EngineOptions device_states = ShardedOptions(Tier::kDevice, dir.path());
+  EXPECT_EQ(create(device_states).code(), StatusCode::kUnavailable);
+
+  auto comms = CreateLocalCommunicators({.size = 2});
+  EngineEnvironment env;
+  env.communicator = std::move((*comms)[0]);
+  auto device = MakeDevice(64 << 20);
+  auto engine =
+      Engine::Create(ShardedOptions(Tier::kHost, dir.path()), *device, model.specs, std::move(env));
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  Status saved = (*engine)->Save(dir.path() / "checkpoint");
+  EXPECT_EQ(saved.code(), StatusCode::kUnavailable);
+  EXPECT_NE(saved.message().find("sharded across 2 ranks"), std::string::npos) << saved.message();
+  std::vector<float> out(40 * 64);
+  EXPECT_EQ((*engine)->ReadMasterParameter(0, out).code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace strata::offload
