@@ -58,8 +58,10 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   }
   if (attempt_failed_) {
     // The failed step's verdict (norm, overflow) is made without this chunk.
-    return FailedPrecondition("GradsReady(" + std::to_string(chunk) +
-                              ") after a failed step; call Step() again to retry it first");
+    return FailedPrecondition(
+        "GradsReady(" + std::to_string(chunk) + ") after a failed step; " +
+        (e.sharded() ? std::string("with several ranks it cannot be retried: restart the ranks")
+                     : std::string("call Step() again to retry it first")));
   }
   if (c.micro_steps >= gas_) {
     return FailedPrecondition("chunk " + std::to_string(chunk) + " already received the " +
@@ -85,8 +87,8 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   }
   c.micro_steps = micro_step;
   c.MoveTo(last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
-  // Several ranks: the chunk's reduce-scatter, in this call's place in the program order.
-  if (last && e.sharded()) EnqueueReduceLocked(chunk);
+  // Several ranks: the chunk's reduce-scatter, in its turn.
+  if (last && e.sharded()) DeclareReduceLocked(chunk);
   e.Spawn(last ? Journey(chunk, micro_step) : LandMicroStep(chunk, micro_step));
   return Status();
 }

@@ -28,12 +28,26 @@ Status StepPipeline::CheckShardedStepLocked() const {
   return Status();
 }
 
+void StepPipeline::DeclareReduceLocked(size_t chunk) {
+  Chunk& c = engine_.chunks_[chunk];
+  // Nothing of this step has touched the chunk's signals yet: its journey, spawned next,
+  // opens them, maybe before its reduce-scatter is enqueued.
+  c.grads_summed.Reset();
+  c.shard_updated.Reset();
+  // Reduce-scatters go in one order on every rank, backward's (the last chunk first), whatever
+  // order this rank's trainer declares gradients in: a chunk whose turn has not come waits for
+  // the chunks before it. Ranks that matched collectives by arrival would sum one rank's chunk
+  // with another's whenever their sizes agree.
+  const std::vector<Chunk>& chunks = engine_.chunks_;
+  while (reduce_order_.size() < reduce_sequence_.size() &&
+         chunks[reduce_sequence_[reduce_order_.size()]].micro_steps == gas_) {
+    EnqueueReduceLocked(reduce_sequence_[reduce_order_.size()]);
+  }
+}
+
 void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  // Nothing of this step has touched the chunk's signals yet: the journey opens them.
-  c.grads_summed.Reset();
-  c.shard_updated.Reset();
   reduce_order_.push_back(chunk);
   e.environment_.communicator->ReduceScatter(
       c.grads_sum.data(), c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,

@@ -64,6 +64,9 @@ void StepPipeline::Initialize() {
     if (!c.frozen()) ++trained_chunks_;
   }
   engine_ranks_ = engine_.ranks();
+  for (size_t i = engine_.chunks_.size(); i-- > 0;) {
+    if (!engine_.chunks_[i].frozen()) reduce_sequence_.push_back(i);
+  }
   step_ = FreshStepState();
   preloads_.resize(engine_.chunks_.size());
   boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });

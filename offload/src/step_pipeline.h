@@ -55,9 +55,11 @@
 // whole chunk's working parameters. Collectives are enqueued in program order on the trainer
 // thread, the same on every rank, and run on the communicator's thread as their inputs come:
 //
-//   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed)
+//   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed),
+//                                 chunk by chunk in one order (the last chunk first), whatever
+//                                 order the trainer declares them in
 //   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
-//                                 all-gather param_copy, chunk by chunk in reduce order
+//                                 all-gather param_copy, chunk by chunk in that order
 //                                                                           (ready: shard_updated)
 //
 // The journey then runs: land and sum in fp32 -> grads_summed -> reduce -> measure the shard
@@ -189,7 +191,9 @@ class StepPipeline {
 
   // sharded_step.cpp
   bool sharded() const;
-  /// Queues `chunk`'s reduce-scatter (trainer thread, under mutex_, at its last GradsReady).
+  /// At `chunk`'s last GradsReady (trainer thread, under mutex_): readies its signals and
+  /// queues the reduce-scatters whose turn has come (reduce_sequence_).
+  void DeclareReduceLocked(size_t chunk);
   void EnqueueReduceLocked(size_t chunk);
   /// FailedPrecondition for a step that several ranks cannot take (under mutex_, from Step()).
   Status CheckShardedStepLocked() const;
@@ -287,8 +291,10 @@ class StepPipeline {
   LossScaler loss_scaler_;
   std::atomic<int64_t> step_count_{0};
 
-  // Several ranks (trainer thread, under mutex_): the chunks in the order of their last
-  // GradsReady this step, which their reduce-scatters took and their all-gathers take.
+  // Several ranks: the order of every rank's reduce-scatters and all-gathers (the trained
+  // chunks, last first; set by Initialize), and the chunks whose reduce-scatter this step has
+  // enqueued so far, a prefix of it (trainer thread, under mutex_).
+  std::vector<size_t> reduce_sequence_;
   std::vector<size_t> reduce_order_;
   ThreadSignal all_arrived_;        // Every chunk's shard is measured (opened on the loop).
   VerdictTotals verdict_totals_{};  // The norm's all-reduce's buffer.

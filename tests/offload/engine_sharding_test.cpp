@@ -31,8 +31,10 @@ struct ShardedModel {
   std::vector<ParameterSpec> specs;
 
   ShardedModel() {
+    // Chunks of 2624, 3570 and 2560 elements (4096 each, padded for two ranks) and a frozen
+    // one.
     const std::vector<std::vector<int64_t>> shapes = {{40, 64}, {64},     {50, 70},
-                                                      {70},     {33, 33}, {300}};
+                                                      {70},     {40, 64}, {300}};
     for (size_t p = 0; p < shapes.size(); ++p) {
       size_t numel = 1;
       for (int64_t d : shapes[p]) numel *= size_t(d);
@@ -62,16 +64,26 @@ float Grad(int rank, int step, int micro, size_t p, size_t i, float scale = 1.0f
 using GradFn = std::function<float(int step, int micro, size_t p, size_t i)>;
 
 /// One training step as a trainer drives it: forward over every chunk, backward in reverse
-/// writing `grad`'s gradients, for each micro-step; then Step().
-Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad) {
+/// writing `grad`'s gradients, for each micro-step; then Step(). `swap_last_two`: backward
+/// declares the last two chunks' gradients in the other order (as autograd hooks may).
+Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad,
+                             bool swap_last_two = false) {
   const ChunkLayout& layout = engine.layout();
   const int gas = 2;
+  std::vector<size_t> backward;
+  for (size_t c = engine.chunk_count(); c-- > 0;) backward.push_back(c);
+  if (swap_last_two) {
+    // The first two chunks backward reaches that have gradients (the last is frozen).
+    size_t first = 0;
+    while (layout.chunk(backward[first]).frozen) ++first;
+    std::swap(backward[first], backward[first + 1]);
+  }
   for (int micro = 0; micro < gas; ++micro) {
     for (size_t c = 0; c < engine.chunk_count(); ++c) {
       STRATA_RETURN_IF_ERROR(engine.Acquire(c).status());
       engine.Release(c);
     }
-    for (size_t c = engine.chunk_count(); c-- > 0;) {
+    for (size_t c : backward) {
       STRATA_ASSIGN_OR_RETURN(ChunkView view, engine.Acquire(c));
       if (view.grads != nullptr) {
         auto* grads = static_cast<float*>(view.grads);
@@ -135,7 +147,8 @@ struct RankResult {
 /// Grad(r, ...) scaled by `scale`.
 std::vector<RankResult> TrainSharded(int ranks, const EngineOptions& options, int steps,
                                      float scale = 1.0f,
-                                     std::function<EngineEnvironment(int)> environment = {}) {
+                                     std::function<EngineEnvironment(int)> environment = {},
+                                     int swapping_rank = -1) {
   const ShardedModel model;
   auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
   EXPECT_TRUE(comms.ok());
@@ -162,9 +175,10 @@ std::vector<RankResult> TrainSharded(int ranks, const EngineOptions& options, in
             layout.shard(c, r).numel() * size_t(ranks) == layout.chunk(c).numel;
       }
       for (int step = 0; step < steps && result.status.ok(); ++step) {
-        auto report = TrainStep(**engine, step, [&](int s, int m, size_t p, size_t i) {
-          return Grad(r, s, m, p, i, scale);
-        });
+        auto report = TrainStep(
+            **engine, step,
+            [&](int s, int m, size_t p, size_t i) { return Grad(r, s, m, p, i, scale); },
+            r == swapping_rank);
         result.status = report.status();
         if (report.ok()) result.reports.push_back(*report);
       }
@@ -240,6 +254,25 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
                          ::testing::Values(ShardedCase{"states_host", Tier::kHost},
                                            ShardedCase{"states_nvme", Tier::kNvme}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
+
+// The ranks' collectives go in one fixed chunk order, whatever order each rank's backward
+// declares gradients in: a rank whose last two chunks come the other way round (chunks of the
+// same size, so nothing but the order tells them apart) still reduces each chunk with its peers'
+// same chunk.
+TEST(ShardingTest, RanksThatDeclareGradientsInAnotherOrderStillReduceTheSameChunks) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  constexpr int kSteps = 2;
+  std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, 1.0f, {}, /*swapping_rank=*/1);
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(2, options, kSteps, &reference_reports);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
+  }
+}
 
 // Three ranks: each pads every chunk to three equal shards and updates only its own (a third
 // of the CPU optimizer's work). The mean is not exact any more (a third), but the trajectory is
