@@ -82,6 +82,7 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
         });
       });
   const size_t wsize = e.working_size();
+  step_outcome_.Reset();  // The last step's was delivered before this Step() was accepted.
   for (size_t chunk : order) {
     Chunk& c = e.chunks_[chunk];
     comm.AllGather(
@@ -94,6 +95,34 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
           });
         });
   }
+  // Last, the outcome: it always runs (the failure is its value, not a failed input), so
+  // every rank learns at once that another's step failed.
+  comm.AllReduceScalars(
+      failed_ranks_, ReduceOp::kSum,
+      [this] {
+        failed_ranks_[0] = step_outcome_.Wait().ok() ? 0.0 : 1.0;
+        return Status();
+      },
+      [this, &e](Status status) {
+        boost::asio::post(e.loop_.executor(), [this, status = std::move(status)] {
+          AgreeOnStep(status, failed_ranks_[0]);
+        });
+      });
+}
+
+void StepPipeline::AgreeOnStep(Status collective, double failed_ranks) {
+  Result<StepReport> result = std::move(*step_.outcome);
+  step_.outcome.reset();
+  if (result.ok() && !collective.ok()) {
+    result = collective.WithContext("agreeing on the step's outcome across ranks");
+  } else if (result.ok() && failed_ranks > 0) {
+    result =
+        Unavailable("the step failed on another rank (" + std::to_string(int64_t(failed_ranks)) +
+                    " of " + std::to_string(engine_.ranks()) +
+                    " ranks): its error is in that rank's output; restart the ranks");
+  }
+  // A step that failed anywhere leaves the ranks apart: none may go on (CheckShardedStepLocked).
+  DeliverStep(std::move(result), step_.outcome_completed && result.ok());
 }
 
 Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {

@@ -332,7 +332,9 @@ void StepPipeline::Cancel() {
 }
 
 void StepPipeline::MaybeFinish() {
-  if (!step_.requested || step_.committing || step_.updates_running > 0) return;
+  if (!step_.requested || step_.committing || step_.finishing || step_.updates_running > 0) {
+    return;
+  }
   if (step_.speculations_open > 0) return;  // Updated ahead of the verdict, not yet resolved.
   const std::vector<Chunk>& chunks = engine_.chunks_;
   for (const Chunk& c : chunks) {
@@ -501,6 +503,19 @@ Awaitable<void> StepPipeline::Commit() {
 }
 
 void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
+  if (!sharded()) {
+    DeliverStep(std::move(result), completed);
+    return;
+  }
+  // Several ranks report a step only once every rank's outcome is in (AgreeOnStep).
+  step_.finishing = true;
+  const Status local = result.status();
+  step_.outcome.emplace(std::move(result));
+  step_.outcome_completed = completed;
+  step_outcome_.Open(local);
+}
+
+void StepPipeline::DeliverStep(Result<StepReport> result, bool completed) {
   std::promise<Result<StepReport>> promise = std::move(*step_.promise);
   // The trainer cannot start the next forward before the step completes: all of it is a stall.
   // (A delayed step's next forward runs beside it: its stall is the next GradsReady's wait.)
@@ -516,6 +531,7 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
     step_.promise.reset();
     step_.requested = false;
     step_.committing = false;
+    step_.finishing = false;
   }
   {
     std::lock_guard lock(mutex_);

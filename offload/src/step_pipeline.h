@@ -61,11 +61,13 @@
 //   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
 //                                 all-gather param_copy, chunk by chunk in that order
 //                                                                           (ready: shard_updated)
+//                                 all-reduce of the ranks whose step failed (ready: step_outcome_)
 //
 // The journey then runs: land and sum in fp32 -> grads_summed -> reduce -> measure the shard
 // (ReduceGrads) -> arrive -> gate (gated steps) -> update the shard with the mean gradient
 // (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams); the step commits
-// once the norm's all-reduce (which every step's report needs) and every all-gather are done.
+// once the norm's all-reduce (which every step's report needs) and every all-gather are done,
+// and reports once every rank's outcome is in: a step that failed anywhere fails everywhere.
 // A chunk that was not updated opens shard_updated with an error, failing the collective (and,
 // as every later one, the step) on every rank. Not built yet for several ranks: speculative
 // updates (gated steps' updates wait for the verdict), retrying a failed step (the ranks'
@@ -178,6 +180,10 @@ class StepPipeline {
     bool committing = false;
     bool committed = false;  // The commit flipped the shadows: a retry only uploads again.
     bool cancelled = false;
+    // Several ranks: this rank's outcome, held until every rank's is in (AgreeOnStep).
+    bool finishing = false;
+    std::optional<Result<StepReport>> outcome;
+    bool outcome_completed = false;
   };
 
   /// An NVMe-home chunk's states read ahead into a staging buffer (loop thread).
@@ -203,6 +209,9 @@ class StepPipeline {
   Awaitable<void> ReduceGrads(size_t chunk);
   /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
   Awaitable<void> GatherParams(size_t chunk);
+  /// With how many ranks failed the step (from the outcome all-reduce, or its own failure):
+  /// delivers this rank's outcome, or the step's failure elsewhere. Loop thread.
+  void AgreeOnStep(Status collective, double failed_ranks);
 
   // gradient_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
@@ -268,7 +277,11 @@ class StepPipeline {
   void Decide();
   void MaybeFinish();
   Awaitable<void> Commit();
+  /// Ends the step with `result` (`completed`: it committed). Several ranks first agree on
+  /// every rank's outcome (AgreeOnStep), so that a step that failed on one fails on all.
   void FinishStep(Result<StepReport> result, bool completed);
+  /// Completes Step()'s future with `result`.
+  void DeliverStep(Result<StepReport> result, bool completed);
 
   Engine::Impl& engine_;
   const EngineOptions& options_;
@@ -298,7 +311,11 @@ class StepPipeline {
   std::vector<size_t> reduce_order_;
   ThreadSignal all_arrived_;        // Every chunk's shard is measured (opened on the loop).
   VerdictTotals verdict_totals_{};  // The norm's all-reduce's buffer.
-  int engine_ranks_ = 1;            // Set by Initialize.
+  // The step's outcome on this rank (opened by FinishStep; reset by Step()), and the all-reduce
+  // of failed ranks that waits for it.
+  ThreadSignal step_outcome_;
+  std::array<double, 1> failed_ranks_{};
+  int engine_ranks_ = 1;  // Set by Initialize.
 
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.

@@ -15,6 +15,7 @@
 #include "strata/nvme/fault_injection.h"
 #include "strata/offload/local_communicator.h"
 #include "support/scratch_dir.h"
+#include "wrapped_device.h"
 
 namespace strata::offload {
 namespace {
@@ -145,10 +146,10 @@ struct RankResult {
 
 /// Trains `ranks` sharded engines for `steps` steps, each on a thread of its own; rank r writes
 /// Grad(r, ...) scaled by `scale`.
-std::vector<RankResult> TrainSharded(int ranks, const EngineOptions& options, int steps,
-                                     float scale = 1.0f,
-                                     std::function<EngineEnvironment(int)> environment = {},
-                                     int swapping_rank = -1) {
+std::vector<RankResult> TrainSharded(
+    int ranks, const EngineOptions& options, int steps, float scale = 1.0f,
+    std::function<EngineEnvironment(int)> environment = {}, int swapping_rank = -1,
+    std::function<void(int, testing::WrappedDevice&)> on_device = {}) {
   const ShardedModel model;
   auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
   EXPECT_TRUE(comms.ok());
@@ -157,17 +158,19 @@ std::vector<RankResult> TrainSharded(int ranks, const EngineOptions& options, in
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       RankResult& result = results[size_t(r)];
-      auto device = MakeDevice(64 << 20);
+      auto inner = MakeDevice(64 << 20);
+      testing::WrappedDevice device(*inner);
       EngineEnvironment env = environment ? environment(r) : EngineEnvironment{};
       env.communicator = std::move((*comms)[size_t(r)]);
       env.ranks_on_node = ranks;
-      auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+      auto engine = Engine::Create(options, device, model.specs, std::move(env));
       if (!engine.ok()) {
         result.status = engine.status();
         return;
       }
       const ChunkLayout& layout = (*engine)->layout();
       result.chunks = layout.chunk_count();
+      if (on_device) on_device(r, device);
       for (size_t c = 0; c < layout.chunk_count(); ++c) {
         if (!layout.chunk(c).frozen) result.trained_numel += layout.chunk(c).numel;
         result.padded_to_shards &=
@@ -343,6 +346,26 @@ TEST(ShardingTest, AFailingRankFailsTheStepOnEveryRank) {
   }
   EXPECT_NE(ranks[0].status.message().find("rank 1"), std::string::npos)
       << ranks[0].status.message();
+}
+
+// A rank that fails after the last collective of a step (its upload of the gathered parameters)
+// fails the step on every rank too: the ranks agree on each step's outcome before reporting it,
+// rather than the others reporting success and then waiting for it in the next step.
+TEST(ShardingTest, ARankThatFailsAfterTheLastGatherFailsTheStepOnEveryRank) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  std::vector<RankResult> ranks =
+      TrainSharded(2, options, 2, 1.0f, {}, -1, [](int rank, testing::WrappedDevice& device) {
+        if (rank == 1) device.FailCopiesToDevice(0, 1 << 20);
+      });
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_FALSE(ranks[r].status.ok()) << "rank " << r;
+    EXPECT_TRUE(ranks[r].reports.empty()) << "rank " << r << " reported a step";
+  }
+  EXPECT_NE(ranks[0].status.message().find("another rank"), std::string::npos)
+      << ranks[0].status.message();
+  EXPECT_NE(ranks[1].status.message().find("injected failure"), std::string::npos)
+      << ranks[1].status.message();
 }
 
 // What is not built for several ranks says so at Create, or when called.
