@@ -69,15 +69,19 @@ Status TrainSettings::Validate() const {
     return InvalidArgument("--seq must be in [1, 65536], got " + std::to_string(seq));
   }
   if (eval_batches < 1) return InvalidArgument("eval_batches must be >= 1");
+  if (ranks < 1 || rank < 0 || rank >= ranks) {
+    return InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                           " is not a rank");
+  }
   return Status();
 }
 
 ByteLmTrainer::ByteLmTrainer(const TrainSettings& settings, const Corpus& corpus)
     : settings_(settings), corpus_(corpus), model_(settings.model) {}
 
-Result<std::unique_ptr<ByteLmTrainer>> ByteLmTrainer::Create(const TrainSettings& settings,
-                                                             const EngineOptions& options,
-                                                             Device& device, const Corpus& corpus) {
+Result<std::unique_ptr<ByteLmTrainer>> ByteLmTrainer::Create(
+    const TrainSettings& settings, const EngineOptions& options, Device& device,
+    const Corpus& corpus, offload::EngineEnvironment environment) {
   STRATA_RETURN_IF_ERROR(settings.Validate());
   const size_t window = size_t(settings.seq) + 1;
   if (corpus.train.size() < window || corpus.validation.size() < window) {
@@ -97,7 +101,8 @@ Result<std::unique_ptr<ByteLmTrainer>> ByteLmTrainer::Create(const TrainSettings
   for (size_t p = 0; p < trainer->parameters_.size(); ++p) {
     specs.push_back({trainer->parameters_[p].name, trainer->parameters_[p].shape, initial[p]});
   }
-  STRATA_ASSIGN_OR_RETURN(trainer->engine_, offload::Engine::Create(options, device, specs));
+  STRATA_ASSIGN_OR_RETURN(trainer->engine_,
+                          offload::Engine::Create(options, device, specs, std::move(environment)));
 
   // Which chunks each layer needs, and the first and last layer of each chunk.
   const offload::ChunkLayout& layout = trainer->engine_->layout();
@@ -118,12 +123,15 @@ Result<std::unique_ptr<ByteLmTrainer>> ByteLmTrainer::Create(const TrainSettings
   return trainer;
 }
 
-void ByteLmTrainer::SampleBatch(const std::vector<uint8_t>& split, uint64_t key,
+void ByteLmTrainer::SampleBatch(const std::vector<uint8_t>& split, uint64_t key, bool sliced,
                                 std::vector<uint8_t>& tokens) {
   const size_t window = size_t(settings_.seq) + 1;
   std::mt19937_64 random(key);
   std::uniform_int_distribution<size_t> start(0, split.size() - window);
   tokens.resize(size_t(settings_.batch) * window);
+  // The draws of the ranks before this one are theirs.
+  const int skip = sliced ? settings_.rank * settings_.batch : 0;
+  for (int b = 0; b < skip; ++b) start(random);
   for (int b = 0; b < settings_.batch; ++b) {
     const size_t s = start(random);
     std::copy(split.begin() + s, split.begin() + s + window, tokens.begin() + b * window);
@@ -270,7 +278,7 @@ Result<std::optional<TrainStepRecord>> ByteLmTrainer::StartStep() {
   std::vector<uint8_t> tokens;
   for (int micro = 0; micro < micro_steps; ++micro) {
     SampleBatch(corpus_.train, MixKey(settings_.seed, uint64_t(iteration), uint64_t(micro)),
-                tokens);
+                /*sliced=*/true, tokens);
     const auto compute_start = Clock::now();
     // With a step still updating, the first GradsReady waits for it; its loss scale is this
     // step's (delayed updates keep it fixed).
@@ -310,8 +318,9 @@ Result<TrainStepRecord> ByteLmTrainer::Complete() {
   completed_at_ = Clock::now();
   completed_counters_ = engine_->counters();
   record.seconds = std::chrono::duration<double>(completed_at_ - step.start).count();
+  // The ranks' tokens together: what one rank with all of their batch would count.
   record.tokens_per_second =
-      double(settings_.batch) * settings_.seq * micro_steps_ / record.seconds;
+      double(settings_.batch) * settings_.ranks * settings_.seq * micro_steps_ / record.seconds;
   record.counters = completed_counters_ - step.before;
   return record;
 }
@@ -321,7 +330,8 @@ Result<double> ByteLmTrainer::Evaluate() {
   double total = 0.0;
   for (int b = 0; b < settings_.eval_batches; ++b) {
     // Fixed windows: the same validation batches at every evaluation.
-    SampleBatch(corpus_.validation, MixKey(settings_.seed ^ 0xEEull, ~0ull, uint64_t(b)), tokens);
+    SampleBatch(corpus_.validation, MixKey(settings_.seed ^ 0xEEull, ~0ull, uint64_t(b)),
+                /*sliced=*/false, tokens);
     STRATA_ASSIGN_OR_RETURN(double loss, RunMicroBatch(tokens, /*backward=*/false));
     total += loss;
   }

@@ -4,14 +4,17 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <future>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,6 +26,7 @@
 #include "strata/core/host_device.h"
 #include "strata/core/log.h"
 #include "strata/examples/byte_lm_trainer.h"
+#include "strata/offload/mpi_communicator.h"
 #include "strata/offload/ranks.h"
 
 namespace strata::tools {
@@ -44,7 +48,7 @@ struct TrainFlags {
                       precision, checkpoint, resume, data = STRATA_CORPUS_PATH,
                       metrics_address = "127.0.0.1";
   int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
-          checkpoint_every = 0, metrics_port = -1, eval_every = 50;
+          checkpoint_every = 0, metrics_port = -1, eval_every = 50, zero_stage = -1;
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
   int64_t delayed_update_from = -1;
   double lr = std::numeric_limits<double>::quiet_NaN();
@@ -91,7 +95,8 @@ Result<examples::ByteLmConfig> ModelConfig(const TrainFlags& f) {
 /// for what neither said.
 Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
                                        const std::optional<LoadedConfig>& config,
-                                       ScratchDir& scratch, const examples::ByteLmConfig& model) {
+                                       ScratchDir& scratch, const examples::ByteLmConfig& model,
+                                       int ranks) {
   EngineOptions o;
   o.optimizer.lr = 2e-3;
   o.optimizer.weight_decay = 0.0;
@@ -110,9 +115,13 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   if (!f.offload_optimizer.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
   }
+  // Several ranks shard the optimizer states (ZeRO stages 1 and 2), which keeps the working
+  // parameters on each rank's device: that is their default there.
+  if (ranks > 1 && !config) o.placement.params = Tier::kDevice;
   if (!f.offload_params.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.placement.params, ParseTier(f.offload_params));
   }
+  if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
   if (!f.precision.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.precision.working_dtype, ParseDType(f.precision));
   }
@@ -168,6 +177,9 @@ struct RunSummary {
   std::vector<TrainStepRecord> records;
   double validation_loss = 0.0;
   double unigram_entropy = 0.0;
+  int ranks = 1;
+  /// Peak use of each tier (device, host, NVMe): the largest over the ranks.
+  std::array<uint64_t, 3> peak_bytes{};
 };
 
 /// Sums over the steps of a run, for the summary table and the JSON document.
@@ -279,6 +291,11 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                   {"nvme_write_bytes", t.moved.nvme_write_bytes}};
   j["validation_loss"] = s.validation_loss;
   j["unigram_entropy"] = s.unigram_entropy;
+  j["ranks"] = {
+      {"world_size", s.ranks},
+      {"zero_stage", o.placement.zero_stage},
+      {"peak_bytes",
+       {{"device", s.peak_bytes[0]}, {"host", s.peak_bytes[1]}, {"nvme", s.peak_bytes[2]}}}};
   return j;
 }
 
@@ -302,8 +319,10 @@ void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& tr
   for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
     const offload::TierUsage u = engine.tier_usage(tier);
     if (u.budget_bytes == 0) continue;
-    std::printf("  %-34s peak %s of %s\n", (std::string(TierName(tier)) + " use").c_str(),
-                FormatBytes(u.peak_bytes).c_str(), FormatBytes(u.budget_bytes).c_str());
+    std::printf(
+        "  %-34s peak %s of %s%s\n", (std::string(TierName(tier)) + " use").c_str(),
+        FormatBytes(s.peak_bytes[size_t(tier)]).c_str(), FormatBytes(u.budget_bytes).c_str(),
+        s.ranks > 1 ? (" (the largest of " + std::to_string(s.ranks) + " ranks)").c_str() : "");
   }
   std::printf("\nBytes moved (rate over %.1f s of training)\n", step_time);
   auto moved = [&](const char* name, uint64_t bytes) {
@@ -393,33 +412,57 @@ Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload
   return MetricsServer::Start(std::move(options));
 }
 
+/// A blocking element-wise `op` of `values` over the ranks.
+Status AllReduce(offload::Communicator& comm, std::span<double> values, offload::ReduceOp op) {
+  std::promise<Status> finished;
+  std::future<Status> result = finished.get_future();
+  comm.AllReduceScalars(values, op, {},
+                        [&finished](Status status) { finished.set_value(std::move(status)); });
+  return result.get();
+}
+
 int Train(const TrainFlags& f) {
-  // Started as one of several ranks, each process would train the whole model alone and write
-  // the same checkpoints: refused until the ranks can shard one model (ZeRO, issue 13).
+  // Started as one of several ranks (mpirun, srun): the ranks train one model, each keeping its
+  // shard of the optimizer states (ZeRO stages 1 and 2) and its slice of every batch; rank 0
+  // prints, and every rank's errors say which rank it is.
   Result<offload::RankInfo> ranks = offload::DetectRanks();
   if (!ranks.ok()) return Fail(kExitUsage, ranks.status().message(), kCommand);
-  if (ranks->size > 1) {
-    return Fail(kExitFailure,
-                "started by " + ranks->launcher + " as rank " + std::to_string(ranks->rank) +
-                    " of " + std::to_string(ranks->size) +
-                    ": training one model across several ranks (ZeRO sharding) is not built "
-                    "yet; start a single process");
+  const offload::RankInfo launched = *ranks;
+  const bool several = launched.size > 1;
+  const bool prints = launched.rank == 0;
+  auto fail = [&](int code, const std::string& message, const std::string& command = "") {
+    return Fail(code,
+                several ? "rank " + std::to_string(launched.rank) + " of " +
+                              std::to_string(launched.size) + ": " + message
+                        : message,
+                command);
+  };
+  if (several && (!f.checkpoint.empty() || f.checkpoint_every > 0 || !f.resume.empty())) {
+    return fail(kExitUsage,
+                "checkpoints of a run across several ranks (sharded checkpoints) are not built "
+                "yet; train without --checkpoint, --checkpoint-every and --resume",
+                kCommand);
+  }
+  if (several && !offload::MpiAvailable()) {
+    return fail(kExitFailure, "started by " + launched.launcher +
+                                  " as one of several ranks, but this build has no MPI: install "
+                                  "Open MPI (libopenmpi-dev) and build again");
   }
   if (f.metrics_port > 65535) {
-    return Fail(kExitUsage, "--metrics-port must be in [0, 65535]", kCommand);
+    return fail(kExitUsage, "--metrics-port must be in [0, 65535]", kCommand);
   }
   auto model = ModelConfig(f);
-  if (!model.ok()) return Fail(kExitUsage, model.status().message(), kCommand);
+  if (!model.ok()) return fail(kExitUsage, model.status().message(), kCommand);
   if (f.steps < 1 || f.steps > 10'000'000) {
-    return Fail(kExitUsage, "--steps must be in [1, 10000000]", kCommand);
+    return fail(kExitUsage, "--steps must be in [1, 10000000]", kCommand);
   }
-  if (f.checkpoint_every < 0) return Fail(kExitUsage, "--checkpoint-every must be >= 0", kCommand);
+  if (f.checkpoint_every < 0) return fail(kExitUsage, "--checkpoint-every must be >= 0", kCommand);
 
   // A config file's content errors exit as `strata config check` does (the README's table).
   std::optional<LoadedConfig> config;
   if (!f.config.empty()) {
     Result<LoadedConfig> loaded = LoadConfigFile(f.config);
-    if (!loaded.ok()) return Fail(kExitFailure, loaded.status().message());
+    if (!loaded.ok()) return fail(kExitFailure, loaded.status().message());
     if (!loaded->ignored_keys.empty()) Log(LogLevel::kWarning, IgnoredKeysWarning(*loaded));
     config = std::move(loaded).value();
   }
@@ -431,7 +474,7 @@ int Train(const TrainFlags& f) {
   // A config's batch out of what the model takes is the config's error (exit 1, as check's
   // content errors), not the command line's. 65536 is TrainSettings::Validate's limit.
   if (batch_from_config && batch > 65536) {
-    return Fail(kExitFailure, f.config + ": train_micro_batch_size_per_gpu " +
+    return fail(kExitFailure, f.config + ": train_micro_batch_size_per_gpu " +
                                   std::to_string(batch) +
                                   " (given or derived) is more sequences per micro-batch than "
                                   "strata train takes (1 to 65536); lower it, or pass --batch");
@@ -440,34 +483,54 @@ int Train(const TrainFlags& f) {
                          .batch = int(std::clamp<int64_t>(batch, -1, 1 << 30)),
                          .seq = int(std::clamp<int64_t>(f.seq, -1, 1 << 30)),
                          .seed = uint64_t(f.seed)};
-  if (Status s = settings.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
+  if (Status s = settings.Validate(); !s.ok()) return fail(kExitUsage, s.message(), kCommand);
 
   auto corpus = Corpus::Load(f.data);
-  if (!corpus.ok()) return Fail(kExitFailure, corpus.status().message());
+  if (!corpus.ok()) return fail(kExitFailure, corpus.status().message());
   ScratchDir scratch;
-  auto options = EngineOptionsFor(f, config, scratch, *model);
-  if (!options.ok()) return Fail(kExitUsage, options.status().message(), kCommand);
+  auto options = EngineOptionsFor(f, config, scratch, *model, launched.size);
+  if (!options.ok()) return fail(kExitUsage, options.status().message(), kCommand);
   if (options->device.kind == DeviceKind::kCuda) {
-    return Fail(kExitFailure, examples::kHostComputeOnly);
+    return fail(kExitFailure, examples::kHostComputeOnly);
   }
   auto device =
       CreateHostDevice({.memory_budget_bytes = options->device.host_device_memory_bytes,
                         .copy_bytes_per_second = options->device.copy_bandwidth_gbps * 1e9});
-  if (!device.ok()) return Fail(kExitFailure, device.status().message());
-  auto trainer = ByteLmTrainer::Create(settings, *options, **device, *corpus);
-  if (!trainer.ok()) return Fail(kExitFailure, trainer.status().message());
+  if (!device.ok()) return fail(kExitFailure, device.status().message());
+  // Several ranks: one communicator for the engine's collectives and one for this command's
+  // own (the mean loss, the peaks); both run on the MPI thread in the order enqueued.
+  offload::EngineEnvironment environment;
+  std::unique_ptr<offload::Communicator> scalars;
+  if (several) {
+    auto engine_comm = offload::CreateMpiCommunicator({});
+    if (!engine_comm.ok()) return fail(kExitFailure, engine_comm.status().message());
+    auto own = offload::CreateMpiCommunicator({});
+    if (!own.ok()) return fail(kExitFailure, own.status().message());
+    if ((*engine_comm)->size() != launched.size) {
+      return fail(kExitFailure, "MPI has " + std::to_string((*engine_comm)->size()) +
+                                    " ranks, the launcher's variables say " +
+                                    std::to_string(launched.size));
+    }
+    environment.communicator = std::move(*engine_comm);
+    scalars = std::move(*own);
+    settings.rank = launched.rank;
+    settings.ranks = launched.size;
+  }
+  auto trainer =
+      ByteLmTrainer::Create(settings, *options, **device, *corpus, std::move(environment));
+  if (!trainer.ok()) return fail(kExitFailure, trainer.status().message());
   offload::Engine& engine = (*trainer)->engine();
   if (!f.resume.empty()) {
     if (Status s = engine.Load(f.resume); !s.ok()) {
-      return Fail(kExitFailure, "resuming from " + f.resume + ": " + s.message());
+      return fail(kExitFailure, "resuming from " + f.resume + ": " + s.message());
     }
   }
 
   const TrainGauges gauges(engine.metrics());
   std::unique_ptr<MetricsServer> server;
-  if (f.metrics_port >= 0) {
+  if (f.metrics_port >= 0 && prints) {
     auto started = ServeMetrics(f, engine, gauges, *options);
-    if (!started.ok()) return Fail(kExitFailure, started.status().message());
+    if (!started.ok()) return fail(kExitFailure, started.status().message());
     server = std::move(started).value();
     std::fprintf(stderr, "strata train: metrics on http://%s:%u/metrics and /status\n",
                  f.metrics_address.c_str(), unsigned(server->port()));
@@ -475,7 +538,8 @@ int Train(const TrainFlags& f) {
 
   RunSummary summary;
   summary.unigram_entropy = corpus->UnigramEntropy();
-  if (!f.json) {
+  summary.ranks = launched.size;
+  if (!f.json && prints) {
     std::printf(
         "strata train: %s model, %s params; optimizer states on %s, parameters on %s; "
         "%lld steps of %d x %d x %d bytes (micro-batches x sequences x length); lr %g; loss "
@@ -488,13 +552,20 @@ int Train(const TrainFlags& f) {
   // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
   // whose every step overflows (a fixed loss scale far too high) still ends.
   // `idle`: no step is running, so a checkpoint or an evaluation may follow.
-  auto report = [&](const TrainStepRecord& r, bool last, bool idle) -> Status {
+  auto report = [&](TrainStepRecord r, bool last, bool idle) -> Status {
+    if (scalars) {
+      // The loss of the whole batch: the mean of the ranks' slices.
+      std::array<double, 1> loss = {r.loss};
+      STRATA_RETURN_IF_ERROR(AllReduce(*scalars, loss, offload::ReduceOp::kSum)
+                                 .WithContext("averaging the loss across ranks"));
+      r.loss = loss[0] / launched.size;
+    }
     summary.records.push_back(r);
     gauges.step->Set(double(r.step));
     gauges.loss->Set(r.loss);
     gauges.tokens_per_second->Set(r.tokens_per_second);
     gauges.step_seconds->Set(r.seconds);
-    if (!f.json) {
+    if (!f.json && prints) {
       std::printf("step %5lld  loss %.4f%s  %8.0f tok/s  %6.3f s  d2h %s  h2d %s  nvme r %s w %s\n",
                   static_cast<long long>(r.step), r.loss, r.skipped ? " (skipped)" : "",
                   r.tokens_per_second, r.seconds,
@@ -511,7 +582,7 @@ int Train(const TrainFlags& f) {
         return s.WithContext("saving the checkpoint");
       }
     }
-    if (!f.json && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
+    if (!f.json && prints && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
       STRATA_ASSIGN_OR_RETURN(double loss, (*trainer)->Evaluate());
       gauges.validation_loss->Set(loss);
       std::printf("           validation loss %.4f\n", loss);
@@ -525,26 +596,39 @@ int Train(const TrainFlags& f) {
   while (iteration < f.steps) {
     const int64_t number = ++iteration;
     const bool last = number >= f.steps;
-    const bool pause = last || (!f.checkpoint.empty() && f.checkpoint_every > 0 &&
-                                number % f.checkpoint_every == 0) ||
-                       (!f.json && f.eval_every > 0 && number % f.eval_every == 0);
+    const bool pause =
+        last ||
+        (!f.checkpoint.empty() && f.checkpoint_every > 0 && number % f.checkpoint_every == 0) ||
+        (!f.json && f.eval_every > 0 && number % f.eval_every == 0);
     auto before = (*trainer)->StartStep();
-    if (!before.ok()) return Fail(kExitFailure, before.status().message());
+    if (!before.ok()) return fail(kExitFailure, before.status().message());
     if (*before) {
       // The step before, completed beside this one: no checkpoint or evaluation falls on it.
       if (Status s = report(**before, /*last=*/false, /*idle=*/false); !s.ok()) {
-        return Fail(kExitFailure, s.message());
+        return fail(kExitFailure, s.message());
       }
     }
     if (overlap && !pause) continue;
     auto record = (*trainer)->FinishStep();
-    if (!record.ok()) return Fail(kExitFailure, record.status().message());
+    if (!record.ok()) return fail(kExitFailure, record.status().message());
     if (Status s = report(*record, last, /*idle=*/true); !s.ok()) {
-      return Fail(kExitFailure, s.message());
+      return fail(kExitFailure, s.message());
     }
   }
+  for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    summary.peak_bytes[size_t(tier)] = engine.tier_usage(tier).peak_bytes;
+  }
+  if (scalars) {
+    std::array<double, 3> peaks;
+    for (size_t i = 0; i < peaks.size(); ++i) peaks[i] = double(summary.peak_bytes[i]);
+    if (Status s = AllReduce(*scalars, peaks, offload::ReduceOp::kMax); !s.ok()) {
+      return fail(kExitFailure, s.WithContext("gathering the ranks' peaks").message());
+    }
+    for (size_t i = 0; i < peaks.size(); ++i) summary.peak_bytes[i] = uint64_t(peaks[i]);
+  }
+  if (!prints) return kExitOk;  // Every rank holds the same parameters: rank 0 evaluates.
   auto validation = (*trainer)->Evaluate();
-  if (!validation.ok()) return Fail(kExitFailure, validation.status().message());
+  if (!validation.ok()) return fail(kExitFailure, validation.status().message());
   summary.validation_loss = *validation;
   gauges.validation_loss->Set(*validation);
   if (f.json) {
@@ -601,6 +685,9 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddInt("checkpoint-every", &f.checkpoint_every, "also save every K steps");
   flags.AddString("resume", &f.resume, "DIR", "continue from a checkpoint");
   flags.AddInt("seed", &f.seed, "initialization and data seed (default 1)");
+  flags.AddInt("zero-stage", &f.zero_stage,
+               "under mpirun or srun: 1 or 2 shards the optimizer states across the ranks "
+               "(default: the config's, else 2); --batch is per rank");
   flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
   flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
   flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");

@@ -47,10 +47,15 @@ struct Corpus {
 /// What `strata train` sets apart from EngineOptions.
 struct TrainSettings {
   ByteLmConfig model;
-  int batch = 16;  ///< Sequences per micro-batch.
+  int batch = 16;  ///< Sequences per micro-batch (per rank).
   int seq = 128;   ///< Predicted positions per sequence.
   uint64_t seed = 1;
   int eval_batches = 8;  ///< Validation batches per evaluation (fixed windows).
+  /// Several data-parallel ranks: each micro-batch is this rank's slice [rank * batch,
+  /// (rank + 1) * batch) of the ranks * batch sequences one rank with that batch would draw,
+  /// so N ranks train on exactly the samples of one rank with N times the batch.
+  int rank = 0;
+  int ranks = 1;
 
   Status Validate() const;
 };
@@ -73,10 +78,12 @@ struct TrainStepRecord {
 /// Not thread-safe. The device must outlive the trainer.
 class ByteLmTrainer {
  public:
-  /// Creates the engine for the model's parameters (initialized from settings.seed).
+  /// Creates the engine for the model's parameters (initialized from settings.seed), in
+  /// `environment` (with several ranks: their communicator, settings.ranks of them).
   static Result<std::unique_ptr<ByteLmTrainer>> Create(const TrainSettings& settings,
                                                        const EngineOptions& options, Device& device,
-                                                       const Corpus& corpus);
+                                                       const Corpus& corpus,
+                                                       offload::EngineEnvironment environment = {});
 
   /// Runs one optimizer step (all its micro-batches) and returns what happened.
   Result<TrainStepRecord> TrainStep();
@@ -97,8 +104,10 @@ class ByteLmTrainer {
   ByteLmTrainer(const TrainSettings& settings, const Corpus& corpus);
   /// Forward (and, with `grads`, backward) of one micro-batch through the engine's chunks.
   Result<double> RunMicroBatch(const std::vector<uint8_t>& tokens, bool backward);
-  /// Fills `tokens` with batch windows of `split` chosen by a generator seeded with `key`.
-  void SampleBatch(const std::vector<uint8_t>& split, uint64_t key, std::vector<uint8_t>& tokens);
+  /// Fills `tokens` with batch windows of `split` chosen by a generator seeded with `key`:
+  /// this rank's slice of them with `sliced` (training), all ranks' same ones otherwise.
+  void SampleBatch(const std::vector<uint8_t>& split, uint64_t key, bool sliced,
+                   std::vector<uint8_t>& tokens);
 
   TrainSettings settings_;
   const Corpus& corpus_;

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""strata train under mpirun: two ranks with --batch 4 each train one model as one rank with
+--batch 8 does (the same samples; bf16 sums in another order, so the losses agree to a stated
+tolerance), only rank 0 prints, and an error on the ranks names each rank.
+
+Usage: train_ranks_test.py STRATA MPIRUN
+"""
+import json
+import subprocess
+import sys
+
+STRATA, MPIRUN = sys.argv[1], sys.argv[2]
+MPI = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+COMMON = ["train", "--model", "tiny", "--steps", "20", "--offload-optimizer", "host",
+          "--json"]
+TOLERANCE = 1e-3  # nats per byte, over 20 steps of bf16 training
+
+
+def run(command, timeout=300):
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
+
+
+def main():
+    code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4"])
+    if code != 0:
+        sys.exit(f"two ranks failed ({code}):\n{err}")
+    # One JSON document: rank 0's. A second rank printing would make this fail to parse.
+    sharded = json.loads(out)
+    code, out, err = run([STRATA] + COMMON + ["--batch", "8", "--offload-params", "device"])
+    if code != 0:
+        sys.exit(f"one rank failed ({code}):\n{err}")
+    single = json.loads(out)
+
+    assert sharded["ranks"]["world_size"] == 2, sharded["ranks"]
+    assert sharded["ranks"]["zero_stage"] == 2, sharded["ranks"]
+    assert single["ranks"]["world_size"] == 1, single["ranks"]
+    a = [s["loss"] for s in single["steps"]]
+    b = [s["loss"] for s in sharded["steps"]]
+    assert len(a) == len(b) == 20, (len(a), len(b))
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst < TOLERANCE, f"losses differ by {worst}: {a} vs {b}"
+    assert b[-1] < b[0] - 1.0, f"the loss did not fall: {b[0]} -> {b[-1]}"
+    for s, t in zip(single["steps"], sharded["steps"]):
+        assert abs(s["grad_norm"] - t["grad_norm"]) < 1e-2 * s["grad_norm"], (s, t)
+    print(f"2 ranks x batch 4 vs 1 rank x batch 8: losses within {worst:.2e} over 20 steps "
+          f"({a[0]:.4f} -> {a[-1]:.4f}); validation {sharded['validation_loss']:.4f} vs "
+          f"{single['validation_loss']:.4f}")
+
+    # What is not built for several ranks: every rank says so, naming itself; nothing trains.
+    code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3"])
+    assert code != 0, "stage 3 across ranks should be refused"
+    for rank in (0, 1):
+        assert f"rank {rank} of 2:" in err and "stage 3" in err, err
+    assert '"steps"' not in out, out
+    print("stage 3 refused on both ranks, each naming itself")
+
+
+if __name__ == "__main__":
+    main()
