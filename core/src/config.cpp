@@ -501,8 +501,7 @@ Status VisitStrataFields(O& o, Visitor& v) {
   STRATA_RETURN_IF_ERROR(v.Field("cpu_threads", o.optimizer.cpu_threads));
   STRATA_RETURN_IF_ERROR(v.Field("speculative_updates", o.optimizer.speculative_updates));
   STRATA_RETURN_IF_ERROR(v.Field("delayed_update", o.optimizer.delayed_update));
-  STRATA_RETURN_IF_ERROR(
-      v.Field("delayed_update_from_step", o.optimizer.delayed_update_from_step));
+  STRATA_RETURN_IF_ERROR(v.Field("delayed_update_from_step", o.optimizer.delayed_update_from_step));
 
   STRATA_RETURN_IF_ERROR(v.Begin("precision"));
   STRATA_RETURN_IF_ERROR(v.Field("working_dtype", o.precision.working_dtype));
@@ -523,6 +522,8 @@ Status VisitStrataFields(O& o, Visitor& v) {
   STRATA_RETURN_IF_ERROR(v.Field("pipeline_write", o.placement.pipeline_write));
   STRATA_RETURN_IF_ERROR(v.Field("chunk_bytes", o.placement.chunk_bytes));
   STRATA_RETURN_IF_ERROR(v.Field("prefetch_depth", o.placement.prefetch_depth));
+  STRATA_RETURN_IF_ERROR(
+      v.Field("collective_timeout_seconds", o.placement.collective_timeout_seconds));
   return Status::Ok();
 }
 

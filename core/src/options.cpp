@@ -234,6 +234,10 @@ Status ValidatePlacement(const PlacementOptions& o) {
     return Bad("placement.prefetch_depth", std::to_string(o.prefetch_depth),
                ">= 0 (0 = no prefetch)");
   }
+  if (!(o.collective_timeout_seconds > 0) || !std::isfinite(o.collective_timeout_seconds)) {
+    return Bad("placement.collective_timeout_seconds", std::to_string(o.collective_timeout_seconds),
+               "a number of seconds > 0, e.g. 600");
+  }
   return Status::Ok();
 }
 

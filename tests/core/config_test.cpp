@@ -247,6 +247,9 @@ TEST(OptionsTest, ValidateNamesFieldValueAndReason) {
       {"prefetch depth",
        [](EngineOptions& o) { o.placement.prefetch_depth = -1; },
        {"placement.prefetch_depth is -1"}},
+      {"collective timeout 0",
+       [](EngineOptions& o) { o.placement.collective_timeout_seconds = 0; },
+       {"placement.collective_timeout_seconds is 0"}},
       {"host device budget 0",
        [](EngineOptions& o) { o.device.host_device_memory_bytes = 0; },
        {"device.host_device_memory_bytes is 0"}},
@@ -371,7 +374,8 @@ EngineOptions NonDefaultOptions() {
                  .pipeline_read = true,
                  .pipeline_write = true,
                  .chunk_bytes = 128 * kMiB,
-                 .prefetch_depth = 4};
+                 .prefetch_depth = 4,
+                 .collective_timeout_seconds = 90.5};
   return o;
 }
 

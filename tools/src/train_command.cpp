@@ -52,6 +52,7 @@ struct TrainFlags {
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
   int64_t delayed_update_from = -1;
   double lr = std::numeric_limits<double>::quiet_NaN();
+  double collective_timeout = std::numeric_limits<double>::quiet_NaN();
   bool json = false, delayed_update = false;
 };
 
@@ -139,6 +140,9 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
     o.optimizer.delayed_update_from_step = int(std::min<int64_t>(f.delayed_update_from, 1 << 30));
   }
   if (!f.nvme_path.empty()) o.nvme.paths = {f.nvme_path};
+  if (!std::isnan(f.collective_timeout)) {
+    o.placement.collective_timeout_seconds = f.collective_timeout;
+  }
   const bool uses_nvme =
       o.placement.optimizer_states == Tier::kNvme || o.placement.params == Tier::kNvme;
   if (uses_nvme && o.nvme.paths.empty()) {
@@ -502,9 +506,11 @@ int Train(const TrainFlags& f) {
   offload::EngineEnvironment environment;
   std::unique_ptr<offload::Communicator> scalars;
   if (several) {
-    auto engine_comm = offload::CreateMpiCommunicator({});
+    const offload::MpiCommunicatorOptions mpi{.timeout_seconds =
+                                                  options->placement.collective_timeout_seconds};
+    auto engine_comm = offload::CreateMpiCommunicator(mpi);
     if (!engine_comm.ok()) return fail(kExitFailure, engine_comm.status().message());
-    auto own = offload::CreateMpiCommunicator({});
+    auto own = offload::CreateMpiCommunicator(mpi);
     if (!own.ok()) return fail(kExitFailure, own.status().message());
     if ((*engine_comm)->size() != launched.size) {
       return fail(kExitFailure, "MPI has " + std::to_string((*engine_comm)->size()) +
@@ -685,6 +691,9 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddInt("checkpoint-every", &f.checkpoint_every, "also save every K steps");
   flags.AddString("resume", &f.resume, "DIR", "continue from a checkpoint");
   flags.AddInt("seed", &f.seed, "initialization and data seed (default 1)");
+  flags.AddDouble("collective-timeout", &f.collective_timeout,
+                  "under mpirun or srun: seconds a collective waits for the other ranks before "
+                  "the step fails (placement.collective_timeout_seconds, default 600)");
   flags.AddInt("zero-stage", &f.zero_stage,
                "under mpirun or srun: 1 or 2 shards the optimizer states across the ranks "
                "(default: the config's, else 2); --batch is per rank");

@@ -52,7 +52,8 @@ struct HostOptions {
   /// chunk's states from its read to its write, so it bounds how many chunks' states are read
   /// ahead of backward. 0 = automatic (the default): one per NVMe-state chunk and one more, so
   /// a whole step's reads can run during forward, within the host budget left free (less what
-  /// speculative updates would keep there, at least a quarter of it) and never fewer than 4. DeepSpeed: offload_optimizer.buffer_count (default 4, >= 1).
+  /// speculative updates would keep there, at least a quarter of it) and never fewer than 4.
+  /// DeepSpeed: offload_optimizer.buffer_count (default 4, >= 1).
   int optimizer_buffer_count = 0;
   /// Number of staging buffers for parameters moving to and from NVMe. Must be >= 1.
   /// DeepSpeed: offload_param.buffer_count (default 5).
@@ -238,6 +239,11 @@ struct PlacementOptions {
   uint64_t chunk_bytes = 64 * kMiB;
   /// Chunks fetched ahead of the one in use during forward/backward; 0 = no prefetch.
   int prefetch_depth = 2;
+  /// With several ranks: how long one collective may wait for the other ranks before the step
+  /// fails naming it, in seconds (> 0): a rank that died or hangs becomes an error on the
+  /// others, not a hang. torch.distributed's default is 10 minutes too; DeepSpeed takes it in
+  /// deepspeed.init_distributed(timeout=...), not in its config.
+  double collective_timeout_seconds = 600.0;
 
   friend bool operator==(const PlacementOptions&, const PlacementOptions&) = default;
 };
