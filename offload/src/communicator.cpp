@@ -40,10 +40,10 @@ class SingleRankCommunicator final : public Communicator {
 
 }  // namespace
 
-Status Communicator::AllReduceSum(std::span<double> values) {
+Status Communicator::AllReduceNow(std::span<double> values, ReduceOp op) {
   std::promise<Status> finished;
   std::future<Status> result = finished.get_future();
-  AllReduceScalars(values, ReduceOp::kSum, {},
+  AllReduceScalars(values, op, {},
                    [&finished](Status status) { finished.set_value(std::move(status)); });
   return result.get();
 }

@@ -1,7 +1,9 @@
 // A step across several ranks (ZeRO stages 1 and 2): the collectives of each chunk and of the
 // step, enqueued in program order on the trainer thread, and the journey's two waits on them.
 // See "Sharding" in step_pipeline.h.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "engine_impl.h"
 
@@ -100,36 +102,60 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
   comm.AllReduceScalars(
       failed_ranks_, ReduceOp::kSum,
       [this] {
-        failed_ranks_[0] = step_outcome_.Wait().ok() ? 0.0 : 1.0;
+        std::fill(failed_ranks_.begin(), failed_ranks_.end(), 0.0);
+        failed_ranks_[size_t(engine_.rank())] = step_outcome_.Wait().ok() ? 0.0 : 1.0;
         return Status();
       },
       [this, &e](Status status) {
         boost::asio::post(e.loop_.executor(), [this, status = std::move(status)] {
-          AgreeOnStep(status, failed_ranks_[0]);
+          std::vector<int> failed;
+          for (size_t r = 0; r < failed_ranks_.size(); ++r) {
+            if (failed_ranks_[r] > 0) failed.push_back(int(r));
+          }
+          AgreeOnStep(status, std::move(failed));
         });
       });
 }
 
-void StepPipeline::AgreeOnStep(Status collective, double failed_ranks) {
+void StepPipeline::AgreeOnStep(Status collective, std::vector<int> failed_ranks) {
+  // A collective that failed before (a peer that left or timed out) fails this one without
+  // waiting for its input: the step may not be finished yet. Whichever of the two comes second
+  // delivers.
+  step_.agreement.emplace(std::move(collective), std::move(failed_ranks));
+  if (step_.outcome) DeliverAgreedStep();
+}
+
+void StepPipeline::DeliverAgreedStep() {
+  auto [collective, failed_ranks] = std::move(*step_.agreement);
+  step_.agreement.reset();
   Result<StepReport> result = std::move(*step_.outcome);
   step_.outcome.reset();
+  // Ranks that all committed alike may go on (every rank's fp16 step skipped at the minimum
+  // scale, say); a step that failed on some ranks only, or whose agreement failed, leaves them
+  // apart, and none may (CheckShardedStepLocked).
+  const int ranks = engine_.ranks();
+  const bool completed = step_.outcome_completed && collective.ok() &&
+                         (failed_ranks.empty() || int(failed_ranks.size()) == ranks);
   if (result.ok() && !collective.ok()) {
     result = collective.WithContext("agreeing on the step's outcome across ranks");
-  } else if (result.ok() && failed_ranks > 0) {
-    result =
-        Unavailable("the step failed on another rank (" + std::to_string(int64_t(failed_ranks)) +
-                    " of " + std::to_string(engine_.ranks()) +
-                    " ranks): its error is in that rank's output; restart the ranks");
+  } else if (result.ok() && !failed_ranks.empty()) {
+    std::string which;
+    for (int r : failed_ranks) which += (which.empty() ? "" : ", ") + std::to_string(r);
+    result = Unavailable("the step failed on rank " + which + " of " + std::to_string(ranks) +
+                         " (another rank: its error is in that rank's output); restart the "
+                         "ranks");
   }
-  // A step that failed anywhere leaves the ranks apart: none may go on (CheckShardedStepLocked).
-  DeliverStep(std::move(result), step_.outcome_completed && result.ok());
+  DeliverStep(std::move(result), completed);
 }
 
 Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  // A landing that failed fails the reduce-scatter on every rank, rather than sending garbage.
-  c.grads_summed.Open(c.land_status);
+  // The reduce-scatter runs whatever this rank's landing did: a failed landing fails this
+  // rank's step (land_status), and every rank learns of it from the step's outcome all-reduce.
+  // A failed input would fail the collective on this rank only, and MPI peers would wait for it
+  // until their timeout.
+  c.grads_summed.Open(Status());
   co_await c.grads_reduced->Acquire();
   if (!c.reduce_status.ok()) {
     c.land_status = c.reduce_status.WithContext("reducing the gradients across ranks");
@@ -148,16 +174,14 @@ Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
   Chunk& c = engine_.chunks_[chunk];
   if (step_.cancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
   const bool updated = c.phase_now() == ChunkPhase::kUpdated;
-  // A skipped step gathers too (every rank enqueued it) and uploads nothing. A chunk that was
-  // not updated otherwise fails the all-gather, and so the step, on every rank.
-  Status input;
-  if (!updated && !step_.skip) {
-    input = !step_.error.ok()
-                ? step_.error
-                : Unavailable("chunk " + std::to_string(chunk) + " was not updated on rank " +
-                              std::to_string(engine_.rank()));
+  // The all-gather runs whatever this rank's update did (as the reduce-scatter, see
+  // ReduceGrads). A skipped step gathers and uploads nothing; a chunk not updated otherwise
+  // fails this rank's step, and so, through the outcome all-reduce, every rank's.
+  if (!updated && !step_.skip && step_.error.ok()) {
+    KeepFirstError(Internal("chunk " + std::to_string(chunk) + " was not updated on rank " +
+                            std::to_string(engine_.rank())));
   }
-  c.shard_updated.Open(std::move(input));
+  c.shard_updated.Open(Status());
   co_await c.params_gathered->Acquire();
   c.gathered = true;
   if (!c.gather_status.ok()) {

@@ -64,6 +64,7 @@ void StepPipeline::Initialize() {
     if (!c.frozen()) ++trained_chunks_;
   }
   engine_ranks_ = engine_.ranks();
+  failed_ranks_.assign(size_t(engine_ranks_), 0.0);
   for (size_t i = engine_.chunks_.size(); i-- > 0;) {
     if (!engine_.chunks_[i].frozen()) reduce_sequence_.push_back(i);
   }
@@ -322,11 +323,23 @@ void StepPipeline::Cancel() {
   if (step_.requested) return;
   step_.cancelled = true;
   gate_.Open();
-  // Several ranks: without Step() no all-gather was enqueued; journeys that wait for one end.
+  // Several ranks: without Step() no all-gather was enqueued, nor the reduce-scatter of a chunk
+  // declared before its turn came; journeys that wait for one end.
   if (!sharded()) return;
-  for (Chunk& c : engine_.chunks_) {
+  std::vector<bool> reducing(engine_.chunks_.size(), false);
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t chunk : reduce_order_) reducing[chunk] = true;
+  }
+  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    Chunk& c = engine_.chunks_[i];
     if (c.micro_steps != gas_) continue;
-    c.gather_status = Cancelled("the engine was destroyed before Step()");
+    const Status cancelled = Cancelled("the engine was destroyed before Step()");
+    if (!reducing[i]) {
+      c.reduce_status = cancelled;
+      c.grads_reduced->Release();
+    }
+    c.gather_status = cancelled;
     c.params_gathered->Release();
   }
 }
@@ -513,6 +526,7 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
   step_.outcome.emplace(std::move(result));
   step_.outcome_completed = completed;
   step_outcome_.Open(local);
+  if (step_.agreement) DeliverAgreedStep();
 }
 
 void StepPipeline::DeliverStep(Result<StepReport> result, bool completed) {

@@ -184,6 +184,8 @@ class StepPipeline {
     bool finishing = false;
     std::optional<Result<StepReport>> outcome;
     bool outcome_completed = false;
+    // The outcome all-reduce's status and count of failed ranks, once done.
+    std::optional<std::pair<Status, std::vector<int>>> agreement;
   };
 
   /// An NVMe-home chunk's states read ahead into a staging buffer (loop thread).
@@ -209,9 +211,11 @@ class StepPipeline {
   Awaitable<void> ReduceGrads(size_t chunk);
   /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
   Awaitable<void> GatherParams(size_t chunk);
-  /// With how many ranks failed the step (from the outcome all-reduce, or its own failure):
+  /// With the ranks whose step failed (from the outcome all-reduce, or its own failure):
   /// delivers this rank's outcome, or the step's failure elsewhere. Loop thread.
-  void AgreeOnStep(Status collective, double failed_ranks);
+  void AgreeOnStep(Status collective, std::vector<int> failed_ranks);
+  /// Delivers once both this rank's outcome and the agreement are in.
+  void DeliverAgreedStep();
 
   // gradient_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
@@ -314,8 +318,8 @@ class StepPipeline {
   // The step's outcome on this rank (opened by FinishStep; reset by Step()), and the all-reduce
   // of failed ranks that waits for it.
   ThreadSignal step_outcome_;
-  std::array<double, 1> failed_ranks_{};
-  int engine_ranks_ = 1;  // Set by Initialize.
+  std::vector<double> failed_ranks_;  // One per rank (sized by Initialize): 1 = failed.
+  int engine_ranks_ = 1;              // Set by Initialize.
 
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.

@@ -6,8 +6,10 @@ tolerance), only rank 0 prints, and an error on the ranks names each rank.
 Usage: train_ranks_test.py STRATA MPIRUN
 """
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 STRATA, MPIRUN = sys.argv[1], sys.argv[2]
 MPI = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2"]
@@ -54,6 +56,22 @@ def main():
         assert f"rank {rank} of 2:" in err and "stage 3" in err, err
     assert '"steps"' not in out, out
     print("stage 3 refused on both ranks, each naming itself")
+
+    # A DeepSpeed config's batch sizes count every rank: 16 = 4 per rank x 2 micro-steps x 2.
+    with tempfile.TemporaryDirectory() as scratch:
+        config = os.path.join(scratch, "ds.json")
+        with open(config, "w") as f:
+            json.dump({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                       "gradient_accumulation_steps": 2,
+                       "zero_optimization": {"stage": 2,
+                                             "offload_optimizer": {"device": "cpu"}}}, f)
+        code, out, err = run(MPI + [STRATA, "train", "--model", "tiny", "--steps", "3",
+                                    "--config", config, "--json"])
+        assert code == 0, err
+        document = json.loads(out)
+        assert document["optimizer"]["micro_batch"] == 4, document["optimizer"]
+        assert document["optimizer"]["gradient_accumulation_steps"] == 2, document["optimizer"]
+    print("a DeepSpeed config for 2 ranks: 4 sequences x 2 micro-steps per rank")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,11 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <future>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -416,15 +414,6 @@ Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload
   return MetricsServer::Start(std::move(options));
 }
 
-/// A blocking element-wise `op` of `values` over the ranks.
-Status AllReduce(offload::Communicator& comm, std::span<double> values, offload::ReduceOp op) {
-  std::promise<Status> finished;
-  std::future<Status> result = finished.get_future();
-  comm.AllReduceScalars(values, op, {},
-                        [&finished](Status status) { finished.set_value(std::move(status)); });
-  return result.get();
-}
-
 int Train(const TrainFlags& f) {
   // Started as one of several ranks (mpirun, srun): the ranks train one model, each keeping its
   // shard of the optimizer states (ZeRO stages 1 and 2) and its slice of every batch; rank 0
@@ -465,7 +454,8 @@ int Train(const TrainFlags& f) {
   // A config file's content errors exit as `strata config check` does (the README's table).
   std::optional<LoadedConfig> config;
   if (!f.config.empty()) {
-    Result<LoadedConfig> loaded = LoadConfigFile(f.config);
+    // A DeepSpeed config's batch sizes count every rank (train_batch_size).
+    Result<LoadedConfig> loaded = LoadConfigFile(f.config, ConfigFormat::kAuto, launched.size);
     if (!loaded.ok()) return fail(kExitFailure, loaded.status().message());
     if (!loaded->ignored_keys.empty()) Log(LogLevel::kWarning, IgnoredKeysWarning(*loaded));
     config = std::move(loaded).value();
@@ -562,7 +552,7 @@ int Train(const TrainFlags& f) {
     if (scalars) {
       // The loss of the whole batch: the mean of the ranks' slices.
       std::array<double, 1> loss = {r.loss};
-      STRATA_RETURN_IF_ERROR(AllReduce(*scalars, loss, offload::ReduceOp::kSum)
+      STRATA_RETURN_IF_ERROR(scalars->AllReduceNow(loss, offload::ReduceOp::kSum)
                                  .WithContext("averaging the loss across ranks"));
       r.loss = loss[0] / launched.size;
     }
@@ -588,10 +578,12 @@ int Train(const TrainFlags& f) {
         return s.WithContext("saving the checkpoint");
       }
     }
-    if (!f.json && prints && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
+    if (!f.json && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
+      // Every rank evaluates (the same parameters, the same batches): the ranks stay in step,
+      // so that rank 0's evaluation does not count against the others' collective timeout.
       STRATA_ASSIGN_OR_RETURN(double loss, (*trainer)->Evaluate());
       gauges.validation_loss->Set(loss);
-      std::printf("           validation loss %.4f\n", loss);
+      if (prints) std::printf("           validation loss %.4f\n", loss);
     }
     return Status();
   };
@@ -627,7 +619,7 @@ int Train(const TrainFlags& f) {
   if (scalars) {
     std::array<double, 3> peaks;
     for (size_t i = 0; i < peaks.size(); ++i) peaks[i] = double(summary.peak_bytes[i]);
-    if (Status s = AllReduce(*scalars, peaks, offload::ReduceOp::kMax); !s.ok()) {
+    if (Status s = scalars->AllReduceNow(peaks, offload::ReduceOp::kMax); !s.ok()) {
       return fail(kExitFailure, s.WithContext("gathering the ranks' peaks").message());
     }
     for (size_t i = 0; i < peaks.size(); ++i) summary.peak_bytes[i] = uint64_t(peaks[i]);

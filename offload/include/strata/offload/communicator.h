@@ -68,8 +68,10 @@ class Communicator {
   virtual void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
                                 CollectiveDone done) = 0;
 
-  /// AllReduceScalars with kSum, blocking until it (and so all before it) has run.
-  Status AllReduceSum(std::span<double> values);
+  /// AllReduceScalars, blocking until it (and so all before it) has run: for a trainer's own
+  /// scalars between steps (a mean loss, the ranks' peaks), never from a callback.
+  Status AllReduceNow(std::span<double> values, ReduceOp op);
+  Status AllReduceSum(std::span<double> values) { return AllReduceNow(values, ReduceOp::kSum); }
 };
 
 /// The only rank: all-reduces leave the data as it is, reduce-scatter and all-gather copy.
