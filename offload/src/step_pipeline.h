@@ -68,8 +68,11 @@
 // (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams); the step commits
 // once the norm's all-reduce (which every step's report needs) and every all-gather are done,
 // and reports once every rank's outcome is in: a step that failed anywhere fails everywhere.
-// A chunk that was not updated opens shard_updated with an error, failing the collective (and,
-// as every later one, the step) on every rank. Not built yet for several ranks: speculative
+// A rank's failure (a landing, an update, an upload) fails its step, not the collectives, which
+// run anyway; the outcome all-reduce tells every rank which ranks failed, and the step fails on
+// all of them at once (under MPI too, whose peers would wait for a failed input until their
+// timeout). A collective that itself fails (a peer left or timed out) fails every later one on
+// that rank. Not built yet for several ranks: speculative
 // updates (gated steps' updates wait for the verdict), retrying a failed step (the ranks'
 // collectives diverged), chunks that sit a step out, and what Impl::CheckShardable refuses.
 #pragma once
