@@ -14,12 +14,14 @@
 #include <thread>
 #include <vector>
 
+#include "communicator_conformance.h"
 #include "strata/core/dtype.h"
 
 namespace strata::offload {
 namespace {
 
 using std::chrono::steady_clock;
+using testing::RunOne;
 
 std::vector<std::unique_ptr<Communicator>> Group(int size, double timeout_seconds = 60.0) {
   auto created = CreateLocalCommunicators({.size = size, .timeout_seconds = timeout_seconds});
@@ -35,133 +37,20 @@ void OnEveryRank(const std::vector<std::unique_ptr<Communicator>>& group,
   for (std::thread& thread : threads) thread.join();
 }
 
-/// Enqueues through `enqueue` (given the done callback) and waits for the result.
-template <typename Enqueue>
-Status RunOne(Enqueue enqueue) {
-  std::promise<Status> finished;
-  auto result = finished.get_future();
-  enqueue([&finished](Status s) { finished.set_value(std::move(s)); });
-  return result.get();
-}
-
-// Small integers are exact in every dtype, so every rank can check the exact result.
 TEST(LocalCommunicatorTest, AllReduceSumsAndMaxesInEveryDtype) {
-  constexpr int n = 3;
-  auto group = Group(n);
-  ASSERT_EQ(group.size(), size_t(n));
-  OnEveryRank(group, [&](Communicator& comm) {
-    const int r = comm.rank();
-    EXPECT_EQ(comm.size(), n);
-    constexpr size_t kCount = 1000;
-    for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
-        std::vector<float> values(kCount);
-        for (size_t i = 0; i < kCount; ++i) values[i] = float(r + int(i % 7));
-        std::vector<std::byte> data(kCount * DTypeSize(dtype));
-        Fp32ToDType(values, dtype, data.data());
-        ASSERT_TRUE(RunOne([&](CollectiveDone done) {
-                      comm.AllReduce(data.data(), kCount, dtype, op, {}, std::move(done));
-                    }).ok());
-        DTypeToFp32(data.data(), dtype, values);
-        for (size_t i = 0; i < kCount; ++i) {
-          const float expected = op == ReduceOp::kSum ? float(n * (n - 1) / 2 + n * int(i % 7))
-                                                      : float(n - 1 + int(i % 7));
-          ASSERT_EQ(values[i], expected) << DTypeName(dtype) << " element " << i;
-        }
-      }
-    }
-  });
+  OnEveryRank(Group(3), testing::ExpectAllReduceSumsAndMaxesInEveryDtype);
 }
 
 TEST(LocalCommunicatorTest, ReduceScatterLeavesEachRankItsShardOfTheSum) {
-  constexpr int n = 3;
-  auto group = Group(n);
-  OnEveryRank(group, [&](Communicator& comm) {
-    const int r = comm.rank();
-    constexpr size_t kShard = 513;
-    std::vector<float> send(kShard * n), recv(kShard, -1.0f);
-    for (size_t j = 0; j < send.size(); ++j) send[j] = float(100 * r) + float(j);
-    ASSERT_TRUE(RunOne([&](CollectiveDone done) {
-                  comm.ReduceScatter(send.data(), recv.data(), kShard, DType::kFp32, ReduceOp::kSum,
-                                     {}, std::move(done));
-                }).ok());
-    for (size_t i = 0; i < kShard; ++i) {
-      const size_t j = size_t(r) * kShard + i;
-      ASSERT_EQ(recv[i], float(100 * n * (n - 1) / 2) + float(n) * float(j)) << i;
-    }
-  });
+  OnEveryRank(Group(3), testing::ExpectReduceScatterLeavesEachRankItsShardOfTheSum);
 }
 
-// Out of place, and in place (each rank's shard already where the result puts it), which is
-// how a sharded engine gathers the parameters its ranks updated.
 TEST(LocalCommunicatorTest, AllGatherPutsEveryRanksShardInRankOrder) {
-  constexpr int n = 4;
-  constexpr size_t kShard = 300;
-  auto group = Group(n);
-  OnEveryRank(group, [&](Communicator& comm) {
-    const int r = comm.rank();
-    for (bool in_place : {false, true}) {
-      std::vector<uint16_t> send(kShard), recv(kShard * n, 0);
-      uint16_t* mine = in_place ? recv.data() + size_t(r) * kShard : send.data();
-      for (size_t i = 0; i < kShard; ++i) mine[i] = Fp32ToBf16(float(r * 1000 + int(i)));
-      ASSERT_TRUE(RunOne([&](CollectiveDone done) {
-                    comm.AllGather(mine, recv.data(), kShard, DType::kBf16, {}, std::move(done));
-                  }).ok());
-      for (int from = 0; from < n; ++from) {
-        for (size_t i = 0; i < kShard; ++i) {
-          ASSERT_EQ(recv[from * kShard + i], Fp32ToBf16(float(from * 1000 + int(i))))
-              << "in place " << in_place;
-        }
-      }
-    }
-  });
+  OnEveryRank(Group(4), testing::ExpectAllGatherPutsEveryRanksShardInRankOrder);
 }
 
-// The enqueueing call returns at once; collectives run in the order enqueued, each once its
-// input is ready, and report in that order.
 TEST(LocalCommunicatorTest, CollectivesRunInOrderEachAfterItsInputIsReady) {
-  constexpr int n = 2;
-  auto group = Group(n);
-  OnEveryRank(group, [&](Communicator& comm) {
-    constexpr int kCollectives = 64;
-    std::vector<std::vector<double>> values(kCollectives, std::vector<double>(3, 0.0));
-    std::mutex mutex;
-    std::vector<int> finished;
-    std::promise<void> all_done;
-    std::atomic<bool> inputs_released{false};
-    for (int k = 0; k < kCollectives; ++k) {
-      auto ready = [&, k]() -> Status {
-        while (!inputs_released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        values[k] = {1.0, double(k), double(comm.rank())};
-        return Status();
-      };
-      comm.AllReduceScalars(values[k], k % 2 ? ReduceOp::kMax : ReduceOp::kSum, ready,
-                            [&, k](Status s) {
-                              EXPECT_TRUE(s.ok()) << s.ToString();
-                              std::lock_guard lock(mutex);
-                              finished.push_back(k);
-                              if (finished.size() == kCollectives) all_done.set_value();
-                            });
-    }
-    {
-      std::lock_guard lock(mutex);
-      EXPECT_TRUE(finished.empty()) << "a collective ran before its input was ready";
-    }
-    inputs_released = true;
-    all_done.get_future().wait();
-    for (int k = 0; k < kCollectives; ++k) {
-      EXPECT_EQ(finished[k], k);
-      if (k % 2) {
-        EXPECT_EQ(values[k], (std::vector<double>{1.0, double(k), double(n - 1)}));
-      } else {
-        EXPECT_EQ(values[k],
-                  (std::vector<double>{double(n), double(n) * k, double(n * (n - 1) / 2)}));
-      }
-    }
-    std::vector<double> sum = {2.5};
-    ASSERT_TRUE(comm.AllReduceSum(sum).ok());
-    EXPECT_EQ(sum[0], 2.5 * n);
-  });
+  OnEveryRank(Group(2), testing::ExpectCollectivesRunInOrderEachAfterItsInputIsReady);
 }
 
 // What MPI cannot check: ranks whose collectives diverged fail, naming both, on every rank.
