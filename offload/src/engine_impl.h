@@ -18,8 +18,10 @@
 // mutex of their own.
 #pragma once
 
+#include <tbb/info.h>
 #include <tbb/task_arena.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -200,7 +202,9 @@ class Engine::Impl {
 
   // Declared last: destroyed first, so no coroutine outlives what it uses. The arena for
   // blocking jobs (optimizer steps, gradient sums, checksums) keeps them off the loop thread.
-  tbb::task_arena jobs_{2};
+  // Two slots, or one where the process may use a single CPU (a rank bound to a core): asking
+  // for a worker the machine does not allow only makes oneTBB print a warning.
+  tbb::task_arena jobs_{std::min(2, tbb::info::default_concurrency())};
   EventLoop loop_;
 };
 

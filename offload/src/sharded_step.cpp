@@ -1,5 +1,6 @@
 // A step across several ranks (ZeRO stages 1 and 2): the collectives of each chunk and of the
-// step, enqueued in program order on the trainer thread, and the journey's two waits on them.
+// step, enqueued on the trainer thread in one order on every rank, the journey's two waits on
+// them, and the agreement on the step's outcome.
 // See "Sharding" in step_pipeline.h.
 #include <algorithm>
 #include <string>
@@ -17,7 +18,7 @@ Status StepPipeline::CheckShardedStepLocked() const {
     return FailedPrecondition(
         "a failed step cannot be retried with the optimizer states sharded across " +
         std::to_string(engine_.ranks()) +
-        " ranks: the ranks' collectives no longer match; restart the ranks");
+        " ranks: the ranks' states may differ; restart the ranks");
   }
   const std::vector<Chunk>& chunks = engine_.chunks_;
   for (size_t i = 0; i < chunks.size(); ++i) {
