@@ -95,12 +95,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   if (environment_.communicator == nullptr) {
     environment_.communicator = CreateSingleRankCommunicator();
   }
-  rank_ = environment_.communicator->rank();
-  if (environment_.communicator->size() != layout_.world_size()) {
-    return InvalidArgument("the chunk layout was built for " +
-                           std::to_string(layout_.world_size()) + " ranks, the communicator has " +
-                           std::to_string(environment_.communicator->size()));
-  }
+  rank_ = environment_.communicator->rank();  // Create built the layout for its size.
   STRATA_RETURN_IF_ERROR(CheckShardable());
   // (EngineOptions::Validate refused device-kept states with offloaded parameters.)
   const bool wants_device_states =

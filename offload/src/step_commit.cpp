@@ -63,14 +63,17 @@ void StepPipeline::Initialize() {
     c.params_gathered.emplace(0);
     if (!c.frozen()) ++trained_chunks_;
   }
-  engine_ranks_ = engine_.ranks();
-  failed_ranks_.assign(size_t(engine_ranks_), 0.0);
+  failed_ranks_.assign(size_t(engine_.ranks()), 0.0);
   for (size_t i = engine_.chunks_.size(); i-- > 0;) {
     if (!engine_.chunks_[i].frozen()) reduce_sequence_.push_back(i);
   }
   step_ = FreshStepState();
   preloads_.resize(engine_.chunks_.size());
   boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });
+}
+
+StepPipeline::StepState StepPipeline::FreshStepState() const {
+  return StepState{.grad_scale = 1.0 / engine_.ranks()};
 }
 
 bool StepPipeline::gated() const {

@@ -277,7 +277,7 @@ class StepPipeline {
   /// The verdict of a gated step from its totals (summed over ranks): clip coefficient, skip.
   void ApplyVerdict(const VerdictTotals& totals);
   /// What step_ starts each step as: updates without a verdict scale by 1 / ranks (the mean).
-  StepState FreshStepState() const { return StepState{.grad_scale = 1.0 / engine_ranks_}; }
+  StepState FreshStepState() const;
   /// The factor gradients of global L2 `norm` are scaled by: 1 unless clipping applies.
   double ClipCoefficient(double norm) const;
   /// One rank: the verdict from this rank's totals.
@@ -322,7 +322,6 @@ class StepPipeline {
   // of failed ranks that waits for it.
   ThreadSignal step_outcome_;
   std::vector<double> failed_ranks_;  // One per rank (sized by Initialize): 1 = failed.
-  int engine_ranks_ = 1;              // Set by Initialize.
 
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.
