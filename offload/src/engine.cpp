@@ -735,6 +735,7 @@ double Engine::loss_scale() const { return impl_->pipeline_.loss_scale(); }
 int64_t Engine::step_count() const { return impl_->pipeline_.step_count(); }
 int64_t Engine::iteration_count() const { return impl_->pipeline_.iteration_count(); }
 void Engine::SetLearningRate(double lr) { impl_->pipeline_.SetLearningRate(lr); }
+Status Engine::SetStepCount(int64_t steps) { return impl_->SetStepCount(steps); }
 Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   return impl_->Save(dir, save_options);
 }

@@ -184,6 +184,20 @@ Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
   return SwitchToNewState({loc.chunk});
 }
 
+Status Engine::Impl::SetStepCount(int64_t steps) {
+  STRATA_RETURN_IF_ERROR(CheckUnsharded("setting the step count"));
+  if (steps < 0) {
+    return InvalidArgument("step count " + std::to_string(steps) + " is negative");
+  }
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("SetStepCount"));
+  if (std::optional<size_t> held = residency_.FirstAcquired()) {
+    return FailedPrecondition("SetStepCount while chunk " + std::to_string(*held) +
+                              " is acquired; Release every chunk first");
+  }
+  pipeline_.Restore(pipeline_.scaler_state(), steps, std::vector<int64_t>(chunks_.size(), steps));
+  return Status();
+}
+
 Status Engine::Impl::WaitForQuietMemory() {
   WaitIdle();  // Fetches in flight read host-home parameters.
   return residency_.WaitForTrainerUse();

@@ -69,6 +69,7 @@ class Engine::Impl {
   LossScalerState ScalerAfterLoad(const internal::EngineManifest& saved) const;
   Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
   Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
+  Status SetStepCount(int64_t steps);
   /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)
   /// into `out`, which holds AlignUp(state_bytes, 4 KiB). Between steps only.
   Status ReadChunkStates(size_t chunk, std::byte* out);

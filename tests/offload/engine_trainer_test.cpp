@@ -249,6 +249,97 @@ TEST(EngineTrainerTest, EveryStateCanBeReadAndWrittenInEveryTier) {
   }
 }
 
+// A torch load_state_dict into a fresh engine: the states, then the step count (Adam's bias
+// correction counts from it). Once both are in, the next step matches the original engine's bit
+// for bit; bad counts and counts in the middle of a step are refused.
+TEST(EngineTrainerTest, AnImportedOptimizerContinuesBitForBitOnceItsStepCountIsSet) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  for (int step = 0; step < 3; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+
+  ScratchDir other_dir;
+  const EngineOptions host = MakeOptions({"host", Tier::kHost, Tier::kDevice}, other_dir.path());
+  auto other_device = MakeDevice(64 << 20);
+  auto imported = MakeEngine(host, *other_device, model);
+  ASSERT_NE(imported, nullptr);
+  for (int kind = 0; kind < 3; ++kind) {
+    for (size_t p = 0; p < model.parameter_count(); ++p) {
+      std::vector<float> values(engine->layout().location(p).numel);
+      ASSERT_TRUE(engine->ReadParameterState(p, ParameterState(kind), values).ok());
+      ASSERT_TRUE(imported->WriteParameterState(p, ParameterState(kind), values).ok());
+    }
+  }
+  EXPECT_EQ(imported->SetStepCount(-1).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(imported->SetStepCount(3).ok());
+  EXPECT_EQ(imported->step_count(), 3);
+
+  EngineTrainer imported_trainer(*imported, model);
+  ASSERT_TRUE(imported_trainer.TrainStep(3, &loss).ok());
+  ASSERT_TRUE(trainer.TrainStep(3, &loss).ok());
+  EXPECT_EQ(imported->step_count(), 4);
+  for (int kind = 0; kind < 3; ++kind) {
+    for (size_t p = 0; p < model.parameter_count(); ++p) {
+      std::vector<float> mine(engine->layout().location(p).numel);
+      std::vector<float> theirs(mine.size());
+      ASSERT_TRUE(engine->ReadParameterState(p, ParameterState(kind), mine).ok());
+      ASSERT_TRUE(imported->ReadParameterState(p, ParameterState(kind), theirs).ok());
+      EXPECT_TRUE(BitEqual({mine}, {theirs})) << "parameter " << p << " state " << kind;
+    }
+  }
+
+  // Not in the middle of a step: the step's updates may already count from the old value.
+  const size_t last = kLayers - 1;
+  Result<ChunkView> view = imported->Acquire(last);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(imported->SetStepCount(0).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(imported->GradsReady(last).ok());
+  imported->Release(last);
+  EXPECT_EQ(imported->SetStepCount(0).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(imported->Step().get().ok());
+  EXPECT_EQ(imported->step_count(), 5);
+}
+
+// A chunk whose parameters live on the device keeps its memory for the engine's lifetime, so a
+// trainer's tensors (PyTorch parameters and their .grad) may view it across steps; the engine's
+// updates land in that same memory.
+TEST(EngineTrainerTest, DeviceHomeChunksKeepTheirMemoryAcrossSteps) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  std::vector<ChunkView> first;
+  for (size_t c = 0; c < engine->chunk_count(); ++c) {
+    ASSERT_EQ(engine->placement(c).params, Tier::kDevice);
+    Result<ChunkView> view = engine->Acquire(c);
+    ASSERT_TRUE(view.ok());
+    first.push_back(*view);
+    engine->Release(c);
+  }
+  const std::vector<float> before(static_cast<const float*>(first[0].params),
+                                  static_cast<const float*>(first[0].params) + 8);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  for (int step = 0; step < 3; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+  for (size_t c = 0; c < engine->chunk_count(); ++c) {
+    Result<ChunkView> view = engine->Acquire(c);
+    ASSERT_TRUE(view.ok());
+    EXPECT_EQ(view->params, first[c].params) << "chunk " << c;
+    EXPECT_EQ(view->grads, first[c].grads) << "chunk " << c;
+    engine->Release(c);
+  }
+  const std::vector<float> after(static_cast<const float*>(first[0].params),
+                                 static_cast<const float*>(first[0].params) + 8);
+  EXPECT_NE(before, after) << "the updates land in the memory the trainer views";
+}
+
 // Frozen layers (the first, as a frozen embedding, and one in the middle) are read by forward
 // and backward but take no gradients, have no optimizer states and are never updated; the
 // trained layers match the reference bit for bit in every placement.

@@ -188,7 +188,11 @@ class Engine {
   /// Makes `chunk`'s working parameters resident on the device and its gradient buffer free for
   /// backward, blocking until both hold, and prefetches the chunks expected next (from the order
   /// recorded during the first step). Pins the chunk until Release. The view's memory stays
-  /// put while the chunk is acquired (a trainer's tensors may view it). ResourceExhausted when
+  /// put while the chunk is acquired (a trainer's tensors may view it); a chunk whose
+  /// parameters live on the device (placement(chunk).params == Tier::kDevice) keeps the same
+  /// memory for the engine's lifetime, so a trainer may keep tensors viewing it between
+  /// acquisitions, as PyTorch parameters do (read and written only between Acquire and
+  /// Release, or between steps). ResourceExhausted when
   /// the device budget cannot hold the chunk even after evicting every unpinned chunk;
   /// FailedPrecondition from the chunk's last GradsReady of a step until the step completes
   /// (its update may be running).
@@ -229,6 +233,11 @@ class Engine {
   /// first GradsReady, so every chunk of a step is updated alike even though updates start
   /// during backward. A scheduler stepped after Step() (torch's order) sets the next step's.
   void SetLearningRate(double lr);
+  /// Sets the optimizer steps taken so far (step_count(), and the step every chunk's bias
+  /// correction counts from) to `steps`: what load_state_dict restores from another
+  /// optimizer's state (torch.optim keeps a "step" per parameter). Between steps, with no
+  /// chunk acquired; InvalidArgument for a negative count; Unavailable with several ranks.
+  Status SetStepCount(int64_t steps);
 
   /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
   /// atomically). Must not be called while a step is running. ResourceExhausted, before writing,
