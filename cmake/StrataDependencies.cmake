@@ -62,3 +62,27 @@ endif()
 message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, MPI ${STRATA_MPI_ENABLED}, "
                "liburing ${liburing_VERSION}, "
                "xxHash ${xxhash_VERSION}, TBB ${TBB_VERSION}, Boost ${Boost_VERSION}")
+
+# Python (optional): the nanobind extension behind `import strata`. Found through the
+# interpreter (scripts/python-env.sh's venv: -DPython_EXECUTABLE=<venv>/bin/python), which must
+# have nanobind installed; torch is only needed at run time, never to build.
+set(STRATA_PYTHON_ENABLED OFF)
+if(NOT STRATA_WITH_PYTHON STREQUAL "OFF")
+  find_package(Python 3.9 COMPONENTS Interpreter Development.Module)
+  if(Python_FOUND)
+    execute_process(COMMAND "${Python_EXECUTABLE}" -m nanobind --cmake_dir
+                    OUTPUT_VARIABLE nanobind_ROOT OUTPUT_STRIP_TRAILING_WHITESPACE
+                    RESULT_VARIABLE strata_nanobind_missing ERROR_QUIET)
+    if(NOT strata_nanobind_missing)
+      find_package(nanobind CONFIG)
+    endif()
+  endif()
+  if(nanobind_FOUND)
+    set(STRATA_PYTHON_ENABLED ON)
+  elseif(STRATA_WITH_PYTHON STREQUAL "ON")
+    message(FATAL_ERROR "STRATA_WITH_PYTHON=ON but no Python with nanobind was found; run "
+                        "scripts/python-env.sh and pass -DPython_EXECUTABLE=<venv>/bin/python")
+  else()
+    message(STATUS "Python extension: off (no Python with nanobind; see scripts/python-env.sh)")
+  endif()
+endif()

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Quick start, part two: install dependencies if missing, build and run every test that this
-# machine can run (GPU tests only where a GPU is present), then the same tests under
+# machine can run (GPU tests only where a GPU is present; the Python package's tests in the
+# venv that scripts/python-env.sh makes once, outside the source tree), then the same tests under
 # AddressSanitizer + UBSan, the engine's and NVMe layer's under ThreadSanitizer, and the parser
 # fuzzers for a minute each. Exits non-zero if anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh
+venv=$(scripts/python-env.sh)
 jobs=$(nproc)
 
 label_args=()
@@ -17,15 +19,18 @@ fi
 
 run_preset() {
   local preset=$1
+  shift
   echo "=== ${preset}: configure and build"
   local start=$SECONDS
-  cmake --preset "$preset" -DSTRATA_WARNINGS_AS_ERRORS=ON >/dev/null
+  cmake --preset "$preset" -DSTRATA_WARNINGS_AS_ERRORS=ON "$@" >/dev/null
   cmake --build --preset "$preset" -j "$jobs"
   echo "=== ${preset}: built in $((SECONDS - start)) s; testing"
   ctest --preset "$preset" -j "$jobs" "${label_args[@]}"
 }
 
-run_preset release
+# The release build also makes the Python extension (with the venv's interpreter and
+# nanobind) and runs its pytest suites.
+run_preset release -DSTRATA_WITH_PYTHON=ON "-DPython_EXECUTABLE=${venv}/bin/python"
 run_preset asan
 
 # ThreadSanitizer on what has threads of its own: the offload engine and the NVMe layer. Only

@@ -1,0 +1,373 @@
+// strata._strata: the thin binding of the offload engine for Python.
+//
+// Lifetime: views of chunk memory hold a reference to their engine, so the engine (and the
+// device memory under a model's parameters) lives until the last view and the last Python
+// reference are gone; there is deliberately no close() that could free memory under a view.
+// The one exception is interpreter exit, where parameters may outlive the module: strata.torch
+// calls _shutdown() from an atexit handler so that the engine still stops its threads and
+// removes its NVMe files.
+//
+// It exposes Engine's trainer contract one call for one call; everything torch-specific
+// (parameters as views, autograd hooks, param_groups, state_dict) is plain Python in
+// strata/torch. Tensors cross as DLPack arrays: views of the engine's device memory go out with
+// the engine as their owner (a view keeps the engine alive), and values come in as contiguous
+// fp32 host arrays. No torch header or library is needed to build this file.
+//
+// Every call that can wait (Acquire, GradsReady, Step, state reads and writes, destruction)
+// releases the GIL; no Python code ever runs on an engine thread. Errors become Python
+// exceptions carrying the engine's message: ValueError (InvalidArgument), FileNotFoundError,
+// MemoryError (ResourceExhausted), OSError (IoError), NotImplementedError (Unavailable) and
+// RuntimeError for the rest.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "strata/core/bytes.h"
+#include "strata/core/config.h"
+#include "strata/core/cuda_device.h"
+#include "strata/core/host_device.h"
+#include "strata/core/status.h"
+#include "strata/offload/engine.h"
+
+namespace nb = nanobind;
+
+namespace strata::python {
+namespace {
+
+using offload::ChunkView;
+using offload::Engine;
+using offload::ParameterSpec;
+using offload::ParameterState;
+using offload::TrainerStream;
+
+/// An fp32 host array as the engine reads values from (and writes states into).
+using HostFloats = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+[[noreturn]] void Raise(const Status& status) {
+  PyObject* type = PyExc_RuntimeError;
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument: type = PyExc_ValueError; break;
+    case StatusCode::kNotFound: type = PyExc_FileNotFoundError; break;
+    case StatusCode::kResourceExhausted: type = PyExc_MemoryError; break;
+    case StatusCode::kIoError: type = PyExc_OSError; break;
+    case StatusCode::kUnavailable: type = PyExc_NotImplementedError; break;
+    default: break;
+  }
+  PyErr_SetString(type, status.message().c_str());
+  throw nb::python_error();
+}
+
+void Check(const Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+template <typename T>
+T Check(Result<T> result) {
+  if (!result.ok()) Raise(result.status());
+  return std::move(result).value();
+}
+
+nb::dlpack::dtype ToDlpack(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32: return nb::dtype<float>();
+    case DType::kFp16: return {uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::kBf16: return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  }
+  return nb::dtype<float>();
+}
+
+/// One parameter as Python registers it: (name, shape, initial fp32 values or None,
+/// weight decay or None, lr scale, frozen).
+using PyParameter = std::tuple<std::string, std::vector<int64_t>, std::optional<HostFloats>,
+                               std::optional<double>, double, bool>;
+
+/// HostDevice memory that fits the engine's device-home chunks (parameters and gradients, each
+/// chunk rounded to pages) with room for two more chunks of staging: what CPU tensors need.
+Result<uint64_t> HostDeviceBytesToFit(const EngineOptions& options,
+                                      std::span<const ParameterSpec> specs) {
+  STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
+                          offload::ChunkLayout::Build(specs, options.precision.working_dtype,
+                                                      options.placement.chunk_bytes));
+  uint64_t bytes = 0;
+  for (const offload::ChunkInfo& chunk : layout.chunks()) {
+    bytes += offload::ChunkDeviceBytes(chunk.numel, options.precision.working_dtype);
+  }
+  return bytes +
+         2 * offload::ChunkDeviceBytes(layout.max_chunk_numel(), options.precision.working_dtype) +
+         (uint64_t{16} << 20);
+}
+
+/// The engine and the device it runs on (declared first: destroyed after the engine). The
+/// engine's destructor waits for its work in flight; its threads never call into Python, so
+/// that wait cannot deadlock on the GIL.
+class PyEngine {
+ public:
+  PyEngine(const std::string& config_json, const std::vector<PyParameter>& parameters,
+           bool fit_host_device) {
+    LoadedConfig config =
+        Check(ParseConfig(config_json, ConfigFormat::kStrata, "<strata.Engine options>"));
+    EngineOptions& options = config.options;
+    std::vector<ParameterSpec> specs;
+    specs.reserve(parameters.size());
+    for (const auto& [name, shape, values, weight_decay, lr_scale, frozen] : parameters) {
+      ParameterSpec spec{.name = name,
+                         .shape = shape,
+                         .weight_decay = weight_decay,
+                         .lr_scale = lr_scale,
+                         .frozen = frozen};
+      if (values) spec.initial_values = std::span<const float>(values->data(), values->size());
+      specs.push_back(std::move(spec));
+    }
+    if (options.device.kind == DeviceKind::kCuda) {
+      device_ = Check(CreateCudaDevice({.device_index = options.device.cuda_device,
+                                        .memory_budget_bytes = options.device.cuda_memory_bytes}));
+    } else {
+      if (fit_host_device) {
+        options.device.host_device_memory_bytes = Check(HostDeviceBytesToFit(options, specs));
+      }
+      device_ = Check(
+          CreateHostDevice({.memory_budget_bytes = options.device.host_device_memory_bytes,
+                            .copy_bytes_per_second = options.device.copy_bandwidth_gbps * 1e9}));
+    }
+    Result<std::unique_ptr<Engine>> engine = [&] {
+      nb::gil_scoped_release unlocked;
+      return Engine::Create(options, *device_, specs);
+    }();
+    engine_ = Check(std::move(engine));
+    device_kind_ = options.device.kind;
+    device_index_ = options.device.kind == DeviceKind::kCuda ? options.device.cuda_device : 0;
+  }
+
+  /// Interpreter exit only (see the top of this file): stops the engine and frees its tiers.
+  void Shutdown() {
+    nb::gil_scoped_release unlocked;
+    engine_.reset();
+    device_.reset();
+  }
+
+  Engine& engine() {
+    if (engine_ == nullptr) Raise(FailedPrecondition("the engine was shut down at exit"));
+    return *engine_;
+  }
+
+  /// Views of an acquired chunk's parameters and gradients (None for a frozen chunk) as 1-D
+  /// DLPack arrays owned by `self`.
+  std::tuple<nb::object, nb::object> Acquire(nb::handle self, size_t chunk) {
+    Engine& e = engine();
+    Result<ChunkView> acquired = [&] {
+      nb::gil_scoped_release unlocked;
+      return e.Acquire(chunk);
+    }();
+    const ChunkView view = Check(std::move(acquired));
+    return {View(self, view.params, view), view.grads ? View(self, view.grads, view) : nb::none()};
+  }
+
+  void Release(size_t chunk, uintptr_t stream) {
+    Engine& e = engine();
+    nb::gil_scoped_release unlocked;
+    e.Release(chunk, TrainerStream{reinterpret_cast<void*>(stream)});
+  }
+
+  void GradsReady(size_t chunk, uintptr_t stream) {
+    Engine& e = engine();
+    Status status;
+    {
+      nb::gil_scoped_release unlocked;
+      status = e.GradsReady(chunk, TrainerStream{reinterpret_cast<void*>(stream)});
+    }
+    Check(status);
+  }
+
+  nb::dict Step() {
+    Engine& e = engine();
+    Result<offload::StepReport> result = [&] {
+      nb::gil_scoped_release unlocked;
+      return e.Step().get();
+    }();
+    const offload::StepReport report = Check(std::move(result));
+    nb::dict out;
+    out["step"] = report.step;
+    out["iteration"] = report.iteration;
+    out["skipped"] = report.skipped;
+    out["rolled_back"] = report.rolled_back;
+    out["grad_norm"] = report.grad_norm;
+    out["loss_scale"] = report.loss_scale;
+    out["seconds"] = report.seconds;
+    return out;
+  }
+
+  void ReadState(size_t parameter, int state, HostFloats out) {
+    Engine& e = engine();
+    Status status;
+    {
+      nb::gil_scoped_release unlocked;
+      status = e.ReadParameterState(parameter, StateOf(state), {out.data(), out.size()});
+    }
+    Check(status);
+  }
+
+  void WriteState(size_t parameter, int state, HostFloats values) {
+    Engine& e = engine();
+    Status status;
+    {
+      nb::gil_scoped_release unlocked;
+      status = e.WriteParameterState(parameter, StateOf(state), {values.data(), values.size()});
+    }
+    Check(status);
+  }
+
+  nb::dict Counters() {
+    const offload::EngineCounters c = engine().counters();
+    nb::dict out;
+    out["device_to_host_bytes"] = c.device_to_host_bytes;
+    out["host_to_device_bytes"] = c.host_to_device_bytes;
+    out["nvme_read_bytes"] = c.nvme_read_bytes;
+    out["nvme_write_bytes"] = c.nvme_write_bytes;
+    out["optimizer_seconds"] = c.optimizer_seconds;
+    out["optimizer_params"] = c.optimizer_params;
+    out["device_optimizer_params"] = c.device_optimizer_params;
+    out["evictions"] = c.evictions;
+    out["fetches"] = c.fetches;
+    out["speculative_updates"] = c.speculative_updates;
+    out["rolled_back_updates"] = c.rolled_back_updates;
+    for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+      const offload::TierUsage usage = engine().tier_usage(tier);
+      const std::string name(TierName(tier));
+      out[(name + "_used_bytes").c_str()] = usage.used_bytes;
+      out[(name + "_peak_bytes").c_str()] = usage.peak_bytes;
+      out[(name + "_budget_bytes").c_str()] = usage.budget_bytes;
+    }
+    return out;
+  }
+
+  int device_kind() const { return int(device_kind_); }
+  int device_index() const { return device_index_; }
+
+ private:
+  static ParameterState StateOf(int state) {
+    if (state < 0 || state > 2) Raise(InvalidArgument("state " + std::to_string(state)));
+    return ParameterState(state);
+  }
+
+  nb::object View(nb::handle self, void* data, const ChunkView& view) const {
+    const size_t shape[1] = {view.numel};
+    const int device_type =
+        device_kind_ == DeviceKind::kCuda ? nb::device::cuda::value : nb::device::cpu::value;
+    nb::ndarray<> array(data, 1, shape, self, nullptr, ToDlpack(view.dtype), device_type,
+                        device_index_);
+    return nb::cast(array, nb::rv_policy::reference);
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Engine> engine_;
+  DeviceKind device_kind_ = DeviceKind::kHost;
+  int device_index_ = 0;
+};
+
+}  // namespace
+}  // namespace strata::python
+
+NB_MODULE(_strata, m) {
+  using namespace strata;
+  using namespace strata::python;
+  m.doc() = "Strata's offload engine (the binding under strata.torch)";
+  m.def("built_with_cuda", &BuiltWithCuda, "Whether this build contains CudaDevice.");
+  m.def(
+      "parse_bytes", [](const std::string& text) { return Check(ParseBytes(text)); },
+      "Bytes in '64MiB', '1.5GiB', '1e9' (what config sizes accept).");
+
+  // Parameters viewing an engine's memory may outlive this module at exit (see the top).
+  nb::set_leak_warnings(false);
+
+  nb::class_<PyEngine>(m, "Engine", nb::is_weak_referenceable())
+      .def(nb::init<const std::string&, const std::vector<PyParameter>&, bool>(),
+           nb::arg("config_json"), nb::arg("parameters"), nb::arg("fit_host_device") = true,
+           "Creates an engine from a Strata-format JSON config and parameters given as (name, "
+           "shape, fp32 values or None, weight_decay or None, lr_scale, frozen) tuples. "
+           "fit_host_device sizes HostDevice's memory to the chunks.")
+      .def("_shutdown", &PyEngine::Shutdown, "At interpreter exit: stops the engine.")
+      .def_prop_ro("chunk_count", [](PyEngine& self) { return self.engine().chunk_count(); })
+      .def_prop_ro("parameter_count",
+                   [](PyEngine& self) { return self.engine().layout().parameter_count(); })
+      .def_prop_ro(
+          "working_dtype",
+          [](PyEngine& self) { return std::string(DTypeName(self.engine().working_dtype())); })
+      .def_prop_ro("device_kind",
+                   [](PyEngine& self) {
+                     return self.device_kind() == int(DeviceKind::kCuda) ? "cuda" : "host";
+                   })
+      .def(
+          "location",
+          [](PyEngine& self, size_t parameter) {
+            const offload::ChunkLayout& layout = self.engine().layout();
+            if (parameter >= layout.parameter_count()) {
+              Raise(InvalidArgument("parameter " + std::to_string(parameter) + " does not exist"));
+            }
+            const offload::ParameterLocation& l = layout.location(parameter);
+            return std::make_tuple(l.chunk, l.offset, l.numel);
+          },
+          nb::arg("parameter"), "(chunk, offset, numel) of a parameter, by registration index.")
+      .def(
+          "chunk",
+          [](PyEngine& self, size_t chunk) {
+            Engine& e = self.engine();
+            if (chunk >= e.chunk_count()) {
+              Raise(InvalidArgument("chunk " + std::to_string(chunk) + " does not exist"));
+            }
+            const offload::ChunkInfo& info = e.layout().chunk(chunk);
+            const offload::ChunkPlacement& placement = e.placement(chunk);
+            return std::make_tuple(
+                info.numel, info.first_parameter, info.parameter_count, info.frozen,
+                std::string(TierName(placement.params)),
+                placement.optimizer_states
+                    ? std::optional(std::string(TierName(*placement.optimizer_states)))
+                    : std::nullopt);
+          },
+          nb::arg("chunk"),
+          "(numel, first_parameter, parameter_count, frozen, params tier, states tier or None).")
+      .def(
+          "acquire",
+          [](nb::handle self, size_t chunk) {
+            return nb::cast<PyEngine&>(self).Acquire(self, chunk);
+          },
+          nb::arg("chunk"),
+          "Pins a chunk on the device; returns DLPack views of its parameters and gradients "
+          "(None when frozen).")
+      .def("release", &PyEngine::Release, nb::arg("chunk"), nb::arg("stream") = 0,
+           "Unpins a chunk; the trainer's work on `stream` (a native stream handle, 0 = the "
+           "device's compute stream) finishes first.")
+      .def("grads_ready", &PyEngine::GradsReady, nb::arg("chunk"), nb::arg("stream") = 0,
+           "Backward has written the chunk's gradients by work queued on `stream` so far.")
+      .def("step", &PyEngine::Step, "Finishes the optimizer step; returns its report.")
+      .def_prop_ro("loss_scale", [](PyEngine& self) { return self.engine().loss_scale(); })
+      .def_prop_ro("step_count", [](PyEngine& self) { return self.engine().step_count(); })
+      .def_prop_ro("iteration_count",
+                   [](PyEngine& self) { return self.engine().iteration_count(); })
+      .def(
+          "set_learning_rate", [](PyEngine& self, double lr) { self.engine().SetLearningRate(lr); },
+          nb::arg("lr"), "The base learning rate of the steps whose gradients come next.")
+      .def(
+          "set_step_count",
+          [](PyEngine& self, int64_t steps) { Check(self.engine().SetStepCount(steps)); },
+          nb::arg("steps"))
+      .def("read_state", &PyEngine::ReadState, nb::arg("parameter"), nb::arg("state"),
+           nb::arg("out"), "Copies state 0 (master), 1 (exp_avg) or 2 (exp_avg_sq) into `out`.")
+      .def("write_state", &PyEngine::WriteState, nb::arg("parameter"), nb::arg("state"),
+           nb::arg("values"), "Replaces a state (the master also sets the working value).")
+      .def("counters", &PyEngine::Counters, "Bytes moved, optimizer time and tier usage.")
+      .def(
+          "metrics_text", [](PyEngine& self) { return self.engine().metrics().RenderPrometheus(); },
+          "The engine's metrics in Prometheus' text format.");
+}

@@ -1,0 +1,11 @@
+"""Strata: an offload engine for training models whose state does not fit in GPU memory.
+
+``strata.torch`` holds the PyTorch optimizers (``OffloadAdamW`` and friends); ``strata.Engine``
+is the engine's thin binding underneath them, one call for one C++ call (see
+docs/python.md).
+"""
+
+from strata._strata import Engine, built_with_cuda, parse_bytes
+
+__all__ = ["Engine", "built_with_cuda", "parse_bytes"]
+__version__ = "0.1.0"

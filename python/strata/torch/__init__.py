@@ -1,0 +1,19 @@
+"""PyTorch optimizers whose states live in host memory or on NVMe and whose update runs during
+backward: change one line of a training loop.
+
+    import strata.torch as st
+    opt = st.OffloadAdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                          offload="nvme", nvme_path="/mnt/nvme0", max_grad_norm=1.0)
+
+See docs/python.md for what each option does and how it maps to DeepSpeed's config.
+"""
+
+from strata.torch.optimizer import (
+    OffloadAdagrad,
+    OffloadAdam,
+    OffloadAdamW,
+    OffloadLion,
+    OffloadOptimizer,
+)
+
+__all__ = ["OffloadAdamW", "OffloadAdam", "OffloadAdagrad", "OffloadLion", "OffloadOptimizer"]
