@@ -476,17 +476,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Parameters written in place since the engine last set them (model.load_state_dict,
         an in-place init under no_grad) become their masters; a parameter whose ``.data`` was
         replaced is copied in and pointed back at its chunk."""
+        changed = {}
         for i, p in enumerate(self._params):
             chunk, offset, numel = self._engine.location(i)
             view = self._chunk_params[chunk][offset : offset + numel]
-            if p.data_ptr() != view.data_ptr():
-                values = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-                self._write_state(i, _MASTER, values, "the parameter's new value")
-                p.data = view.view(p.shape)
-            elif p._version != self._param_versions[i]:
-                values = p.detach().reshape(-1).to("cpu", torch.float32).contiguous()
-                self._write_state(i, _MASTER, values, "the parameter's new value")
-            self._param_versions[i] = p._version
+            replaced = p.data_ptr() != view.data_ptr()
+            if replaced or p._version != self._param_versions[i]:
+                changed[i] = (p.detach().reshape(-1).to("cpu", torch.float32, copy=True), replaced)
+        # Every new value is read before any is written: writing one master rewrites the working
+        # values of its whole chunk from the masters, undoing the others' in-place changes.
+        for i, (values, replaced) in changed.items():
+            self._write_state(i, _MASTER, values, "the parameter's new value")
+            if replaced:
+                chunk, offset, numel = self._engine.location(i)
+                p = self._params[i]
+                p.data = self._chunk_params[chunk][offset : offset + numel].view(p.shape)
+        self._param_versions = [p._version for p in self._params]
 
     def _place_gradient(self, i: int) -> None:
         """Puts parameter i's accumulated gradient into its chunk's gradient buffer and makes
