@@ -69,6 +69,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         cpu_threads: int = 0,
         loss_scale: float | str = "dynamic",
         speculative_updates: bool = True,
+        overlap: bool = True,
         config: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -83,6 +84,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.max_grad_norm = float(max_grad_norm)
+        # False: every chunk goes to the engine in step(), after backward (for measuring what
+        # the overlap saves, and for debugging).
+        self.overlap = overlap
 
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         self._group_of: list[int] = [
@@ -201,7 +205,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for c, members in enumerate(self._members):
             if not self._submitted[c] and any(self._counts[i] > 0 for i in members):
                 for i in members:
-                    if self._counts[i] < self.gradient_accumulation_steps:
+                    if not self._placed[i]:
                         self._place_gradient(i)
                 self._submit(c)
         try:
@@ -443,6 +447,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         n = len(self._params)
         self._counts = [0] * n
+        self._placed = [False] * n  # Its gradient is in its chunk's buffer (_place_gradient).
         self._waiting = [len(m) for m in self._members]  # Members still without their gradient.
         self._submitted = [False] * len(self._members)
         self._placed_version: dict[int, int] = {}  # chunk -> its gradients' version once placed.
@@ -504,6 +509,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         p.grad = view
+        self._placed[i] = True
         self._placed_version[self._chunk_of[i]] = self._chunk_grads[self._chunk_of[i]]._version
 
     def _on_gradient(self, i: int) -> None:
@@ -519,7 +525,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"with gradient_accumulation_steps={gas}: call step() after every {gas} "
                 "backward()"
             )
-        if self._counts[i] < gas:
+        if self._counts[i] < gas or not self.overlap:
             return
         self._place_gradient(i)
         chunk = self._chunk_of[i]

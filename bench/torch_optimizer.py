@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""strata.torch.OffloadAdamW against torch.optim.AdamW, ratios measured in one run
+(PERFORMANCE.md).
+
+1. Update throughput on CPU tensors: parameters/s of one optimizer update over --params fp32
+   parameters, against torch.optim.AdamW(fused=True) on tensors of the same size. The update
+   is handed to Strata by backward (its hooks), so its time is (backward + step) minus the
+   same backward without an optimizer; torch's is step() alone. Target: >= 2x.
+2. Overlap: one training step (forward, backward, step) of an MLP whose backward outweighs the
+   update, against forward + backward alone, with the update overlapping backward
+   (overlap=True) and after it (overlap=False). Target: overlapped <= 1.10x backward alone.
+
+    PYTHONPATH=build/release/python python bench/torch_optimizer.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+import strata.torch as st
+
+
+def median_seconds(run, repeats: int) -> float:
+    run()  # Warm-up: first touch, the engine's first-step order recording.
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def flat_parameters(total: int, tensors: int) -> list[nn.Parameter]:
+    torch.manual_seed(0)
+    return [nn.Parameter(torch.randn(total // tensors) * 0.02) for _ in range(tensors)]
+
+
+def update_throughput(args) -> dict:
+    coefficients = [torch.randn(args.params // args.tensors) for _ in range(args.tensors)]
+
+    def backward(params):
+        sum((p * c).sum() for p, c in zip(params, coefficients)).backward()
+
+    # torch: step() alone, gradients already there.
+    params = flat_parameters(args.params, args.tensors)
+    backward(params)
+    fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    torch_step = median_seconds(fused.step, args.repeats)
+    del fused, params
+
+    # The same backward with no optimizer: what Strata's total is measured against.
+    params = flat_parameters(args.params, args.tensors)
+
+    def backward_only():
+        backward(params)
+        for p in params:
+            p.grad = None
+
+    backward_alone = median_seconds(backward_only, args.repeats)
+    del params
+
+    params = flat_parameters(args.params, args.tensors)
+    strata = st.OffloadAdamW(params, lr=1e-3, offload="cpu", chunk_size=args.chunk_size)
+
+    def strata_update():
+        backward(params)
+        strata.step()
+        strata.zero_grad()
+
+    total = median_seconds(strata_update, args.repeats)
+    strata_update_seconds = max(total - backward_alone, 1e-9)
+    del strata, params
+    return {
+        "params": args.params,
+        "torch_fused_step_seconds": torch_step,
+        "torch_fused_params_per_second": args.params / torch_step,
+        "backward_alone_seconds": backward_alone,
+        "strata_backward_and_step_seconds": total,
+        "strata_update_seconds": strata_update_seconds,
+        "strata_params_per_second": args.params / strata_update_seconds,
+        "ratio": torch_step / strata_update_seconds,
+        "target": ">= 2",
+    }
+
+
+def overlap(args) -> dict:
+    def model():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(args.layers):
+            layers += [nn.Linear(args.width, args.width), nn.GELU()]
+        return nn.Sequential(*layers)
+
+    x = torch.randn(args.batch, args.width)
+
+    def step(net, opt):
+        def run():
+            net(x).square().mean().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            else:
+                net.zero_grad()
+        return run
+
+    plain = model()
+    alone = median_seconds(step(plain, None), args.repeats)
+    results = {"params": sum(p.numel() for p in plain.parameters()),
+               "forward_backward_seconds": alone}
+    del plain
+    with tempfile.TemporaryDirectory() as nvme:
+        for name, overlapped in (("overlapped", True), ("after_backward", False)):
+            net = model()
+            opt = st.OffloadAdamW(net.parameters(), lr=1e-4, offload=args.offload,
+                                  nvme_path=nvme, chunk_size=args.chunk_size,
+                                  overlap=overlapped)
+            seconds = median_seconds(step(net, opt), args.repeats)
+            results[f"{name}_step_seconds"] = seconds
+            results[f"{name}_ratio"] = seconds / alone
+            results[f"{name}_optimizer_busy_seconds_per_step"] = (
+                opt.metrics()["optimizer_seconds"] / (args.repeats + 1))
+            del opt, net
+    results["target"] = "overlapped_ratio <= 1.10"
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=64 << 20, help="parameters (update part)")
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--offload", choices=["cpu", "nvme"], default="cpu")
+    parser.add_argument("--chunk-size", default="4MiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+
+    update = update_throughput(args)
+    steps = overlap(args)
+    if args.json:
+        print(json.dumps({"update": update, "overlap": steps,
+                          "torch": torch.__version__, "threads": torch.get_num_threads()},
+                         indent=2))
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU tensors")
+    print(f"update of {update['params'] / 2**20:.0f}Mi fp32 parameters")
+    print(f"  torch.optim.AdamW(fused=True) step     {update['torch_fused_step_seconds']:8.4f} s"
+          f"  {update['torch_fused_params_per_second'] / 1e6:8.1f} M params/s")
+    print(f"  OffloadAdamW (backward+step - backward) {update['strata_update_seconds']:8.4f} s"
+          f"  {update['strata_params_per_second'] / 1e6:8.1f} M params/s")
+    print(f"  ratio (target >= 2)                      {update['ratio']:8.2f}")
+    print(f"training step of a {args.layers}-layer MLP, width {args.width}, batch {args.batch} "
+          f"({steps['params'] / 1e6:.1f}M params, states on {args.offload})")
+    print(f"  forward + backward alone                 {steps['forward_backward_seconds']:8.4f} s")
+    for name in ("overlapped", "after_backward"):
+        print(f"  with OffloadAdamW, {name:<21} {steps[f'{name}_step_seconds']:8.4f} s"
+              f"  x{steps[f'{name}_ratio']:.3f}  (CPU optimizer busy "
+              f"{steps[f'{name}_optimizer_busy_seconds_per_step']:.4f} s/step)")
+    print("  target: overlapped <= 1.10 x forward + backward alone")
+
+
+if __name__ == "__main__":
+    main()
