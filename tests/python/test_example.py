@@ -18,6 +18,9 @@ def test_train_gpt_learns_the_corpus_with_states_on_nvme(tmp_path):
     steps = re.findall(r"^step +(\d+) +loss ([\d.]+) .* nvme r ([\d.]+)MiB w ([\d.]+)MiB$",
                        result.stdout, re.MULTILINE)
     assert [int(s[0]) for s in steps] == list(range(1, 81))
-    assert all(float(s[2]) > 0 and float(s[3]) > 0 for s in steps)  # States went to NVMe.
+    # Every step read and wrote the states (0.84M parameters x 12 bytes = 9.6 MiB) on NVMe; a
+    # step's writes may finish during the next one, so the mean is what is exact.
+    for column in (2, 3):
+        assert sum(float(s[column]) for s in steps) / len(steps) > 9.0
     assert float(steps[-1][1]) < float(steps[0][1]) - 2.0
     assert "below the corpus' unigram entropy" in result.stdout
