@@ -8,12 +8,12 @@ backward: change one line of a training loop.
 See docs/python.md for what each option does and how it maps to DeepSpeed's config.
 """
 
-from strata.torch.optimizer import (
+from strata.torch.optimizer import OffloadOptimizer
+from strata.torch.rules import (
     OffloadAdagrad,
     OffloadAdam,
     OffloadAdamW,
     OffloadLion,
-    OffloadOptimizer,
 )
 
 __all__ = ["OffloadAdamW", "OffloadAdam", "OffloadAdagrad", "OffloadLion", "OffloadOptimizer"]

@@ -1,4 +1,4 @@
-"""torch.optim optimizers backed by Strata's offload engine.
+"""OffloadOptimizer: a torch.optim.Optimizer backed by Strata's offload engine.
 
 How it works, in the terms of engine.h's trainer contract:
 
@@ -6,14 +6,19 @@ How it works, in the terms of engine.h's trainer contract:
   is also state_dict's numbering) and packed into chunks. Each parameter's ``.data`` then becomes
   a view into its chunk's device memory (as FSDP's FlatParameter does), which stays put for the
   engine's life: the model, its hooks and ``model.state_dict()`` keep working on the same
-  ``Parameter`` objects.
+  ``Parameter`` objects. When the optimizer goes, they get memory of their own (_lifetime.py).
 * A post-accumulate-grad hook on every trained parameter counts backward passes. On the last
   micro-step of a step (``gradient_accumulation_steps``), the parameter's gradient is placed in
   its chunk's gradient buffer (``.grad`` becomes a view of it; when autograd already accumulated
   into that view nothing is copied), and once every parameter of a chunk has its gradient the
   chunk is handed to the engine, whose CPU update starts while backward goes on.
-* ``step()`` hands over the chunks still waiting (parameters that got gradients in only some
-  micro-steps), waits for every update, and returns with the parameters updated in place.
+* ``step()`` hands over the chunks still waiting, waits for every update, and returns with the
+  parameters updated in place.
+
+A step's life: closed -> open (first gradient hook: torch-side changes reach the engine) ->
+chunks handed over (from then on the step can only be finished, by step()) -> closed. Until a
+chunk is handed over, zero_grad() discards the step as torch would. A failed engine step keeps
+the step open and the next step() retries it.
 
 Hyper-parameters: the engine fixes betas, eps and each group's weight decay at construction;
 the learning rate is read from ``param_groups`` at the first backward of every step, so any
@@ -24,10 +29,9 @@ engine cannot follow raises instead of being ignored.
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import json
 import math
-import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,9 +39,10 @@ from typing import Any
 import torch
 
 from strata import _strata
+from strata.torch import _lifetime
+from strata.torch._options import WORKING_DTYPES, engine_options
 
-_WORKING_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_MASTER, _EXP_AVG, _EXP_AVG_SQ = 0, 1, 2
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 # Tolerance for "the same learning-rate ratio": schedulers compute each group's lr in floating
 # point, so the ratios of two groups drift in the last bits.
 _LR_RATIO_TOLERANCE = 1e-9
@@ -46,21 +51,24 @@ _LR_RATIO_TOLERANCE = 1e-9
 class OffloadOptimizer(torch.optim.Optimizer):
     """The common part of OffloadAdamW, OffloadAdam, OffloadAdagrad and OffloadLion.
 
-    Subclasses name the engine's update rule, the torch optimizer whose ``defaults`` and state
-    names they mirror, and which hyper-parameters the engine supports.
+    Subclasses name the engine's update rule and the state names of the torch optimizer they
+    mirror (rules.py).
     """
 
     _engine_type: str = ""
     # state_dict key of each engine state (master, exp_avg, exp_avg_sq) the rule keeps.
     _state_names: dict[int, str] = {}
+    # torch.amp.GradScaler hands a step-supporting optimizer its scale instead of unscaling the
+    # gradients itself, which lets step() refuse it with a clear message (see step()).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
         *,
-        offload: str = "cpu",
-        nvme_path: str | os.PathLike | None = None,
+        offload: str | None = "cpu",
+        nvme_path: Any = None,
         offload_ratio: float = 1.0,
         max_grad_norm: float = 0.0,
         gradient_accumulation_steps: int = 1,
@@ -84,79 +92,68 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.max_grad_norm = float(max_grad_norm)
-        # False: every chunk goes to the engine in step(), after backward (for measuring what
-        # the overlap saves, and for debugging).
+        # False: every chunk goes to the engine in step(), after backward (to measure what the
+        # overlap saves, or to be able to discard any backward with zero_grad()).
         self.overlap = overlap
 
         self._params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
-        self._group_of: list[int] = [
-            gi for gi, g in enumerate(self.param_groups) for _ in g["params"]
-        ]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_parameters()
-        device = self._params[0].device
-        dtype = self._params[0].dtype
-        self._device = device
+        self._device = self._params[0].device
+        self._trained = [p.requires_grad for p in self._params]
         self._fixed = [self._fixed_hyperparameters(g) for g in self.param_groups]
         self._lr_scales = self._learning_rate_scales()
+        _lifetime.claim(self, self._params)
 
-        options = self._engine_options(
-            device=device,
-            dtype=dtype,
-            offload=offload,
-            nvme_path=nvme_path,
-            offload_ratio=offload_ratio,
-            chunk_size=chunk_size,
-            host_memory=host_memory,
-            cpu_threads=cpu_threads,
-            loss_scale=loss_scale,
-            speculative_updates=speculative_updates,
-        )
-        _merge(options, config or {})
+        options = engine_options(
+            self.param_groups[0], max(float(g["lr"]) for g in self.param_groups),
+            self._engine_type, float(self.defaults.get("weight_decay", 0.0)),
+            device=self._device, dtype=self._params[0].dtype, offload=offload,
+            nvme_path=nvme_path, offload_ratio=offload_ratio, chunk_size=chunk_size,
+            host_memory=host_memory, cpu_threads=cpu_threads, loss_scale=loss_scale,
+            speculative_updates=speculative_updates, max_grad_norm=self.max_grad_norm,
+            config=config)
         registered = []
         for i, p in enumerate(self._params):
             group = self.param_groups[self._group_of[i]]
-            values = p.detach().reshape(-1).to("cpu", torch.float32).contiguous().numpy()
-            registered.append(
-                (
-                    f"param.{i}",
-                    list(p.shape) or [1],
-                    values,
-                    float(group["weight_decay"]),
-                    self._lr_scales[self._group_of[i]],
-                    not p.requires_grad,
-                )
-            )
-        self._engine = _strata.Engine(json.dumps(options), registered)
-        _live_engines.add(self._engine)
+            registered.append((f"param.{i}", list(p.shape) or [1], _flat_fp32(p).numpy(),
+                               float(group["weight_decay"]),
+                               self._lr_scales[self._group_of[i]], not p.requires_grad))
+        with self._on_device():
+            self._engine = _strata.Engine(json.dumps(options), registered)
 
         # Every chunk's memory, once: device-home chunks keep it for the engine's life.
         self._chunk_params: list[torch.Tensor] = []
         self._chunk_grads: list[torch.Tensor | None] = []
         for c in range(self._engine.chunk_count):
-            params_view, grads_view = self._engine.acquire(c)
-            self._engine.release(c)
+            with self._on_device():
+                params_view, grads_view = self._engine.acquire(c)
+                self._engine.release(c)
             self._chunk_params.append(torch.from_dlpack(params_view))
             self._chunk_grads.append(None if grads_view is None else torch.from_dlpack(grads_view))
-            if self._engine.chunk(c)[4] != "device":
-                raise NotImplementedError("parameters offloaded from the device are not built yet")
 
         self._chunk_of: list[int] = []
         self._grad_views: list[torch.Tensor | None] = []
         self._members: list[list[int]] = [[] for _ in range(self._engine.chunk_count)]
+        hooks = []
         for i, p in enumerate(self._params):
             chunk, offset, numel = self._engine.location(i)
             self._chunk_of.append(chunk)
-            p.data = self._chunk_params[chunk][offset : offset + numel].view(p.shape)
-            grads = self._chunk_grads[chunk]
+            p.data = self._param_view(i).view(p.shape)
             if p.requires_grad:
-                self._grad_views.append(grads[offset : offset + numel].view(p.shape))
+                self._grad_views.append(
+                    self._chunk_grads[chunk][offset : offset + numel].view(p.shape))
                 self._members[chunk].append(i)
-                p.register_post_accumulate_grad_hook(_GradHook(self, i))
+                hooks.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
             else:
                 self._grad_views.append(None)
+        self._finalizer = _lifetime.watch(self, self._params, hooks,
+                                          self._chunk_params + [g for g in self._chunk_grads
+                                                                if g is not None])
         self._param_versions = [p._version for p in self._params]
         self._last_report: dict[str, Any] | None = None
         self._skipped_steps = 0
+        self._retry_pending = False  # The engine's step failed; the next step() retries it.
         self._reset_step()
         self._constructed = True
 
@@ -180,47 +177,55 @@ class OffloadOptimizer(torch.optim.Optimizer):
             seen.add(id(p))
         super().add_param_group(param_group)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad. After a backward whose gradients no chunk has taken yet, it also
+        discards that backward (a skipped batch); once chunks were handed to the engine the step
+        can only be finished, by step()."""
+        if self._step_open:
+            handed = [c for c, done in enumerate(self._submitted) if done]
+            if handed or self._retry_pending:
+                raise RuntimeError(
+                    f"zero_grad() after backward() without step(): chunks {handed} already "
+                    "started updating with those gradients (the update overlaps backward); call "
+                    "step() to finish the step, or build the optimizer with overlap=False to be "
+                    "able to discard a backward"
+                )
+            self._reset_step()
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Waits for the updates of this step (most ran during backward) and returns the
         closure's loss, if a closure was given."""
+        self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        most = max(self._counts, default=0)
-        if most == 0:
-            raise RuntimeError(
-                "step() before any backward(): no parameter received a gradient since the last "
-                "step()"
-            )
-        if most != self.gradient_accumulation_steps:
-            raise RuntimeError(
-                f"step() after {most} backward passes, but this optimizer was built with "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: call step() "
-                f"after every {self.gradient_accumulation_steps} backward() (or build it with "
-                f"gradient_accumulation_steps={most})"
-            )
-        modified = self._gradients_modified_after_backward()
-        for c, members in enumerate(self._members):
-            if not self._submitted[c] and any(self._counts[i] > 0 for i in members):
-                for i in members:
-                    if not self._placed[i]:
-                        self._place_gradient(i)
-                self._submit(c)
+        modified = None
+        if not self._retry_pending:
+            self._check_backward_count()
+            modified = self._gradients_modified_after_backward()
+            self._hand_over_the_rest()
         try:
-            report = self._engine.step()
-        finally:
-            self._reset_step()
+            with self._on_device():
+                report = self._engine.step()
+        except BaseException:
+            self._retry_pending = True  # The engine keeps the gradients for the retry.
+            raise
+        self._retry_pending = False
+        self._restore_untouched()
+        self._reset_step()
         self._last_report = report
         if report["skipped"]:
             self._skipped_steps += 1
         if modified:
             raise RuntimeError(
                 f"the gradients of {modified} changed between backward() and step() (by "
-                "torch.nn.utils.clip_grad_norm_, say), after the engine had started updating "
-                "with them; this step used the gradients as backward left them. Pass "
-                f"max_grad_norm=... to {type(self).__name__} to clip on the global norm instead"
+                "torch.nn.utils.clip_grad_norm_, say) after the engine had taken them, so this "
+                "step may have used them before or after the change. Pass max_grad_norm=... to "
+                f"{type(self).__name__} to clip on the global norm, and read the norm from "
+                "opt.last_step['grad_norm'] instead of computing it"
             )
         return loss
 
@@ -232,14 +237,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state: dict[int, dict[str, torch.Tensor]] = {}
         steps = self._engine.step_count
         if steps > 0:
-            with_master = self._params[0].dtype != torch.float32
+            names = dict(self._state_names)
+            if self._params[0].dtype != torch.float32:
+                names[MASTER] = "master"
             for i, p in enumerate(self._params):
-                if not p.requires_grad:
+                if not self._trained[i]:
                     continue
                 entry: dict[str, torch.Tensor] = {"step": torch.tensor(float(steps))}
-                names = dict(self._state_names)
-                if with_master:
-                    names[_MASTER] = "master"
                 for kind, name in sorted(names.items()):
                     entry[name] = self._read_state(i, kind).view(p.shape)
                 state[i] = entry
@@ -254,8 +258,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this optimizer or of the matching torch optimizer (AdamW's into
-        OffloadAdamW, say): hyper-parameters, moments and the step count. The parameters' values
-        come from the model (``model.load_state_dict``), or from ``master`` when present."""
+        OffloadAdamW, say): hyper-parameters, moments and the step count; a parameter without
+        saved state starts afresh, as in torch. The parameters' values come from the model
+        (``model.load_state_dict``), or from ``master`` when present."""
         self._check_between_steps("load_state_dict()")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -269,6 +274,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"parameter group {gi} of the state_dict has {len(saved['params'])} "
                     f"parameters; this optimizer's has {len(mine['params'])}"
                 )
+            for flag in ("amsgrad", "maximize"):
+                if saved.get(flag, False):
+                    raise NotImplementedError(
+                        f"parameter group {gi} of the state_dict has {flag}=True, which "
+                        f"{type(self).__name__} does not build"
+                    )
             fixed = self._fixed_hyperparameters(saved)
             if fixed != self._fixed[gi]:
                 raise ValueError(
@@ -284,18 +295,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for position, saved_index in enumerate(saved["params"]):
                 index_of[saved_index] = first + position
             first += len(saved["params"])
-        steps = None
-        for saved_index, entry in state_dict["state"].items():
-            i = index_of[saved_index]
-            p = self._params[i]
-            if not p.requires_grad:
+        saved_state = {index_of[k]: v for k, v in state_dict["state"].items()}
+        steps = 0
+        for i, p in enumerate(self._params):
+            if not self._trained[i]:
                 continue
-            for kind, name in [(_MASTER, "master"), *self._state_names.items()]:
+            entry = saved_state.get(i, {})
+            for kind, name in [(MASTER, "master"), *self._state_names.items()]:
                 if name in entry:
                     self._write_state(i, kind, entry[name], name)
+                elif kind != MASTER:
+                    self._write_state(i, kind, torch.zeros(p.numel()), name)
             if "step" in entry:
-                steps = int(float(entry["step"]))
-        if steps is not None:
+                steps = max(steps, int(float(entry["step"])))
+        with self._on_device():
             self._engine.set_step_count(steps)
         for mine, saved in zip(self.param_groups, saved_groups):
             for key, value in saved.items():
@@ -321,6 +334,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grad_norm (before clipping), loss_scale, seconds."""
         return self._last_report
 
+    def sync_parameters(self) -> None:
+        """Makes the parameters' current values the masters, whatever wrote them. Writes to a
+        parameter itself (``model.load_state_dict``, in-place ops under ``no_grad``) are found at
+        the next backward without this; writes through ``.data`` bypass the version counter
+        that finds them, so call this after those (WGAN's ``p.data.clamp_``, say)."""
+        self._check_between_steps("sync_parameters()")
+        self._adopt_parameter_changes(everything=True)
+
     def metrics(self) -> dict[str, Any]:
         """The engine's counters (bytes moved per tier, optimizer time, tier use) and the
         last step's report, as one flat dict."""
@@ -338,7 +359,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """The engine's metrics in Prometheus' text format (what `strata serve` exposes)."""
         return self._engine.metrics_text()
 
-    # ----------------------------------------------------------------------- internals
+    # ------------------------------------------------------------- construction checks
 
     def _check_parameters(self) -> None:
         first = self._params[0]
@@ -353,7 +374,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} is on {p.device}; parameters on cpu or cuda only")
-            if p.dtype not in _WORKING_DTYPES:
+            if p.dtype not in WORKING_DTYPES:
                 raise ValueError(f"{name} is {p.dtype}; parameters of float32, bfloat16 or float16")
             if p.dtype != first.dtype:
                 raise ValueError(
@@ -395,68 +416,30 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
         return [lr / largest for lr in lrs]
 
-    def _engine_options(self, *, device, dtype, offload, nvme_path, offload_ratio, chunk_size,
-                        host_memory, cpu_threads, loss_scale, speculative_updates) -> dict:
-        group = self.param_groups[0]
-        tiers = {"cpu": "host", "host": "host", "nvme": "nvme", "none": "device", None: "device"}
-        if offload not in tiers:
-            raise ValueError(f"offload must be 'cpu', 'nvme' or None, got {offload!r}")
-        states = tiers[offload]
-        optimizer: dict[str, Any] = {
-            "type": self._engine_type,
-            "lr": max(float(g["lr"]) for g in self.param_groups),
-            "weight_decay": float(self.defaults.get("weight_decay", 0.0)),
-            "gradient_clipping": self.max_grad_norm,
-            "gradient_accumulation_steps": 1,  # torch accumulates in .grad; see _GradHook.
-            "cpu_threads": cpu_threads,
-            "speculative_updates": speculative_updates,
-        }
-        if "betas" in group:
-            optimizer["beta1"], optimizer["beta2"] = (float(b) for b in group["betas"])
-        if "eps" in group:
-            optimizer["eps"] = float(group["eps"])
-        precision: dict[str, Any] = {"working_dtype": _WORKING_DTYPES[dtype]}
-        if dtype == torch.float16:
-            precision["loss_scale"] = 0.0 if loss_scale == "dynamic" else float(loss_scale)
-        options: dict[str, Any] = {
-            "device": {"kind": "cuda", "cuda_device": device.index or 0}
-            if device.type == "cuda"
-            else {"kind": "host"},
-            "optimizer": optimizer,
-            "precision": precision,
-            "placement": {
-                "zero_stage": 0,
-                "optimizer_states": states,
-                "offload_ratio": float(offload_ratio),
-                "params": "device",
-                "chunk_bytes": chunk_size,
-            },
-        }
-        if states == "nvme":
-            if nvme_path is None:
-                raise ValueError("offload='nvme' needs nvme_path (a directory on the NVMe drive)")
-            if not os.path.isdir(nvme_path):
-                raise FileNotFoundError(f"nvme_path {os.fspath(nvme_path)!r} is not a directory")
-            options["nvme"] = {"paths": [os.fspath(nvme_path)]}
-        if host_memory is not None:
-            options["host"] = {"pinned_memory_bytes": host_memory}
-        if device.type == "cuda":
-            options.setdefault("host", {})["pin_memory"] = True
-        return options
+    # -------------------------------------------------------------------- a step's life
 
     def _reset_step(self) -> None:
         n = len(self._params)
-        self._counts = [0] * n
+        self._counts = [0] * n  # Backward passes that reached each parameter this step.
         self._placed = [False] * n  # Its gradient is in its chunk's buffer (_place_gradient).
-        self._waiting = [len(m) for m in self._members]  # Members still without their gradient.
+        self._waiting = [len(m) for m in self._members]  # Members without their last gradient.
         self._submitted = [False] * len(self._members)
         self._placed_version: dict[int, int] = {}  # chunk -> its gradients' version once placed.
+        self._untouched: list[tuple[int, list[torch.Tensor]]] = []  # See _hand_over_the_rest.
         self._step_open = False
 
     def _begin_step(self) -> None:
         """At the first gradient of a step: what torch-side code changed since the last step
         (parameters loaded in place, a scheduler's learning rate) reaches the engine."""
-        self._adopt_parameter_changes()
+        for i, p in enumerate(self._params):
+            if p.requires_grad != self._trained[i]:
+                now = "trainable" if p.requires_grad else "frozen"
+                raise NotImplementedError(
+                    f"parameter {i} (shape {tuple(p.shape)}) is {now} now but was not when "
+                    f"{type(self).__name__} was built: the engine packs frozen and trained "
+                    "parameters apart at construction, so changing requires_grad needs a new "
+                    "optimizer (build it after freezing or unfreezing)"
+                )
         for gi, g in enumerate(self.param_groups):
             if self._fixed_hyperparameters(g) != self._fixed[gi]:
                 raise NotImplementedError(
@@ -474,57 +457,32 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"{self._lr_scales} they had at construction (group {gi}); the engine "
                     "scales one learning rate per group by a fixed factor"
                 )
+        self._adopt_parameter_changes()
         self._engine.set_learning_rate(base)
         self._step_open = True
 
-    def _adopt_parameter_changes(self) -> None:
-        """Parameters written in place since the engine last set them (model.load_state_dict,
-        an in-place init under no_grad) become their masters; a parameter whose ``.data`` was
-        replaced is copied in and pointed back at its chunk."""
-        changed = {}
-        for i, p in enumerate(self._params):
-            chunk, offset, numel = self._engine.location(i)
-            view = self._chunk_params[chunk][offset : offset + numel]
-            replaced = p.data_ptr() != view.data_ptr()
-            if replaced or p._version != self._param_versions[i]:
-                changed[i] = (p.detach().reshape(-1).to("cpu", torch.float32, copy=True), replaced)
-        # Every new value is read before any is written: writing one master rewrites the working
-        # values of its whole chunk from the masters, undoing the others' in-place changes.
-        for i, (values, replaced) in changed.items():
-            self._write_state(i, _MASTER, values, "the parameter's new value")
-            if replaced:
-                chunk, offset, numel = self._engine.location(i)
-                p = self._params[i]
-                p.data = self._chunk_params[chunk][offset : offset + numel].view(p.shape)
-        self._param_versions = [p._version for p in self._params]
-
-    def _place_gradient(self, i: int) -> None:
-        """Puts parameter i's accumulated gradient into its chunk's gradient buffer and makes
-        ``.grad`` a view of it (a no-op when autograd accumulated into that view)."""
-        p = self._params[i]
-        view = self._grad_views[i]
-        grad = p.grad
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-        p.grad = view
-        self._placed[i] = True
-        self._placed_version[self._chunk_of[i]] = self._chunk_grads[self._chunk_of[i]]._version
-
     def _on_gradient(self, i: int) -> None:
-        """Parameter i's post-accumulate-grad hook: one more backward pass reached it."""
+        """Parameter i's post-accumulate-grad hook: one more backward pass reached it. Checks
+        come before any count changes, so an error leaves the step as it was."""
+        p = self._params[i]
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (parameter {i}, shape "
+                f"{tuple(p.shape)}); use nn.Embedding(sparse=False)"
+            )
         if not self._step_open:
             self._begin_step()
-        self._counts[i] += 1
         gas = self.gradient_accumulation_steps
-        if self._counts[i] > gas:
+        if self._counts[i] + 1 > gas:
             raise RuntimeError(
-                f"parameter {i} (shape {tuple(self._params[i].shape)}) received its gradient "
-                f"{self._counts[i]} times since the last step(), but this optimizer was built "
-                f"with gradient_accumulation_steps={gas}: call step() after every {gas} "
-                "backward()"
+                f"parameter {i} (shape {tuple(p.shape)}) received its gradient "
+                f"{self._counts[i] + 1} times since the last step(), but this optimizer was "
+                f"built with gradient_accumulation_steps={gas}: call step() after every {gas} "
+                "backward(), one backward per micro-batch (torch.utils.checkpoint with "
+                "use_reentrant=True runs a parameter's gradient hook twice: use "
+                "use_reentrant=False)"
             )
+        self._counts[i] += 1
         if self._counts[i] < gas or not self.overlap:
             return
         self._place_gradient(i)
@@ -533,13 +491,68 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._waiting[chunk] == 0:
             self._submit(chunk)
 
+    def _check_backward_count(self) -> None:
+        most = max(self._counts, default=0)
+        if most == 0:
+            raise RuntimeError(
+                "step() before any backward(): no parameter received a gradient since the last "
+                "step()"
+            )
+        if most != self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"step() after {most} backward passes, but this optimizer was built with "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: call step() "
+                f"after every {self.gradient_accumulation_steps} backward(), or zero_grad() to "
+                "discard the partial accumulation"
+            )
+
+    def _hand_over_the_rest(self) -> None:
+        """Hands the engine every chunk that got a gradient and is not with it yet. A
+        parameter without a gradient in such a chunk is updated with zeros by the engine; torch
+        leaves it alone, so its states are saved here and put back after the step
+        (_restore_untouched), and its .grad stays None."""
+        for c, members in enumerate(self._members):
+            if self._submitted[c] or all(self._counts[i] == 0 for i in members):
+                continue
+            for i in members:
+                if self._counts[i] == 0:
+                    kinds = [MASTER, *self._state_names]
+                    self._untouched.append((i, [self._read_state(i, k) for k in kinds]))
+                if not self._placed[i]:
+                    self._place_gradient(i)
+            self._submit(c)
+
+    def _restore_untouched(self) -> None:
+        for i, saved in self._untouched:
+            for kind, values in zip([MASTER, *self._state_names], saved):
+                self._write_state(i, kind, values, "a saved state")
+        if self._untouched:
+            self._param_versions = [p._version for p in self._params]
+
+    def _place_gradient(self, i: int) -> None:
+        """Puts parameter i's accumulated gradient into its chunk's gradient buffer and makes
+        ``.grad`` a view of it (a no-op when autograd accumulated into that view). A parameter
+        without a gradient gets zeros there and keeps ``.grad`` None."""
+        p = self._params[i]
+        view = self._grad_views[i]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        else:
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            p.grad = view
+        self._placed[i] = True
+        self._placed_version[self._chunk_of[i]] = self._chunk_grads[self._chunk_of[i]]._version
+
     def _submit(self, chunk: int) -> None:
         stream = self._stream()
-        self._engine.acquire(chunk)
-        try:
-            self._engine.grads_ready(chunk, stream)
-        finally:
-            self._engine.release(chunk, stream)
+        with self._on_device():
+            self._engine.acquire(chunk)
+            try:
+                self._engine.grads_ready(chunk, stream)
+            finally:
+                self._engine.release(chunk, stream)
         self._submitted[chunk] = True
         self._placed_version[chunk] = self._chunk_grads[chunk]._version
 
@@ -553,20 +566,57 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 changed.append(f"chunk {chunk}'s parameters {members[0]}..{members[-1]}")
                 continue
             for i in members:
-                if self._params[i].grad is not self._grad_views[i]:
+                if self._counts[i] > 0 and self._params[i].grad is not self._grad_views[i]:
                     changed.append(f"parameter {i}")
         return ", ".join(changed) if changed else None
 
-    def _stream(self) -> int:
-        if self._device.type != "cuda":
-            return 0  # CPU tensors: torch's work is done when the hook runs.
-        # torch's legacy default stream has handle 0, which the engine reads as its own compute
-        # stream; cudaStreamLegacy (1) names the legacy stream explicitly.
-        return torch.cuda.current_stream(self._device).cuda_stream or 1
+    def _refuse_grad_scaler(self) -> None:
+        if getattr(self, "grad_scale", None) is None and getattr(self, "found_inf", None) is None:
+            return
+        self.grad_scale = self.found_inf = None  # So that a plain step() finishes the step.
+        raise NotImplementedError(
+            f"torch.amp.GradScaler does not work with {type(self).__name__}: the updates start "
+            "during backward, before the scaler could unscale or check the gradients. Use fp16 "
+            "parameters with opt.scale(loss).backward() (the engine scales, checks and skips), "
+            "or bf16; then call opt.step() to finish this step"
+        )
+
+    # -------------------------------------------------------------- parameters and states
+
+    def _param_view(self, i: int) -> torch.Tensor:
+        chunk, offset, numel = self._engine.location(i)
+        return self._chunk_params[chunk][offset : offset + numel]
+
+    def _adopt_parameter_changes(self, everything: bool = False) -> None:
+        """Parameters written in place since the engine last set them (model.load_state_dict,
+        an in-place init under no_grad; every parameter with `everything`) become their
+        masters where they differ from the master rounded to the working dtype, so a write of
+        the same values (an EMA swap and back) keeps the fp32 masters. A parameter whose
+        ``.data`` was replaced is copied in and pointed back at its chunk."""
+        changed = {}
+        for i, p in enumerate(self._params):
+            replaced = p.data_ptr() != self._param_view(i).data_ptr()
+            if everything or replaced or p._version != self._param_versions[i]:
+                changed[i] = (_flat_fp32(p, copy=True), replaced)
+        # Every new value is read before any is written: writing one master rewrites the working
+        # values of its whole chunk from the masters, undoing the others' in-place changes.
+        if self._params and self._params[0].dtype != torch.float32:
+            dtype = self._params[0].dtype
+            for i, (values, replaced) in changed.items():
+                master = self._read_state(i, MASTER)
+                same = master.to(dtype).float() == values
+                changed[i] = (torch.where(same, master, values), replaced)
+        for i, (values, replaced) in changed.items():
+            self._write_state(i, MASTER, values, "the parameter's new value")
+            if replaced:
+                p = self._params[i]
+                p.data = self._param_view(i).view(p.shape)
+        self._param_versions = [p._version for p in self._params]
 
     def _read_state(self, i: int, kind: int) -> torch.Tensor:
         out = torch.empty(self._params[i].numel(), dtype=torch.float32)
-        self._engine.read_state(i, kind, out.numpy())
+        with self._on_device():
+            self._engine.read_state(i, kind, out.numpy())
         return out
 
     def _write_state(self, i: int, kind: int, values: Any, what: str) -> None:
@@ -576,7 +626,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"{what} of parameter {i} has {tensor.numel()} elements; the parameter has "
                 f"{self._params[i].numel()}"
             )
-        self._engine.write_state(i, kind, tensor.numpy())
+        with self._on_device():
+            self._engine.write_state(i, kind, tensor.numpy())
 
     def _check_between_steps(self, what: str) -> None:
         if self._step_open:
@@ -585,21 +636,33 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "step's gradients; call it after step()"
             )
 
+    # ----------------------------------------------------------------- device and exit
 
-# Engines still alive at exit (their parameters may outlive the module): each stops its
-# threads and removes its NVMe files then, as its destructor would.
-_live_engines: weakref.WeakSet = weakref.WeakSet()
+    def _stream(self) -> int:
+        if self._device.type != "cuda":
+            return 0  # CPU tensors: torch's work is done when the hook runs.
+        # torch's legacy default stream has handle 0, which the engine reads as its own compute
+        # stream; cudaStreamLegacy (1) names the legacy stream explicitly.
+        return torch.cuda.current_stream(self._device).cuda_stream or 1
 
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """Engine calls select the parameters' GPU on the calling thread; this puts torch's
+        current device back afterwards."""
+        if self._device.type == "cuda":
+            return torch.cuda.device(self._device)
+        return contextlib.nullcontext()
 
-@atexit.register
-def _shut_down_engines() -> None:
-    for engine in list(_live_engines):
-        engine._shutdown()
+    def _release_at_exit(self) -> None:
+        """Interpreter exit: the parameters get memory of their own, then the engine stops its
+        threads and removes its NVMe files (_lifetime.py)."""
+        self._finalizer()
+        self._engine._shutdown()
 
 
 class _GradHook:
-    """A parameter's post-accumulate-grad hook; holds its optimizer weakly, so a model
-    outliving its optimizer does not keep the engine's states alive."""
+    """A parameter's post-accumulate-grad hook; holds its optimizer weakly, so that the
+    optimizer can be collected (and give its parameters their own memory) while the model
+    lives."""
 
     def __init__(self, optimizer: OffloadOptimizer, index: int) -> None:
         self._optimizer = weakref.ref(optimizer)
@@ -611,6 +674,11 @@ class _GradHook:
             optimizer._on_gradient(self._index)
 
 
+def _flat_fp32(p: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """A parameter's values as a flat, contiguous fp32 host tensor."""
+    return p.detach().reshape(-1).to("cpu", torch.float32, copy=copy).contiguous()
+
+
 def _refuse_several_ranks() -> None:
     import torch.distributed as dist
 
@@ -619,95 +687,3 @@ def _refuse_several_ranks() -> None:
             "strata.torch optimizers across several ranks (torchrun, ZeRO sharding) are not "
             "built yet; run one process per model"
         )
-
-
-def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
-    """Deep-merges `extra` (a Strata-format config fragment) into `into`."""
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
-
-
-def _torch_defaults(reference: type[torch.optim.Optimizer], **kwargs: Any) -> dict[str, Any]:
-    """The defaults a torch optimizer builds from these arguments, with every key its
-    param_groups carry in this torch version (so state_dicts load into it both ways)."""
-    return dict(reference([torch.nn.Parameter(torch.zeros(1))], **kwargs).defaults)
-
-
-def _refuse(name: str, value: Any, supported: Any) -> None:
-    if value != supported:
-        raise NotImplementedError(f"{name}={value!r} is not built yet (only {supported!r})")
-
-
-class OffloadAdamW(OffloadOptimizer):
-    """torch.optim.AdamW with its states (fp32 master, exp_avg, exp_avg_sq) offloaded.
-
-    Offload options (keyword-only): ``offload`` ("cpu" for host memory, "nvme", or None to keep
-    them on the device), ``nvme_path``, ``offload_ratio`` (DeepSpeed's ``ratio``: the fraction
-    offloaded), ``max_grad_norm`` (clip on the global norm; 0 = off),
-    ``gradient_accumulation_steps`` (backward passes per step), ``chunk_size`` (bytes of working
-    parameters per chunk: the unit of overlap), ``host_memory`` (budget; default 80% of RAM),
-    ``cpu_threads``, ``loss_scale`` (fp16: "dynamic" or a fixed scale), ``speculative_updates``
-    and ``config`` (a Strata-format config fragment merged over the rest).
-    """
-
-    _engine_type = "adamw"
-    _state_names = {_EXP_AVG: "exp_avg", _EXP_AVG_SQ: "exp_avg_sq"}
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 maximize: bool = False, **offload: Any) -> None:
-        _refuse("amsgrad", amsgrad, False)
-        _refuse("maximize", maximize, False)
-        defaults = _torch_defaults(torch.optim.AdamW, lr=lr, betas=betas, eps=eps,
-                                   weight_decay=weight_decay)
-        super().__init__(params, defaults, **offload)
-
-
-class OffloadAdam(OffloadOptimizer):
-    """torch.optim.Adam (L2 weight decay added to the gradient) with its states offloaded; the
-    offload options are OffloadAdamW's."""
-
-    _engine_type = "adam"
-    _state_names = {_EXP_AVG: "exp_avg", _EXP_AVG_SQ: "exp_avg_sq"}
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
-                 maximize: bool = False, **offload: Any) -> None:
-        _refuse("amsgrad", amsgrad, False)
-        _refuse("maximize", maximize, False)
-        defaults = _torch_defaults(torch.optim.Adam, lr=lr, betas=betas, eps=eps,
-                                   weight_decay=weight_decay)
-        super().__init__(params, defaults, **offload)
-
-
-class OffloadAdagrad(OffloadOptimizer):
-    """torch.optim.Adagrad (lr_decay 0, initial_accumulator_value 0) with its sum of squares
-    offloaded; the offload options are OffloadAdamW's."""
-
-    _engine_type = "adagrad"
-    _state_names = {_EXP_AVG_SQ: "sum"}
-
-    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *,
-                 maximize: bool = False, **offload: Any) -> None:
-        _refuse("lr_decay", lr_decay, 0.0)
-        _refuse("initial_accumulator_value", initial_accumulator_value, 0.0)
-        _refuse("maximize", maximize, False)
-        defaults = _torch_defaults(torch.optim.Adagrad, lr=lr, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, **offload)
-
-
-class OffloadLion(OffloadOptimizer):
-    """Lion (Chen et al. 2023; torch has none) with its momentum offloaded; the offload options
-    are OffloadAdamW's. Lion's lr is typically 3-10x smaller than AdamW's."""
-
-    _engine_type = "lion"
-    _state_names = {_EXP_AVG: "exp_avg"}
-
-    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, **offload: Any) -> None:
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        super().__init__(params, defaults, **offload)

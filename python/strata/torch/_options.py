@@ -1,0 +1,98 @@
+"""The engine's Strata-format config for an optimizer's arguments (docs/config.md)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+WORKING_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_TIERS = {"cpu": "host", "host": "host", "nvme": "nvme", "none": "device", None: "device"}
+
+# Keys the optimizer sets from its own arguments or needs as they are: a `config` fragment may
+# not override them (each would break the hooks' contract with the engine).
+_OWN_KEYS = {
+    ("device",): "the parameters' device",
+    ("optimizer", "type"): "the optimizer class",
+    ("optimizer", "gradient_accumulation_steps"): "the gradient_accumulation_steps argument",
+    ("optimizer", "delayed_update"): "nothing yet (forward does not wait for delayed updates)",
+    ("optimizer", "delayed_update_from_step"): "nothing yet",
+    ("precision", "working_dtype"): "the parameters' dtype",
+    ("placement", "params"): "nothing yet (parameters stay on their device)",
+    ("placement", "zero_stage"): "nothing yet (one rank)",
+}
+
+
+def engine_options(group: dict[str, Any], lr: float, engine_type: str, weight_decay: float, *,
+                   device: torch.device, dtype: torch.dtype, offload: str | None,
+                   nvme_path: Any, offload_ratio: float, chunk_size: Any, host_memory: Any,
+                   cpu_threads: int, loss_scale: Any, speculative_updates: bool,
+                   max_grad_norm: float, config: dict[str, Any] | None) -> dict[str, Any]:
+    """`group` is the first param group (betas, eps); `lr` the engine's base learning rate."""
+    if offload not in _TIERS:
+        raise ValueError(f"offload must be 'cpu', 'nvme' or None, got {offload!r}")
+    states = _TIERS[offload]
+    optimizer: dict[str, Any] = {
+        "type": engine_type,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "gradient_clipping": max_grad_norm,
+        "gradient_accumulation_steps": 1,  # torch accumulates in .grad; the hooks count.
+        "cpu_threads": cpu_threads,
+        "speculative_updates": speculative_updates,
+    }
+    if "betas" in group:
+        optimizer["beta1"], optimizer["beta2"] = (float(b) for b in group["betas"])
+    if "eps" in group:
+        optimizer["eps"] = float(group["eps"])
+    precision: dict[str, Any] = {"working_dtype": WORKING_DTYPES[dtype]}
+    if dtype == torch.float16:
+        precision["loss_scale"] = 0.0 if loss_scale == "dynamic" else float(loss_scale)
+    options: dict[str, Any] = {
+        "device": ({"kind": "cuda", "cuda_device": device.index or 0}
+                   if device.type == "cuda" else {"kind": "host"}),
+        "optimizer": optimizer,
+        "precision": precision,
+        "placement": {
+            "zero_stage": 0,
+            "optimizer_states": states,
+            "offload_ratio": float(offload_ratio),
+            "params": "device",
+            "chunk_bytes": chunk_size,
+        },
+    }
+    if states == "nvme":
+        if nvme_path is None:
+            raise ValueError("offload='nvme' needs nvme_path (a directory on the NVMe drive)")
+        if not os.path.isdir(nvme_path):
+            raise FileNotFoundError(f"nvme_path {os.fspath(nvme_path)!r} is not a directory")
+        options["nvme"] = {"paths": [os.fspath(nvme_path)]}
+    if host_memory is not None:
+        options["host"] = {"pinned_memory_bytes": host_memory}
+    if device.type == "cuda":
+        options.setdefault("host", {})["pin_memory"] = True
+    _refuse_own_keys(config or {})
+    _merge(options, config or {})
+    return options
+
+
+def _refuse_own_keys(config: dict[str, Any], path: tuple[str, ...] = ()) -> None:
+    for key, value in config.items():
+        here = (*path, key)
+        if here in _OWN_KEYS:
+            raise ValueError(
+                f"config key '{'.'.join(here)}' is set by OffloadAdamW (from "
+                f"{_OWN_KEYS[here]}); leave it out of config"
+            )
+        if isinstance(value, dict):
+            _refuse_own_keys(value, here)
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Deep-merges `extra` (a Strata-format config fragment) into `into`."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value

@@ -1,0 +1,262 @@
+"""Paths a training loop takes besides the plain one, from a review as a trainer author: each
+either matches torch.optim or raises a clear error that leaves the optimizer usable."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import strata.torch as st
+import training
+
+
+def mlp(layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+
+
+def backward(model: nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(4, 8, generator=g).to(next(model.parameters()).dtype)).float().pow(
+        2).mean().backward()
+
+
+def test_a_discarded_backward_is_forgotten_when_nothing_was_handed_over():
+    # overlap=False (or a backward that completed no chunk): zero_grad() discards it, as torch.
+    model, reference = mlp(), mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, overlap=False)
+    ropt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for m, o in ((model, opt), (reference, ropt)):
+        backward(m, 1)
+        o.zero_grad()  # A bad batch, skipped.
+        backward(m, 2)
+        o.step()
+        o.zero_grad()
+    assert training.relative_difference(model, reference) < 1e-6
+
+
+def test_zero_grad_after_chunks_started_updating_says_to_step():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    backward(model)
+    with pytest.raises(RuntimeError, match="call step\\(\\)"):
+        opt.zero_grad()
+    opt.step()  # Still usable.
+    opt.zero_grad()
+    backward(model, 3)
+    opt.step()
+    assert opt.last_step["step"] == 2
+
+
+def test_a_short_accumulation_can_be_discarded_or_completed():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, gradient_accumulation_steps=2)
+    backward(model)
+    with pytest.raises(RuntimeError, match="after 1 backward passes"):
+        opt.step()
+    opt.zero_grad()  # The end of an epoch: drop the partial accumulation.
+    backward(model, 1)
+    backward(model, 2)
+    opt.step()
+    assert opt.last_step["step"] == 1
+
+
+def test_an_error_inside_the_hook_leaves_the_counts_as_they_were():
+    model = nn.Embedding(10, 4, sparse=True)
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, overlap=False)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        model(torch.tensor([1, 2])).sum().backward()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="before any backward"):
+        opt.step()
+
+
+def test_a_parameter_without_a_gradient_is_left_alone_as_torch_does():
+    model, reference = mlp(), mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, chunk_size="1MiB")  # One chunk for all.
+    ropt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for m, o in ((model, opt), (reference, ropt)):
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            # After step 0 only the first layer's bias is used... and the first layer's weight.
+            (m(x) if step == 0 else m[0](x)).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert model[1].weight.grad is None
+    assert training.relative_difference(model, reference) < 1e-6
+
+
+def test_changing_requires_grad_after_construction_is_refused():
+    model = mlp()
+    model[0].requires_grad_(False)
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    model[0].requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="requires_grad"):
+        backward(model)
+
+
+def test_bf16_masters_survive_an_in_place_write_of_the_same_values():
+    def train(swap: bool):
+        model = mlp().to(torch.bfloat16)
+        opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            backward(model, step)
+            opt.step()
+            opt.zero_grad()
+            if swap:  # EMA-style swap out and back under no_grad: the same values.
+                with torch.no_grad():
+                    saved = [p.clone() for p in model.parameters()]
+                    for p in model.parameters():
+                        p.zero_()
+                    for p, s in zip(model.parameters(), saved):
+                        p.copy_(s)
+        return opt.state_dict()["state"]
+
+    plain, swapped = train(False), train(True)
+    for i in plain:
+        assert torch.equal(plain[i]["master"], swapped[i]["master"])
+
+
+def test_writes_through_data_are_adopted_by_sync_parameters():
+    model, reference = mlp(), mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    ropt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for m, o in ((model, opt), (reference, ropt)):
+        backward(m)
+        o.step()
+        o.zero_grad()
+        for p in m.parameters():
+            p.data.clamp_(-0.01, 0.01)  # WGAN's weight clipping: invisible to autograd.
+    opt.sync_parameters()
+    for m, o in ((model, opt), (reference, ropt)):
+        backward(m, 1)
+        o.step()
+    assert training.relative_difference(model, reference) < 1e-6
+
+
+def test_a_failed_engine_step_is_retried_by_the_next_step():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+
+    class FailsOnce:
+        def __init__(self, engine):
+            self.engine, self.calls = engine, 0
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def step(self):
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError("simulated NVMe write error")
+            return self.engine.step()
+
+    opt._engine = FailsOnce(opt._engine)
+    backward(model)
+    with pytest.raises(OSError, match="simulated"):
+        opt.step()
+    opt.step()  # The retry: the same step, finished once.
+    assert opt._engine.calls == 2 and opt.last_step["step"] == 1
+    opt.zero_grad()
+    backward(model, 1)
+    opt.step()
+    assert opt.last_step["step"] == 2
+
+
+def test_grad_scaler_is_refused_with_what_to_use_instead():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    with pytest.raises(NotImplementedError, match="GradScaler"):
+        scaler.step(opt)
+
+
+def test_a_second_optimizer_on_the_same_parameters_is_refused_while_the_first_lives():
+    model = mlp()
+    first = st.OffloadAdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="already"):
+        st.OffloadAdamW(model.parameters(), lr=0.1)
+    del first
+    gc.collect()
+    second = st.OffloadAdamW(model.parameters(), lr=0.1)
+    backward(model)
+    second.step()
+    assert second.last_step["step"] == 1
+
+
+def test_deleting_the_optimizer_frees_the_engine_and_keeps_the_parameters():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    backward(model)
+    opt.step()
+    values = [p.detach().clone() for p in model.parameters()]
+    engine = weakref.ref(opt._engine)
+    del opt
+    gc.collect()
+    assert engine() is None, "the parameters no longer hold the engine"
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values))
+    backward(model, 1)  # The model trains on (no hooks left).
+
+
+def test_parameters_stay_valid_in_exit_handlers_registered_before_the_import():
+    script = textwrap.dedent("""
+        import atexit, torch
+        from torch import nn
+        model = nn.Linear(2048, 2048)
+        def at_exit():
+            model.weight.data.add_(1)  # Writes: freed memory would crash here.
+            print("at exit", float(model.weight.detach().sum()), flush=True)
+        atexit.register(at_exit)
+        import strata.torch as st
+        opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+        model(torch.randn(2, 2048)).sum().backward()
+        opt.step()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "at exit" in result.stdout
+
+
+def test_loading_settings_the_engine_cannot_honour_is_refused():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    backward(model)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        opt.load_state_dict(saved)
+    # An empty state (a fresh torch optimizer's) resets moments and the step count, as in torch.
+    fresh = torch.optim.AdamW(mlp().parameters(), lr=0.1).state_dict()
+    opt.load_state_dict(fresh)
+    assert opt.state_dict()["state"] == {}
+    opt.zero_grad()
+    backward(model, 1)
+    opt.step()
+    assert opt.last_step["step"] == 1
+
+
+@pytest.mark.parametrize("config", [
+    {"optimizer": {"gradient_accumulation_steps": 2}},
+    {"optimizer": {"delayed_update": True}},
+    {"placement": {"params": "host"}},
+])
+def test_config_keys_the_optimizer_sets_itself_are_refused(config):
+    with pytest.raises(ValueError, match="set by OffloadAdamW"):
+        st.OffloadAdamW(mlp().parameters(), config=config)
+
+
+def test_reentrant_checkpointing_is_named_in_the_double_gradient_error():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        h = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=True)
+        (model[0](h) + model[1](h)).sum().backward()
