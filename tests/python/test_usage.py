@@ -2,6 +2,7 @@
 issue names: each either works as with torch.optim or raises an error that says what to do."""
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -256,3 +257,20 @@ def test_metrics_count_what_moved(tmp_path):
     assert metrics["nvme_write_bytes"] > 0 and metrics["optimizer_params"] > 0
     assert metrics["grad_norm"] > 0
     assert "strata_" in opt.metrics_text()
+
+
+def test_an_nvme_path_too_small_for_the_states_is_a_memory_error(tmp_path):
+    # A 1 MiB tmpfs for 12 MiB of states (a 1024 x 1024 layer). Mounting needs root.
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(MemoryError, match="nvme") as error:
+            st.OffloadAdamW(nn.Linear(1024, 1024).parameters(), offload="nvme",
+                            nvme_path=str(small))
+        print(error.value)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
