@@ -79,6 +79,14 @@ T Check(Result<T> result) {
   return std::move(result).value();
 }
 
+/// Runs `call` (an engine call that may wait) with the GIL released and returns its Status or
+/// Result, to be checked once the GIL is held again.
+template <typename Call>
+auto Unlocked(Call&& call) {
+  nb::gil_scoped_release unlocked;
+  return call();
+}
+
 nb::dlpack::dtype ToDlpack(DType dtype) {
   switch (dtype) {
     case DType::kFp32: return nb::dtype<float>();
@@ -141,11 +149,7 @@ class PyEngine {
           CreateHostDevice({.memory_budget_bytes = options.device.host_device_memory_bytes,
                             .copy_bytes_per_second = options.device.copy_bandwidth_gbps * 1e9}));
     }
-    Result<std::unique_ptr<Engine>> engine = [&] {
-      nb::gil_scoped_release unlocked;
-      return Engine::Create(options, *device_, specs);
-    }();
-    engine_ = Check(std::move(engine));
+    engine_ = Check(Unlocked([&] { return Engine::Create(options, *device_, specs); }));
     device_kind_ = options.device.kind;
     device_index_ = options.device.kind == DeviceKind::kCuda ? options.device.cuda_device : 0;
   }
@@ -166,11 +170,7 @@ class PyEngine {
   /// DLPack arrays owned by `self`.
   std::tuple<nb::object, nb::object> Acquire(nb::handle self, size_t chunk) {
     Engine& e = engine();
-    Result<ChunkView> acquired = [&] {
-      nb::gil_scoped_release unlocked;
-      return e.Acquire(chunk);
-    }();
-    const ChunkView view = Check(std::move(acquired));
+    const ChunkView view = Check(Unlocked([&] { return e.Acquire(chunk); }));
     return {View(self, view.params, view), view.grads ? View(self, view.grads, view) : nb::none()};
   }
 
@@ -182,21 +182,13 @@ class PyEngine {
 
   void GradsReady(size_t chunk, uintptr_t stream) {
     Engine& e = engine();
-    Status status;
-    {
-      nb::gil_scoped_release unlocked;
-      status = e.GradsReady(chunk, TrainerStream{reinterpret_cast<void*>(stream)});
-    }
-    Check(status);
+    Check(Unlocked(
+        [&] { return e.GradsReady(chunk, TrainerStream{reinterpret_cast<void*>(stream)}); }));
   }
 
   nb::dict Step() {
     Engine& e = engine();
-    Result<offload::StepReport> result = [&] {
-      nb::gil_scoped_release unlocked;
-      return e.Step().get();
-    }();
-    const offload::StepReport report = Check(std::move(result));
+    const offload::StepReport report = Check(Unlocked([&] { return e.Step().get(); }));
     nb::dict out;
     out["step"] = report.step;
     out["iteration"] = report.iteration;
@@ -210,22 +202,18 @@ class PyEngine {
 
   void ReadState(size_t parameter, int state, HostFloats out) {
     Engine& e = engine();
-    Status status;
-    {
-      nb::gil_scoped_release unlocked;
-      status = e.ReadParameterState(parameter, StateOf(state), {out.data(), out.size()});
-    }
-    Check(status);
+    const ParameterState kind = StateOf(state);  // May raise: before the GIL goes.
+    Check(Unlocked([&] {
+      return e.ReadParameterState(parameter, kind, {out.data(), out.size()});
+    }));
   }
 
   void WriteState(size_t parameter, int state, HostFloats values) {
     Engine& e = engine();
-    Status status;
-    {
-      nb::gil_scoped_release unlocked;
-      status = e.WriteParameterState(parameter, StateOf(state), {values.data(), values.size()});
-    }
-    Check(status);
+    const ParameterState kind = StateOf(state);
+    Check(Unlocked([&] {
+      return e.WriteParameterState(parameter, kind, {values.data(), values.size()});
+    }));
   }
 
   nb::dict Counters() {
@@ -257,7 +245,10 @@ class PyEngine {
 
  private:
   static ParameterState StateOf(int state) {
-    if (state < 0 || state > 2) Raise(InvalidArgument("state " + std::to_string(state)));
+    if (state < 0 || state > 2) {
+      Raise(InvalidArgument("state " + std::to_string(state) +
+                            " is not 0 (master), 1 (exp_avg) or 2 (exp_avg_sq)"));
+    }
     return ParameterState(state);
   }
 
