@@ -274,3 +274,30 @@ def test_an_nvme_path_too_small_for_the_states_is_a_memory_error(tmp_path):
         print(error.value)
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_states_kept_partly_or_wholly_on_the_device_train_alike():
+    # DeepSpeed's offload_optimizer.ratio: the first chunks' states stay on the device (here
+    # HostDevice, whose optimizer steps run on its compute stream). Every placement gives the
+    # same bits as states in host memory.
+    def train(offload, ratio):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        opt = st.OffloadAdamW(model.parameters(), lr=1e-2, offload=offload,
+                              offload_ratio=ratio, chunk_size="16KiB")
+        homes = [opt._engine.chunk(c)[5] for c in range(opt._engine.chunk_count)]
+        for step in range(5):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], set(homes)
+
+    host, homes = train("cpu", 1.0)
+    assert homes == {"host"}
+    half, homes = train("cpu", 0.5)
+    assert homes == {"device", "host"}
+    device, homes = train(None, 1.0)
+    assert homes == {"device"}
+    assert all(torch.equal(a, b) for a, b in zip(host, half))
+    assert all(torch.equal(a, b) for a, b in zip(host, device))
