@@ -741,14 +741,22 @@ Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_op
 }
 Status Engine::Load(const std::filesystem::path& dir) { return impl_->Load(dir); }
 Status Engine::ReadMasterParameter(size_t parameter, std::span<float> out) {
-  return impl_->ReadParameterState(parameter, ParameterState::kMaster, out);
+  return ReadParameterState(parameter, ParameterState::kMaster, out);
 }
 Status Engine::ReadParameterState(size_t parameter, ParameterState state, std::span<float> out) {
-  return impl_->ReadParameterState(parameter, state, out);
+  const ParameterStateRead read{.parameter = parameter, .state = state, .out = out};
+  return impl_->ReadParameterStates({&read, 1});
 }
 Status Engine::WriteParameterState(size_t parameter, ParameterState state,
                                    std::span<const float> values) {
-  return impl_->WriteParameterState(parameter, state, values);
+  const ParameterStateWrite write{.parameter = parameter, .state = state, .values = values};
+  return impl_->WriteParameterStates({&write, 1});
+}
+Status Engine::ReadParameterStates(std::span<const ParameterStateRead> reads) {
+  return impl_->ReadParameterStates(reads);
+}
+Status Engine::WriteParameterStates(std::span<const ParameterStateWrite> writes) {
+  return impl_->WriteParameterStates(writes);
 }
 
 TierUsage Engine::tier_usage(Tier tier) const {

@@ -4,6 +4,7 @@
 // chunk, which has no states, saves its working parameters widened to fp32 (exact). The files
 // go through checkpoint_files.h, which makes the whole directory appear atomically.
 #include <cstring>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
@@ -145,43 +146,77 @@ Status Engine::Impl::CheckUnsharded(const std::string& operation) const {
                      " ranks is not built yet (sharded checkpoints come next)");
 }
 
-Status Engine::Impl::ReadParameterState(size_t parameter, ParameterState state,
-                                        std::span<float> out) {
+namespace {
+
+/// The indices of `items` grouped by the chunk of their parameter, chunks in order (checked
+/// parameters only).
+template <typename Item>
+std::map<size_t, std::vector<size_t>> ByChunk(const ChunkLayout& layout,
+                                              std::span<const Item> items) {
+  std::map<size_t, std::vector<size_t>> by_chunk;
+  for (size_t i = 0; i < items.size(); ++i) {
+    by_chunk[layout.location(items[i].parameter).chunk].push_back(i);
+  }
+  return by_chunk;
+}
+
+}  // namespace
+
+Status Engine::Impl::ReadParameterStates(std::span<const ParameterStateRead> reads) {
   STRATA_RETURN_IF_ERROR(CheckUnsharded("reading a parameter's optimizer state"));
-  STRATA_RETURN_IF_ERROR(CheckParameter(layout_, parameter, out.size()));
-  const ParameterLocation& loc = layout_.location(parameter);
-  STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(loc.chunk, "reading a parameter's state"));
-  const Chunk& c = chunks_[loc.chunk];
-  STRATA_RETURN_IF_ERROR(CheckHasState(layout_, c, parameter, state));
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
-  STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
-  const float* values =
-      reinterpret_cast<const float*>(states.data()) + size_t(state) * c.numel + loc.offset;
-  std::copy(values, values + loc.numel, out.begin());
+  for (const ParameterStateRead& r : reads) {
+    STRATA_RETURN_IF_ERROR(CheckParameter(layout_, r.parameter, r.out.size()));
+    const size_t chunk = layout_.location(r.parameter).chunk;
+    STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "reading a parameter's state"));
+    STRATA_RETURN_IF_ERROR(CheckHasState(layout_, chunks_[chunk], r.parameter, r.state));
+  }
+  for (const auto& [chunk, indices] : ByChunk(layout_, reads)) {
+    const Chunk& c = chunks_[chunk];
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
+    STRATA_RETURN_IF_ERROR(ReadChunkStates(chunk, states.data()));
+    for (size_t i : indices) {
+      const ParameterStateRead& r = reads[i];
+      const ParameterLocation& loc = layout_.location(r.parameter);
+      const float* values =
+          reinterpret_cast<const float*>(states.data()) + size_t(r.state) * c.numel + loc.offset;
+      std::copy(values, values + loc.numel, r.out.begin());
+    }
+  }
   return Status();
 }
 
-Status Engine::Impl::WriteParameterState(size_t parameter, ParameterState state,
-                                         std::span<const float> values) {
+Status Engine::Impl::WriteParameterStates(std::span<const ParameterStateWrite> writes) {
   STRATA_RETURN_IF_ERROR(CheckUnsharded("writing a parameter's optimizer state"));
-  STRATA_RETURN_IF_ERROR(CheckParameter(layout_, parameter, values.size()));
+  for (const ParameterStateWrite& w : writes) {
+    STRATA_RETURN_IF_ERROR(CheckParameter(layout_, w.parameter, w.values.size()));
+    const size_t chunk = layout_.location(w.parameter).chunk;
+    STRATA_RETURN_IF_ERROR(CheckHasState(layout_, chunks_[chunk], w.parameter, w.state));
+  }
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("WriteParameterState"));
   if (std::optional<size_t> held = residency_.FirstAcquired()) {
     return FailedPrecondition("WriteParameterState while chunk " + std::to_string(*held) +
                               " is acquired; Release every chunk first");
   }
-  const ParameterLocation& loc = layout_.location(parameter);
-  const Chunk& c = chunks_[loc.chunk];
-  STRATA_RETURN_IF_ERROR(CheckHasState(layout_, c, parameter, state));
   STRATA_RETURN_IF_ERROR(pipeline_.FlushDelayedParameters());
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
-  STRATA_RETURN_IF_ERROR(ReadChunkStates(loc.chunk, states.data()));
-  std::copy(values.begin(), values.end(),
-            reinterpret_cast<float*>(states.data()) + size_t(state) * c.numel + loc.offset);
-  STRATA_RETURN_IF_ERROR(WriteNvmeHome(loc.chunk, states.data(), /*shadow=*/true));
-  STRATA_RETURN_IF_ERROR(WaitForQuietMemory());
-  STRATA_RETURN_IF_ERROR(WriteMemoryHome(loc.chunk, states.data()));
-  return SwitchToNewState({loc.chunk});
+  for (const auto& [chunk, indices] : ByChunk(layout_, writes)) {
+    const Chunk& c = chunks_[chunk];
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
+    Status written = ReadChunkStates(chunk, states.data());
+    for (size_t i : indices) {
+      const ParameterStateWrite& w = writes[i];
+      const ParameterLocation& loc = layout_.location(w.parameter);
+      std::copy(w.values.begin(), w.values.end(),
+                reinterpret_cast<float*>(states.data()) + size_t(w.state) * c.numel + loc.offset);
+    }
+    // NVMe-home state goes to the shadow extents, which only the switch makes current.
+    if (written.ok()) written = WriteNvmeHome(chunk, states.data(), /*shadow=*/true);
+    if (written.ok()) written = WaitForQuietMemory();
+    if (written.ok()) written = WriteMemoryHome(chunk, states.data());
+    if (written.ok()) written = SwitchToNewState({chunk});
+    if (!written.ok())
+      return written.WithContext("writing the states of chunk " + std::to_string(chunk));
+  }
+  return Status();
 }
 
 Status Engine::Impl::SetStepCount(int64_t steps) {

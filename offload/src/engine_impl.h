@@ -67,8 +67,8 @@ class Engine::Impl {
   /// The loss scaler's state after loading `saved` (the saved one, or this engine's fresh one
   /// when their precisions differ).
   LossScalerState ScalerAfterLoad(const internal::EngineManifest& saved) const;
-  Status ReadParameterState(size_t parameter, ParameterState state, std::span<float> out);
-  Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
+  Status ReadParameterStates(std::span<const ParameterStateRead> reads);
+  Status WriteParameterStates(std::span<const ParameterStateWrite> writes);
   Status SetStepCount(int64_t steps);
   /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)
   /// into `out`, which holds AlignUp(state_bytes, 4 KiB). Between steps only.

@@ -216,6 +216,28 @@ class PyEngine {
     }));
   }
 
+  /// Many states at once: (parameter, state, fp32 array) each; one pass per chunk.
+  void ReadStates(const std::vector<std::tuple<size_t, int, HostFloats>>& reads) {
+    Engine& e = engine();
+    std::vector<offload::ParameterStateRead> batch;
+    for (const auto& [parameter, state, out] : reads) {
+      batch.push_back(
+          {.parameter = parameter, .state = StateOf(state), .out = {out.data(), out.size()}});
+    }
+    Check(Unlocked([&] { return e.ReadParameterStates(batch); }));
+  }
+
+  void WriteStates(const std::vector<std::tuple<size_t, int, HostFloats>>& writes) {
+    Engine& e = engine();
+    std::vector<offload::ParameterStateWrite> batch;
+    for (const auto& [parameter, state, values] : writes) {
+      batch.push_back({.parameter = parameter,
+                       .state = StateOf(state),
+                       .values = {values.data(), values.size()}});
+    }
+    Check(Unlocked([&] { return e.WriteParameterStates(batch); }));
+  }
+
   nb::dict Counters() {
     const offload::EngineCounters c = engine().counters();
     nb::dict out;
@@ -357,6 +379,11 @@ NB_MODULE(_strata, m) {
            nb::arg("out"), "Copies state 0 (master), 1 (exp_avg) or 2 (exp_avg_sq) into `out`.")
       .def("write_state", &PyEngine::WriteState, nb::arg("parameter"), nb::arg("state"),
            nb::arg("values"), "Replaces a state (the master also sets the working value).")
+      .def("read_states", &PyEngine::ReadStates, nb::arg("reads"),
+           "read_state for a list of (parameter, state, out) at once, one pass per chunk.")
+      .def("write_states", &PyEngine::WriteStates, nb::arg("writes"),
+           "write_state for a list of (parameter, state, values) at once, one pass per chunk "
+           "(each chunk all or nothing).")
       .def("counters", &PyEngine::Counters, "Bytes moved, optimizer time and tier usage.")
       .def(
           "metrics_text", [](PyEngine& self) { return self.engine().metrics().RenderPrometheus(); },

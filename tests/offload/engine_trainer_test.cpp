@@ -305,6 +305,61 @@ TEST(EngineTrainerTest, AnImportedOptimizerContinuesBitForBitOnceItsStepCountIsS
   EXPECT_EQ(imported->step_count(), 5);
 }
 
+// A state_dict and a load_state_dict of a whole model in one call each: the same values as
+// parameter by parameter, in every tier, and a bad entry anywhere changes nothing.
+TEST(EngineTrainerTest, BatchedStateAccessMatchesParameterByParameter) {
+  for (const Placement& placement : kPlacements) {
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    const EngineOptions options = MakeOptions(placement, dir.path());
+    auto device = MakeDevice(placement.device_budget);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    const size_t n = model.parameter_count();
+    std::vector<std::vector<float>> batched(3 * n), single(3 * n);
+    std::vector<ParameterStateRead> reads;
+    for (size_t p = 0; p < n; ++p) {
+      for (int kind = 0; kind < 3; ++kind) {
+        const size_t numel = engine->layout().location(p).numel;
+        batched[3 * p + kind].resize(numel);
+        single[3 * p + kind].resize(numel);
+        reads.push_back(
+            {.parameter = p, .state = ParameterState(kind), .out = batched[3 * p + kind]});
+        ASSERT_TRUE(engine->ReadParameterState(p, ParameterState(kind), single[3 * p + kind]).ok());
+      }
+    }
+    ASSERT_TRUE(engine->ReadParameterStates(reads).ok());
+    EXPECT_TRUE(BitEqual(batched, single)) << placement.name;
+
+    // Write every state doubled, in one call; a bad last entry first changes nothing.
+    std::vector<std::vector<float>> doubled = single;
+    std::vector<ParameterStateWrite> writes;
+    for (size_t i = 0; i < doubled.size(); ++i) {
+      for (float& v : doubled[i]) v *= 2.0f;
+      writes.push_back({.parameter = i / 3, .state = ParameterState(i % 3), .values = doubled[i]});
+    }
+    std::vector<ParameterStateWrite> bad = writes;
+    const std::vector<float> short_values(3);
+    bad.push_back({.parameter = 0, .state = ParameterState::kExpAvg, .values = short_values});
+    EXPECT_EQ(engine->WriteParameterStates(bad).code(), StatusCode::kInvalidArgument);
+    ASSERT_TRUE(engine->ReadParameterStates(reads).ok());
+    EXPECT_TRUE(BitEqual(batched, single)) << placement.name << ": unchanged";
+    ASSERT_TRUE(engine->WriteParameterStates(writes).ok());
+    ASSERT_TRUE(engine->ReadParameterStates(reads).ok());
+    EXPECT_TRUE(BitEqual(batched, doubled)) << placement.name;
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(),
+                         [&] {
+                           std::vector<std::vector<float>> masters;
+                           for (size_t p = 0; p < n; ++p) masters.push_back(doubled[3 * p]);
+                           return masters;
+                         }()))
+        << placement.name;
+  }
+}
+
 // A chunk whose parameters live on the device keeps its memory for the engine's lifetime, so a
 // trainer's tensors (PyTorch parameters and their .grad) may view it across steps; the engine's
 // updates land in that same memory.

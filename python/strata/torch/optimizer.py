@@ -240,13 +240,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             names = dict(self._state_names)
             if self._params[0].dtype != torch.float32:
                 names[MASTER] = "master"
-            for i, p in enumerate(self._params):
-                if not self._trained[i]:
-                    continue
-                entry: dict[str, torch.Tensor] = {"step": torch.tensor(float(steps))}
-                for kind, name in sorted(names.items()):
-                    entry[name] = self._read_state(i, kind).view(p.shape)
-                state[i] = entry
+            wanted = [(i, kind) for i in range(len(self._params)) if self._trained[i]
+                      for kind in sorted(names)]
+            for (i, kind), values in zip(wanted, self._read_states(wanted)):
+                entry = state.setdefault(i, {"step": torch.tensor(float(steps))})
+                entry[names[kind]] = values.view(self._params[i].shape)
         groups = []
         first = 0
         for g in self.param_groups:
@@ -297,17 +295,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             first += len(saved["params"])
         saved_state = {index_of[k]: v for k, v in state_dict["state"].items()}
         steps = 0
+        writes = []
         for i, p in enumerate(self._params):
             if not self._trained[i]:
                 continue
             entry = saved_state.get(i, {})
             for kind, name in [(MASTER, "master"), *self._state_names.items()]:
                 if name in entry:
-                    self._write_state(i, kind, entry[name], name)
+                    writes.append((i, kind, entry[name], name))
                 elif kind != MASTER:
-                    self._write_state(i, kind, torch.zeros(p.numel()), name)
+                    writes.append((i, kind, torch.zeros(p.numel()), name))
             if "step" in entry:
                 steps = max(steps, int(float(entry["step"])))
+        self._write_states(writes)
         with self._on_device():
             self._engine.set_step_count(steps)
         for mine, saved in zip(self.param_groups, saved_groups):
@@ -425,7 +425,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._waiting = [len(m) for m in self._members]  # Members without their last gradient.
         self._submitted = [False] * len(self._members)
         self._placed_version: dict[int, int] = {}  # chunk -> its gradients' version once placed.
-        self._untouched: list[tuple[int, list[torch.Tensor]]] = []  # See _hand_over_the_rest.
+        self._untouched: list[tuple[int, int, torch.Tensor]] = []  # See _hand_over_the_rest.
         self._step_open = False
 
     def _begin_step(self) -> None:
@@ -511,22 +511,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameter without a gradient in such a chunk is updated with zeros by the engine; torch
         leaves it alone, so its states are saved here and put back after the step
         (_restore_untouched), and its .grad stays None."""
-        for c, members in enumerate(self._members):
-            if self._submitted[c] or all(self._counts[i] == 0 for i in members):
-                continue
-            for i in members:
-                if self._counts[i] == 0:
-                    kinds = [MASTER, *self._state_names]
-                    self._untouched.append((i, [self._read_state(i, k) for k in kinds]))
+        chunks = [c for c, members in enumerate(self._members)
+                  if not self._submitted[c] and any(self._counts[i] > 0 for i in members)]
+        kinds = [MASTER, *self._state_names]
+        saved = [(i, k) for c in chunks for i in self._members[c] if self._counts[i] == 0
+                 for k in kinds]
+        self._untouched = [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
+        for c in chunks:
+            for i in self._members[c]:
                 if not self._placed[i]:
                     self._place_gradient(i)
             self._submit(c)
 
     def _restore_untouched(self) -> None:
-        for i, saved in self._untouched:
-            for kind, values in zip([MASTER, *self._state_names], saved):
-                self._write_state(i, kind, values, "a saved state")
         if self._untouched:
+            self._write_states([(i, k, v, "a saved state") for i, k, v in self._untouched])
             self._param_versions = [p._version for p in self._params]
 
     def _place_gradient(self, i: int) -> None:
@@ -600,34 +599,44 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 changed[i] = (_flat_fp32(p, copy=True), replaced)
         # Every new value is read before any is written: writing one master rewrites the working
         # values of its whole chunk from the masters, undoing the others' in-place changes.
-        if self._params and self._params[0].dtype != torch.float32:
+        if changed and self._params[0].dtype != torch.float32:
             dtype = self._params[0].dtype
-            for i, (values, replaced) in changed.items():
-                master = self._read_state(i, MASTER)
+            masters = self._read_states([(i, MASTER) for i in changed])
+            for (i, (values, replaced)), master in zip(list(changed.items()), masters):
                 same = master.to(dtype).float() == values
                 changed[i] = (torch.where(same, master, values), replaced)
-        for i, (values, replaced) in changed.items():
-            self._write_state(i, MASTER, values, "the parameter's new value")
+        self._write_states([(i, MASTER, values, "the parameter's new value")
+                            for i, (values, _) in changed.items()])
+        for i, (_, replaced) in changed.items():
             if replaced:
                 p = self._params[i]
                 p.data = self._param_view(i).view(p.shape)
         self._param_versions = [p._version for p in self._params]
 
-    def _read_state(self, i: int, kind: int) -> torch.Tensor:
-        out = torch.empty(self._params[i].numel(), dtype=torch.float32)
+    def _read_states(self, wanted: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """States (parameter index, kind) as flat fp32 tensors, in one engine call."""
+        if not wanted:
+            return []
+        out = [torch.empty(self._params[i].numel(), dtype=torch.float32) for i, _ in wanted]
         with self._on_device():
-            self._engine.read_state(i, kind, out.numpy())
+            self._engine.read_states([(i, kind, o.numpy()) for (i, kind), o in zip(wanted, out)])
         return out
 
-    def _write_state(self, i: int, kind: int, values: Any, what: str) -> None:
-        tensor = torch.as_tensor(values).detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if tensor.numel() != self._params[i].numel():
-            raise ValueError(
-                f"{what} of parameter {i} has {tensor.numel()} elements; the parameter has "
-                f"{self._params[i].numel()}"
-            )
-        with self._on_device():
-            self._engine.write_state(i, kind, tensor.numpy())
+    def _write_states(self, writes: list[tuple[int, int, Any, str]]) -> None:
+        """(parameter index, kind, values, what they are) in one engine call."""
+        batch = []
+        for i, kind, values, what in writes:
+            tensor = torch.as_tensor(values).detach().to("cpu", torch.float32)
+            tensor = tensor.reshape(-1).contiguous()
+            if tensor.numel() != self._params[i].numel():
+                raise ValueError(
+                    f"{what} of parameter {i} has {tensor.numel()} elements; the parameter has "
+                    f"{self._params[i].numel()}"
+                )
+            batch.append((i, kind, tensor.numpy()))
+        if batch:
+            with self._on_device():
+                self._engine.write_states(batch)
 
     def _check_between_steps(self, what: str) -> None:
         if self._step_open:

@@ -144,6 +144,21 @@ enum class ParameterState : int {
   kExpAvgSq = 2,  ///< Second moment ("exp_avg_sq"; Adagrad's sum of squares).
 };
 
+/// One parameter state to read in a batch (Engine::ReadParameterStates): `out` holds numel
+/// floats.
+struct ParameterStateRead {
+  size_t parameter = 0;
+  ParameterState state = ParameterState::kMaster;
+  std::span<float> out;
+};
+
+/// One parameter state to write in a batch (Engine::WriteParameterStates).
+struct ParameterStateWrite {
+  size_t parameter = 0;
+  ParameterState state = ParameterState::kMaster;
+  std::span<const float> values;
+};
+
 /// Options of Save that do not belong in EngineOptions.
 struct SaveOptions {
   /// Called after each chunk's file is written and synced, with (chunks done, chunks total),
@@ -264,6 +279,14 @@ class Engine {
   /// nothing (NVMe-home state goes through the shadow extents). A frozen parameter takes only
   /// kMaster, which sets its working value.
   Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
+  /// ReadParameterState for many states at once, each chunk's states read once: reading every
+  /// parameter (a state_dict) costs one pass over the states, not one per parameter. All are
+  /// checked before any is read.
+  Status ReadParameterStates(std::span<const ParameterStateRead> reads);
+  /// WriteParameterState for many states at once, one read-modify-write per chunk (a
+  /// load_state_dict). All are checked before any is written; then chunk by chunk, each all or
+  /// nothing: on an error (which names the chunk) the chunks before it hold the new values.
+  Status WriteParameterStates(std::span<const ParameterStateWrite> writes);
 
   TierUsage tier_usage(Tier tier) const;
   EngineCounters counters() const;
