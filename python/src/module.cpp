@@ -2,10 +2,9 @@
 //
 // Lifetime: views of chunk memory hold a reference to their engine, so the engine (and the
 // device memory under a model's parameters) lives until the last view and the last Python
-// reference are gone; there is deliberately no close() that could free memory under a view.
-// The one exception is interpreter exit, where parameters may outlive the module: strata.torch
-// calls _shutdown() from an atexit handler so that the engine still stops its threads and
-// removes its NVMe files.
+// reference are gone; there is deliberately no close() that could free memory under a view
+// (strata.torch gives parameters their own memory when their optimizer goes, so the engine goes
+// with the optimizer unless something else still views it).
 //
 // It exposes Engine's trainer contract one call for one call; everything torch-specific
 // (parameters as views, autograd hooks, param_groups, state_dict) is plain Python in
@@ -154,17 +153,7 @@ class PyEngine {
     device_index_ = options.device.kind == DeviceKind::kCuda ? options.device.cuda_device : 0;
   }
 
-  /// Interpreter exit only (see the top of this file): stops the engine and frees its tiers.
-  void Shutdown() {
-    nb::gil_scoped_release unlocked;
-    engine_.reset();
-    device_.reset();
-  }
-
-  Engine& engine() {
-    if (engine_ == nullptr) Raise(FailedPrecondition("the engine was shut down at exit"));
-    return *engine_;
-  }
+  Engine& engine() { return *engine_; }
 
   /// Views of an acquired chunk's parameters and gradients (None for a frozen chunk) as 1-D
   /// DLPack arrays owned by `self`.
@@ -301,7 +290,7 @@ NB_MODULE(_strata, m) {
       "parse_bytes", [](const std::string& text) { return Check(ParseBytes(text)); },
       "Bytes in '64MiB', '1.5GiB', '1e9' (what config sizes accept).");
 
-  // Parameters viewing an engine's memory may outlive this module at exit (see the top).
+  // Tensors viewing an engine's memory (and so the engine) may outlive this module at exit.
   nb::set_leak_warnings(false);
 
   nb::class_<PyEngine>(m, "Engine", nb::is_weak_referenceable())
@@ -310,7 +299,6 @@ NB_MODULE(_strata, m) {
            "Creates an engine from a Strata-format JSON config and parameters given as (name, "
            "shape, fp32 values or None, weight_decay or None, lr_scale, frozen) tuples. "
            "fit_host_device sizes HostDevice's memory to the chunks.")
-      .def("_shutdown", &PyEngine::Shutdown, "At interpreter exit: stops the engine.")
       .def_prop_ro("chunk_count", [](PyEngine& self) { return self.engine().chunk_count(); })
       .def_prop_ro("parameter_count",
                    [](PyEngine& self) { return self.engine().layout().parameter_count(); })

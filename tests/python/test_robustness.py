@@ -177,15 +177,19 @@ def test_grad_scaler_is_refused_with_what_to_use_instead():
         scaler.step(opt)
 
 
-def test_a_second_optimizer_on_the_same_parameters_is_refused_while_the_first_lives():
+def test_a_new_optimizer_on_the_same_parameters_takes_them_over():
+    # `opt = st.OffloadAdamW(...)` again (after freezing a layer, say) while the old one lives.
     model = mlp()
     first = st.OffloadAdamW(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="already"):
-        st.OffloadAdamW(model.parameters(), lr=0.1)
-    del first
-    gc.collect()
-    second = st.OffloadAdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError):
+        st.OffloadAdamW(model.parameters(), lr=0.1, offload="bogus")  # Fails: nothing changes.
     backward(model)
+    first.step()
+    first.zero_grad()
+    second = st.OffloadAdamW(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="taken over"):
+        first.step()
+    backward(model, 1)
     second.step()
     assert second.last_step["step"] == 1
 
@@ -260,3 +264,170 @@ def test_reentrant_checkpointing_is_named_in_the_double_gradient_error():
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         h = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=True)
         (model[0](h) + model[1](h)).sum().backward()
+
+
+def test_an_interrupt_after_the_engine_finished_the_step_loses_nothing():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+
+    class InterruptedAfter:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def step(self):
+            self.engine.step()
+            raise KeyboardInterrupt  # Ctrl-C just as the call returns.
+
+    real = opt._engine
+    opt._engine = InterruptedAfter(real)
+    backward(model)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    opt._engine = real
+    opt.zero_grad()
+    backward(model, 1)
+    opt.step()
+    assert opt.last_step["step"] == 2
+
+
+def test_grad_scaler_after_overlapped_updates_closes_the_optimizer():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    with pytest.raises(NotImplementedError, match="corrupted"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step()
+
+
+def test_grad_scaler_without_overlap_discards_the_step():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, overlap=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    with pytest.raises(NotImplementedError, match="discarded"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    backward(model)
+    opt.step()  # Usable.
+    assert opt.last_step["step"] == 1
+
+
+def test_unused_parameters_with_zeroed_gradients_are_updated_as_torch_does():
+    # zero_grad(set_to_none=False): an unused parameter keeps a zero .grad, and torch updates
+    # it (momentum, weight decay).
+    model, reference = mlp(), mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, chunk_size="1MiB")
+    ropt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for m, o in ((model, opt), (reference, ropt)):
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            (m(x) if step == 0 else m[0](x)).pow(2).mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    assert training.relative_difference(model, reference) < 1e-6
+
+
+def test_a_write_between_backward_and_step_to_a_chunk_without_gradients_is_kept():
+    # a and u share a chunk; u gets no gradient, so its states are put back after the step.
+    # b (a chunk of its own) gets none either and is written meanwhile: the write must stay.
+    torch.manual_seed(0)
+    a, u, b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(64, 64)
+    opt = st.OffloadAdamW([*a.parameters(), *u.parameters(), *b.parameters()], lr=0.1,
+                          chunk_size="4KiB")
+    assert opt._chunk_of[0] == opt._chunk_of[2] != opt._chunk_of[4]
+    a(torch.randn(4, 8)).sum().backward()
+    with torch.no_grad():
+        b.weight.fill_(0.5)
+    opt.step()
+    opt.zero_grad()
+    (a(torch.randn(4, 8)).sum() + b(torch.randn(4, 64)).sum()).backward()
+    opt.step()
+    assert abs(b.weight.mean().item() - 0.5) < 0.2  # Moved by one step of lr 0.1, not reset.
+
+
+def test_exit_handlers_may_touch_tensors_that_view_the_parameters():
+    script = textwrap.dedent("""
+        import atexit, torch
+        from torch import nn
+        model = nn.Linear(2048, 2048)
+        holder = {}
+        def at_exit():
+            holder["best"]["weight"].add_(1)  # A state_dict snapshot: views of the parameters.
+            print("at exit", float(holder["best"]["weight"].sum()), flush=True)
+        atexit.register(at_exit)
+        import strata.torch as st
+        opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+        model(torch.randn(2, 2048)).sum().backward()
+        opt.step()
+        holder["best"] = model.state_dict()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "at exit" in result.stdout
+
+
+def test_a_retry_pending_says_so():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+
+    class FailsOnce:
+        def __init__(self, engine):
+            self.engine, self.calls = engine, 0
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def step(self):
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError("simulated NVMe write error")
+            return self.engine.step()
+
+    opt._engine = FailsOnce(opt._engine)
+    backward(model)
+    with pytest.raises(OSError):
+        opt.step()
+    with pytest.raises(RuntimeError, match="retry"):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="retry"):
+        backward(model, 1)
+    with pytest.raises(RuntimeError, match="retry"):
+        opt.step(lambda: 0.0)
+    opt.step()
+    assert opt.last_step["step"] == 1
+
+
+def test_config_may_set_device_options_the_optimizer_does_not():
+    opt = st.OffloadAdam(mlp().parameters(), config={"device": {"copy_bandwidth_gbps": 50.0}})
+    assert opt.loss_scale == 1.0
+    with pytest.raises(ValueError, match="set by OffloadAdam "):
+        st.OffloadAdam(mlp().parameters(), config={"device": {"kind": "cuda"}})
+
+
+def test_a_bad_entry_in_a_state_dict_loads_nothing():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    backward(model)
+    opt.step()
+    opt.zero_grad()
+    before = opt.state_dict()
+    bad = opt.state_dict()
+    for entry in bad["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] * 0 + 7
+    bad["state"][2]["exp_avg_sq"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="parameter 2"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert all(torch.equal(before["state"][i][k], after["state"][i][k])
+               for i in before["state"] for k in before["state"][i])
+    unknown = opt.state_dict()
+    unknown["state"][99] = unknown["state"][0]
+    with pytest.raises(ValueError, match="99"):
+        opt.load_state_dict(unknown)

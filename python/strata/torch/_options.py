@@ -13,7 +13,8 @@ _TIERS = {"cpu": "host", "host": "host", "nvme": "nvme", "none": "device", None:
 # Keys the optimizer sets from its own arguments or needs as they are: a `config` fragment may
 # not override them (each would break the hooks' contract with the engine).
 _OWN_KEYS = {
-    ("device",): "the parameters' device",
+    ("device", "kind"): "the parameters' device",
+    ("device", "cuda_device"): "the parameters' device",
     ("optimizer", "type"): "the optimizer class",
     ("optimizer", "gradient_accumulation_steps"): "the gradient_accumulation_steps argument",
     ("optimizer", "delayed_update"): "nothing yet (forward does not wait for delayed updates)",
@@ -24,7 +25,8 @@ _OWN_KEYS = {
 }
 
 
-def engine_options(group: dict[str, Any], lr: float, engine_type: str, weight_decay: float, *,
+def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: str,
+                   weight_decay: float, *,
                    device: torch.device, dtype: torch.dtype, offload: str | None,
                    nvme_path: Any, offload_ratio: float, chunk_size: Any, host_memory: Any,
                    cpu_threads: int, loss_scale: Any, speculative_updates: bool,
@@ -72,21 +74,21 @@ def engine_options(group: dict[str, Any], lr: float, engine_type: str, weight_de
         options["host"] = {"pinned_memory_bytes": host_memory}
     if device.type == "cuda":
         options.setdefault("host", {})["pin_memory"] = True
-    _refuse_own_keys(config or {})
+    _refuse_own_keys(owner, config or {})
     _merge(options, config or {})
     return options
 
 
-def _refuse_own_keys(config: dict[str, Any], path: tuple[str, ...] = ()) -> None:
+def _refuse_own_keys(owner: str, config: dict[str, Any], path: tuple[str, ...] = ()) -> None:
     for key, value in config.items():
         here = (*path, key)
         if here in _OWN_KEYS:
             raise ValueError(
-                f"config key '{'.'.join(here)}' is set by OffloadAdamW (from "
-                f"{_OWN_KEYS[here]}); leave it out of config"
+                f"config key '{'.'.join(here)}' is set by {owner} (from {_OWN_KEYS[here]}); "
+                "leave it out of config"
             )
         if isinstance(value, dict):
-            _refuse_own_keys(value, here)
+            _refuse_own_keys(owner, value, here)
 
 
 def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:

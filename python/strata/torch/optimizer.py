@@ -103,10 +103,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._trained = [p.requires_grad for p in self._params]
         self._fixed = [self._fixed_hyperparameters(g) for g in self.param_groups]
         self._lr_scales = self._learning_rate_scales()
-        _lifetime.claim(self, self._params)
+        self._closed: str | None = None  # Why this optimizer no longer drives its parameters.
 
         options = engine_options(
-            self.param_groups[0], max(float(g["lr"]) for g in self.param_groups),
+            type(self).__name__, self.param_groups[0], max(float(g["lr"]) for g in self.param_groups),
             self._engine_type, float(self.defaults.get("weight_decay", 0.0)),
             device=self._device, dtype=self._params[0].dtype, offload=offload,
             nvme_path=nvme_path, offload_ratio=offload_ratio, chunk_size=chunk_size,
@@ -119,6 +119,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             registered.append((f"param.{i}", list(p.shape) or [1], _flat_fp32(p).numpy(),
                                float(group["weight_decay"]),
                                self._lr_scales[self._group_of[i]], not p.requires_grad))
+        # A live optimizer on these parameters gives them up to this one (`opt = ...` again).
+        for previous in _lifetime.owners(self._params):
+            previous._close(f"its parameters were taken over by a new {type(self).__name__}")
         with self._on_device():
             self._engine = _strata.Engine(json.dumps(options), registered)
 
@@ -150,10 +153,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._finalizer = _lifetime.watch(self, self._params, hooks,
                                           self._chunk_params + [g for g in self._chunk_grads
                                                                 if g is not None])
+        _lifetime.claim(self, self._params)
         self._param_versions = [p._version for p in self._params]
         self._last_report: dict[str, Any] | None = None
         self._skipped_steps = 0
         self._retry_pending = False  # The engine's step failed; the next step() retries it.
+        # States of parameters without gradients to put back after a step (see
+        # _hand_over_the_rest), kept until written.
+        self._restore_pending: list[tuple[int, int, torch.Tensor]] = []
         self._reset_step()
         self._constructed = True
 
@@ -181,9 +188,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """torch's zero_grad. After a backward whose gradients no chunk has taken yet, it also
         discards that backward (a skipped batch); once chunks were handed to the engine the step
         can only be finished, by step()."""
+        self._check_open("zero_grad()")
         if self._step_open:
             handed = [c for c, done in enumerate(self._submitted) if done]
-            if handed or self._retry_pending:
+            if handed:
                 raise RuntimeError(
                     f"zero_grad() after backward() without step(): chunks {handed} already "
                     "started updating with those gradients (the update overlaps backward); call "
@@ -197,6 +205,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Waits for the updates of this step (most ran during backward) and returns the
         closure's loss, if a closure was given."""
+        self._check_open("step()", closure_given=closure is not None)
         self._refuse_grad_scaler()
         loss = None
         if closure is not None:
@@ -207,15 +216,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._check_backward_count()
             modified = self._gradients_modified_after_backward()
             self._hand_over_the_rest()
+        # Whether the engine finished the step is its iteration count's business, not the
+        # exception's: a Ctrl-C can arrive just after a successful call returns.
+        before = self._engine.iteration_count
         try:
             with self._on_device():
                 report = self._engine.step()
-        except BaseException:
-            self._retry_pending = True  # The engine keeps the gradients for the retry.
-            raise
-        self._retry_pending = False
+        finally:
+            self._retry_pending = self._engine.iteration_count == before
+            if not self._retry_pending:
+                self._restore_pending += self._untouched
+                self._reset_step()
         self._restore_untouched()
-        self._reset_step()
         self._last_report = report
         if report["skipped"]:
             self._skipped_steps += 1
@@ -233,7 +245,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """torch.optim's format: per parameter index its ``step`` and moments (named as the
         matching torch optimizer names them; loadable into it), plus ``master`` (the fp32 master
         value) when the parameters are not fp32."""
+        self._check_open("state_dict()")
         self._check_between_steps("state_dict()")
+        self._restore_untouched()
         state: dict[int, dict[str, torch.Tensor]] = {}
         steps = self._engine.step_count
         if steps > 0:
@@ -259,7 +273,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         OffloadAdamW, say): hyper-parameters, moments and the step count; a parameter without
         saved state starts afresh, as in torch. The parameters' values come from the model
         (``model.load_state_dict``), or from ``master`` when present."""
+        self._check_open("load_state_dict()")
         self._check_between_steps("load_state_dict()")
+        self._restore_untouched()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -285,14 +301,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"{self._fixed[gi]}: the engine fixes these at construction, so build "
                     f"{type(self).__name__} with the saved values"
                 )
-        # Values the model loaded in place become the masters before the moments go in.
-        self._adopt_parameter_changes()
         index_of = {}
         first = 0
         for saved in saved_groups:
             for position, saved_index in enumerate(saved["params"]):
                 index_of[saved_index] = first + position
             first += len(saved["params"])
+        unknown = [k for k in state_dict["state"] if k not in index_of]
+        if unknown:
+            raise ValueError(f"the state_dict has state for parameters {unknown}, which none of "
+                             "its param_groups lists")
         saved_state = {index_of[k]: v for k, v in state_dict["state"].items()}
         steps = 0
         writes = []
@@ -307,7 +325,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     writes.append((i, kind, torch.zeros(p.numel()), name))
             if "step" in entry:
                 steps = max(steps, int(float(entry["step"])))
-        self._write_states(writes)
+        # Every entry is checked before anything is written; then values the model loaded in
+        # place become the masters, then the saved states go in.
+        batch = self._state_batch(writes)
+        self._adopt_parameter_changes()
+        self._write_state_batch(batch)
         with self._on_device():
             self._engine.set_step_count(steps)
         for mine, saved in zip(self.param_groups, saved_groups):
@@ -339,6 +361,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameter itself (``model.load_state_dict``, in-place ops under ``no_grad``) are found at
         the next backward without this; writes through ``.data`` bypass the version counter
         that finds them, so call this after those (WGAN's ``p.data.clamp_``, say)."""
+        self._check_open("sync_parameters()")
         self._check_between_steps("sync_parameters()")
         self._adopt_parameter_changes(everything=True)
 
@@ -431,6 +454,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _begin_step(self) -> None:
         """At the first gradient of a step: what torch-side code changed since the last step
         (parameters loaded in place, a scheduler's learning rate) reaches the engine."""
+        self._check_open("backward()")
+        self._restore_untouched()
         for i, p in enumerate(self._params):
             if p.requires_grad != self._trained[i]:
                 now = "trainable" if p.requires_grad else "frozen"
@@ -470,6 +495,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} does not support sparse gradients (parameter {i}, shape "
                 f"{tuple(p.shape)}); use nn.Embedding(sparse=False)"
             )
+        if self._retry_pending:
+            self._check_open("backward()")
         if not self._step_open:
             self._begin_step()
         gas = self.gradient_accumulation_steps
@@ -509,14 +536,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _hand_over_the_rest(self) -> None:
         """Hands the engine every chunk that got a gradient and is not with it yet. A
         parameter without a gradient in such a chunk is updated with zeros by the engine; torch
-        leaves it alone, so its states are saved here and put back after the step
-        (_restore_untouched), and its .grad stays None."""
+        leaves it alone (one whose .grad is None; a zeroed .grad is a gradient), so its states
+        are saved here and put back after the step (_restore_untouched), and its .grad stays
+        None. Torch's per-parameter step count has no equivalent: the chunk's advances."""
+        def has_gradient(i: int) -> bool:
+            return self._counts[i] > 0 or self._params[i].grad is not None
+
         chunks = [c for c, members in enumerate(self._members)
-                  if not self._submitted[c] and any(self._counts[i] > 0 for i in members)]
+                  if not self._submitted[c] and any(has_gradient(i) for i in members)]
         kinds = [MASTER, *self._state_names]
-        saved = [(i, k) for c in chunks for i in self._members[c] if self._counts[i] == 0
+        saved = [(i, k) for c in chunks for i in self._members[c] if not has_gradient(i)
                  for k in kinds]
-        self._untouched = [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
+        self._untouched += [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
         for c in chunks:
             for i in self._members[c]:
                 if not self._placed[i]:
@@ -524,9 +555,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._submit(c)
 
     def _restore_untouched(self) -> None:
-        if self._untouched:
-            self._write_states([(i, k, v, "a saved state") for i, k, v in self._untouched])
-            self._param_versions = [p._version for p in self._params]
+        """Puts back the states saved by _hand_over_the_rest; on an error they stay pending
+        and the next step or state access tries again."""
+        if self._restore_pending:
+            self._write_states([(i, k, v, "a saved state") for i, k, v in self._restore_pending])
+            self._restore_pending = []
 
     def _place_gradient(self, i: int) -> None:
         """Puts parameter i's accumulated gradient into its chunk's gradient buffer and makes
@@ -570,15 +603,46 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return ", ".join(changed) if changed else None
 
     def _refuse_grad_scaler(self) -> None:
-        if getattr(self, "grad_scale", None) is None and getattr(self, "found_inf", None) is None:
+        scale = getattr(self, "grad_scale", None)
+        if scale is None and getattr(self, "found_inf", None) is None:
             return
-        self.grad_scale = self.found_inf = None  # So that a plain step() finishes the step.
+        self.grad_scale = self.found_inf = None
+        name = type(self).__name__
+        advice = ("Use fp16 parameters with opt.scale(loss).backward() (the engine scales, checks "
+                  "and skips), or bf16")
+        if not any(self._submitted):
+            self._reset_step()
+            super().zero_grad(set_to_none=True)
+            raise NotImplementedError(
+                f"torch.amp.GradScaler does not work with {name}: this step was discarded. "
+                f"{advice}")
+        scale_value = float(scale) if scale is not None else float("nan")
+        self._close(
+            "torch.amp.GradScaler was used with it: chunks had already been updated with "
+            f"gradients multiplied by the loss scale ({scale_value:g}), so its parameters and "
+            "states are corrupted")
         raise NotImplementedError(
-            f"torch.amp.GradScaler does not work with {type(self).__name__}: the updates start "
-            "during backward, before the scaler could unscale or check the gradients. Use fp16 "
-            "parameters with opt.scale(loss).backward() (the engine scales, checks and skips), "
-            "or bf16; then call opt.step() to finish this step"
-        )
+            f"torch.amp.GradScaler does not work with {name}: the updates start during "
+            "backward, before the scaler could unscale the gradients, so chunks were updated "
+            f"with gradients multiplied by the loss scale ({scale_value:g}) and the parameters "
+            "and optimizer states are corrupted; reload both from a checkpoint into a new "
+            f"optimizer. {advice}")
+
+    def _check_open(self, what: str, closure_given: bool = False) -> None:
+        """Refuses calls on a closed optimizer, and anything but a plain step() while a failed
+        step waits for its retry."""
+        if self._closed is not None:
+            raise RuntimeError(f"{what} on a closed {type(self).__name__}: {self._closed}")
+        if self._retry_pending and (what != "step()" or closure_given):
+            raise RuntimeError(
+                f"{what} while the last step() failed and waits for its retry: call opt.step() "
+                "(without a closure) again to retry it first")
+
+    def _close(self, reason: str) -> None:
+        """Gives the parameters their own memory, removes the hooks, and refuses every later
+        call with `reason`."""
+        self._finalizer()
+        self._closed = reason
 
     # -------------------------------------------------------------- parameters and states
 
@@ -624,6 +688,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _write_states(self, writes: list[tuple[int, int, Any, str]]) -> None:
         """(parameter index, kind, values, what they are) in one engine call."""
+        self._write_state_batch(self._state_batch(writes))
+
+    def _state_batch(self, writes: list[tuple[int, int, Any, str]]) -> list[tuple]:
+        """The engine's batch for `writes`, every size checked (ValueError naming the
+        parameter)."""
         batch = []
         for i, kind, values, what in writes:
             tensor = torch.as_tensor(values).detach().to("cpu", torch.float32)
@@ -634,6 +703,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"{self._params[i].numel()}"
                 )
             batch.append((i, kind, tensor.numpy()))
+        return batch
+
+    def _write_state_batch(self, batch: list[tuple]) -> None:
         if batch:
             with self._on_device():
                 self._engine.write_states(batch)
@@ -660,12 +732,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._device.type == "cuda":
             return torch.cuda.device(self._device)
         return contextlib.nullcontext()
-
-    def _release_at_exit(self) -> None:
-        """Interpreter exit: the parameters get memory of their own, then the engine stops its
-        threads and removes its NVMe files (_lifetime.py)."""
-        self._finalizer()
-        self._engine._shutdown()
 
 
 class _GradHook:
