@@ -166,13 +166,9 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
   return Status();
 }
 
-/// Counters (steps, iterations) are exact in a double and far from overflowing an int64 when
-/// the next step adds one: past this they are corrupt, not long runs.
-constexpr int64_t kMaxCount = int64_t{1} << 53;
-
 int64_t Count(const json& object, const std::string& path, std::string_view key) {
   const int64_t count = Field<int64_t>(object, path, key);
-  if (count < 0 || count > kMaxCount) {
+  if (count < 0 || count > kMaxCheckpointCount) {
     throw BadField{Path(path, key), "is " + std::to_string(count) + "; a count is in [0, 2^53]"};
   }
   return count;

@@ -17,6 +17,10 @@
 
 namespace strata::offload::internal {
 
+/// The largest step or iteration count a checkpoint holds (exact in a double, far from
+/// overflowing when the next step adds one); Load refuses more, so nothing may set more.
+inline constexpr int64_t kMaxCheckpointCount = int64_t{1} << 53;
+
 /// "chunk-000007.bin": the data file of a chunk.
 std::string ChunkFileName(size_t chunk);
 

@@ -170,9 +170,9 @@ Status Engine::Impl::ReadParameterStates(std::span<const ParameterStateRead> rea
     STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "reading a parameter's state"));
     STRATA_RETURN_IF_ERROR(CheckHasState(layout_, chunks_[chunk], r.parameter, r.state));
   }
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
   for (const auto& [chunk, indices] : ByChunk(layout_, reads)) {
     const Chunk& c = chunks_[chunk];
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
     STRATA_RETURN_IF_ERROR(ReadChunkStates(chunk, states.data()));
     for (size_t i : indices) {
       const ParameterStateRead& r = reads[i];
@@ -198,10 +198,17 @@ Status Engine::Impl::WriteParameterStates(std::span<const ParameterStateWrite> w
                               " is acquired; Release every chunk first");
   }
   STRATA_RETURN_IF_ERROR(pipeline_.FlushDelayedParameters());
+  // Fetches and read-ahead in flight finish once, before the first chunk's memory home is
+  // written; nothing starts new ones until the switch at the end (as Load does). Switching per
+  // chunk would restart the read-ahead of every NVMe chunk once per chunk written.
+  STRATA_RETURN_IF_ERROR(WaitForQuietMemory());
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
+  std::vector<size_t> written;
+  Status status;
   for (const auto& [chunk, indices] : ByChunk(layout_, writes)) {
     const Chunk& c = chunks_[chunk];
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(c.state_bytes()));
-    Status written = ReadChunkStates(chunk, states.data());
+    status = ReadChunkStates(chunk, states.data());
+    if (!status.ok()) break;
     for (size_t i : indices) {
       const ParameterStateWrite& w = writes[i];
       const ParameterLocation& loc = layout_.location(w.parameter);
@@ -209,27 +216,39 @@ Status Engine::Impl::WriteParameterStates(std::span<const ParameterStateWrite> w
                 reinterpret_cast<float*>(states.data()) + size_t(w.state) * c.numel + loc.offset);
     }
     // NVMe-home state goes to the shadow extents, which only the switch makes current.
-    if (written.ok()) written = WriteNvmeHome(chunk, states.data(), /*shadow=*/true);
-    if (written.ok()) written = WaitForQuietMemory();
-    if (written.ok()) written = WriteMemoryHome(chunk, states.data());
-    if (written.ok()) written = SwitchToNewState({chunk});
-    if (!written.ok())
-      return written.WithContext("writing the states of chunk " + std::to_string(chunk));
+    status = WriteNvmeHome(chunk, states.data(), /*shadow=*/true);
+    if (!status.ok()) break;
+    status = WriteMemoryHome(chunk, states.data());
+    if (!status.ok()) {
+      // Memory homes are written in place: this chunk may be part old, part new.
+      written.push_back(chunk);
+      status = status.WithContext("chunk " + std::to_string(chunk) +
+                                  " may be partly written; write its states again");
+      break;
+    }
+    written.push_back(chunk);
   }
-  return Status();
+  if (!written.empty()) STRATA_RETURN_IF_ERROR(SwitchToNewState(written));
+  return status.ok() ? status : status.WithContext("writing parameter states");
 }
 
 Status Engine::Impl::SetStepCount(int64_t steps) {
   STRATA_RETURN_IF_ERROR(CheckUnsharded("setting the step count"));
-  if (steps < 0) {
-    return InvalidArgument("step count " + std::to_string(steps) + " is negative");
+  if (steps < 0 || steps > internal::kMaxCheckpointCount) {
+    return InvalidArgument("step count " + std::to_string(steps) + " is outside [0, 2^53] (what " +
+                           "a checkpoint holds)");
   }
   STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("SetStepCount"));
   if (std::optional<size_t> held = residency_.FirstAcquired()) {
     return FailedPrecondition("SetStepCount while chunk " + std::to_string(*held) +
                               " is acquired; Release every chunk first");
   }
-  pipeline_.Restore(pipeline_.scaler_state(), steps, std::vector<int64_t>(chunks_.size(), steps));
+  // Frozen chunks take no steps (as Load leaves them).
+  std::vector<int64_t> chunk_steps(chunks_.size(), steps);
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (chunks_[i].frozen()) chunk_steps[i] = 0;
+  }
+  pipeline_.Restore(pipeline_.scaler_state(), steps, chunk_steps);
   return Status();
 }
 

@@ -360,6 +360,50 @@ TEST(EngineTrainerTest, BatchedStateAccessMatchesParameterByParameter) {
   }
 }
 
+// A load_state_dict into NVMe-home states reads each chunk about once: the states in one pass,
+// plus the read-ahead that the end of the call starts (not a read-ahead restarted per chunk).
+TEST(EngineTrainerTest, BatchedWritesReadEachNvmeChunkAboutOnce) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
+  options.host.optimizer_buffer_count = 0;  // Automatic: every chunk's states read ahead.
+  auto device = MakeDevice(64 << 20);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  std::vector<std::vector<float>> values;
+  std::vector<ParameterStateWrite> writes;
+  uint64_t all_states = 0;
+  for (size_t c = 0; c < engine->chunk_count(); ++c) {
+    all_states += ChunkStateBytes(engine->layout().chunk(c).numel);
+  }
+  for (size_t p = 0; p < model.parameter_count(); ++p) {
+    values.emplace_back(engine->layout().location(p).numel, 0.5f);
+  }
+  for (size_t p = 0; p < model.parameter_count(); ++p) {
+    writes.push_back({.parameter = p, .state = ParameterState::kExpAvg, .values = values[p]});
+  }
+  const uint64_t before = engine->counters().nvme_read_bytes;
+  ASSERT_TRUE(engine->WriteParameterStates(writes).ok());
+  ASSERT_TRUE(trainer.TrainStep(1, &loss).ok());  // Lets the read-ahead land.
+  const uint64_t read = engine->counters().nvme_read_bytes - before;
+  EXPECT_LE(read, 3 * all_states) << "one pass to write, one read-ahead, one step's reads";
+}
+
+// The step count stays within what a checkpoint can hold (Load's bound, 2^53).
+TEST(EngineTrainerTest, AStepCountACheckpointCannotHoldIsRefused) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  auto device = MakeDevice(64 << 20);
+  auto engine =
+      MakeEngine(MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path()), *device, model);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->SetStepCount(int64_t{1} << 60).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(engine->SetStepCount(int64_t{1} << 53).ok());
+}
+
 // A chunk whose parameters live on the device keeps its memory for the engine's lifetime, so a
 // trainer's tensors (PyTorch parameters and their .grad) may view it across steps; the engine's
 // updates land in that same memory.

@@ -206,8 +206,12 @@ class Engine {
   /// put while the chunk is acquired (a trainer's tensors may view it); a chunk whose
   /// parameters live on the device (placement(chunk).params == Tier::kDevice) keeps the same
   /// memory for the engine's lifetime, so a trainer may keep tensors viewing it between
-  /// acquisitions, as PyTorch parameters do (read and written only between Acquire and
-  /// Release, or between steps). ResourceExhausted when
+  /// acquisitions, as PyTorch parameters do. The engine orders its own writes to that memory
+  /// (a step's new parameters, Load, WriteParameterState) only after the trainer's work up to
+  /// the chunk's last Release: device work on such views queued after that must be complete
+  /// before Step(), Load or a state write. A trainer's own writes to the views are working
+  /// values only: the next step computes from the fp32 master, so write it too
+  /// (WriteParameterState) for the change to last. ResourceExhausted when
   /// the device budget cannot hold the chunk even after evicting every unpinned chunk;
   /// FailedPrecondition from the chunk's last GradsReady of a step until the step completes
   /// (its update may be running).
@@ -249,9 +253,10 @@ class Engine {
   /// during backward. A scheduler stepped after Step() (torch's order) sets the next step's.
   void SetLearningRate(double lr);
   /// Sets the optimizer steps taken so far (step_count(), and the step every chunk's bias
-  /// correction counts from) to `steps`: what load_state_dict restores from another
-  /// optimizer's state (torch.optim keeps a "step" per parameter). Between steps, with no
-  /// chunk acquired; InvalidArgument for a negative count; Unavailable with several ranks.
+  /// correction counts from) to `steps`, for every trained chunk (frozen ones take no steps):
+  /// what load_state_dict restores from another optimizer's state (torch.optim keeps a "step"
+  /// per parameter). Between steps, with no chunk acquired; InvalidArgument outside [0, 2^53]
+  /// (what a checkpoint holds); Unavailable with several ranks.
   Status SetStepCount(int64_t steps);
 
   /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
@@ -281,11 +286,15 @@ class Engine {
   Status WriteParameterState(size_t parameter, ParameterState state, std::span<const float> values);
   /// ReadParameterState for many states at once, each chunk's states read once: reading every
   /// parameter (a state_dict) costs one pass over the states, not one per parameter. All are
-  /// checked before any is read.
+  /// checked before any is read; outputs are filled chunk by chunk (an error leaves the earlier
+  /// chunks' filled), so they should not overlap.
   Status ReadParameterStates(std::span<const ParameterStateRead> reads);
   /// WriteParameterState for many states at once, one read-modify-write per chunk (a
-  /// load_state_dict). All are checked before any is written; then chunk by chunk, each all or
-  /// nothing: on an error (which names the chunk) the chunks before it hold the new values.
+  /// load_state_dict). All are checked before any is written. Then chunk by chunk: an error
+  /// reading a chunk or writing its NVMe home leaves that chunk as it was; an error writing a
+  /// memory home (host or device, written in place) may leave that chunk partly written and
+  /// says so. Either way the chunks before it hold the new values. Several entries for the same
+  /// state: the last wins.
   Status WriteParameterStates(std::span<const ParameterStateWrite> writes);
 
   TierUsage tier_usage(Tier tier) const;
