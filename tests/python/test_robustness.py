@@ -26,6 +26,23 @@ def backward(model: nn.Module, seed: int = 0) -> None:
         2).mean().backward()
 
 
+class FailsOnce:
+    """Wraps an engine so that its first step() fails (an NVMe write error, say) before the
+    engine steps, as a real failure leaves it: the next step() retries."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 1:
+            raise OSError("simulated NVMe write error")
+        return self.engine.step()
+
+
 def test_a_discarded_backward_is_forgotten_when_nothing_was_handed_over():
     # overlap=False (or a backward that completed no chunk): zero_grad() discards it, as torch.
     model, reference = mlp(), mlp()
@@ -142,19 +159,6 @@ def test_writes_through_data_are_adopted_by_sync_parameters():
 def test_a_failed_engine_step_is_retried_by_the_next_step():
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), lr=0.1)
-
-    class FailsOnce:
-        def __init__(self, engine):
-            self.engine, self.calls = engine, 0
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def step(self):
-            self.calls += 1
-            if self.calls == 1:
-                raise OSError("simulated NVMe write error")
-            return self.engine.step()
 
     opt._engine = FailsOnce(opt._engine)
     backward(model)
@@ -376,19 +380,6 @@ def test_exit_handlers_may_touch_tensors_that_view_the_parameters():
 def test_a_retry_pending_says_so():
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), lr=0.1)
-
-    class FailsOnce:
-        def __init__(self, engine):
-            self.engine, self.calls = engine, 0
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def step(self):
-            self.calls += 1
-            if self.calls == 1:
-                raise OSError("simulated NVMe write error")
-            return self.engine.step()
 
     opt._engine = FailsOnce(opt._engine)
     backward(model)
