@@ -101,19 +101,27 @@ using PyParameter = std::tuple<std::string, std::vector<int64_t>, std::optional<
                                std::optional<double>, double, bool>;
 
 /// HostDevice memory that fits the engine's device-home chunks (parameters and gradients, each
-/// chunk rounded to pages) with room for two more chunks of staging: what CPU tensors need.
+/// chunk rounded to pages) and the optimizer states kept on the device (placement
+/// optimizer_states "device", or the 1 - offload_ratio not offloaded), with room for two more
+/// chunks of staging: what CPU tensors need.
 Result<uint64_t> HostDeviceBytesToFit(const EngineOptions& options,
                                       std::span<const ParameterSpec> specs) {
+  const DType dtype = options.precision.working_dtype;
   STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
-                          offload::ChunkLayout::Build(specs, options.precision.working_dtype,
-                                                      options.placement.chunk_bytes));
-  uint64_t bytes = 0;
+                          offload::ChunkLayout::Build(specs, dtype, options.placement.chunk_bytes));
+  uint64_t working = 0;
+  uint64_t states = 0;
   for (const offload::ChunkInfo& chunk : layout.chunks()) {
-    bytes += offload::ChunkDeviceBytes(chunk.numel, options.precision.working_dtype);
+    working += offload::ChunkDeviceBytes(chunk.numel, dtype);
+    if (!chunk.frozen) states += offload::ChunkStateBytes(chunk.numel);
   }
-  return bytes +
-         2 * offload::ChunkDeviceBytes(layout.max_chunk_numel(), options.precision.working_dtype) +
-         (uint64_t{16} << 20);
+  const double kept_on_device = options.placement.optimizer_states == Tier::kDevice
+                                    ? 1.0
+                                    : 1.0 - options.placement.offload_ratio;
+  const uint64_t largest = layout.max_chunk_numel();
+  return working + uint64_t(kept_on_device * double(states)) +
+         (kept_on_device > 0.0 ? offload::ChunkStateBytes(largest) : 0) +
+         2 * offload::ChunkDeviceBytes(largest, dtype) + (uint64_t{16} << 20);
 }
 
 /// The engine and the device it runs on (declared first: destroyed after the engine). The

@@ -301,3 +301,15 @@ def test_states_kept_partly_or_wholly_on_the_device_train_alike():
     assert homes == {"device"}
     assert all(torch.equal(a, b) for a, b in zip(host, half))
     assert all(torch.equal(a, b) for a, b in zip(host, device))
+
+
+@pytest.mark.parametrize("offload, ratio", [(None, 1.0), ("cpu", 0.5)])
+def test_cpu_tensors_get_device_memory_for_the_states_kept_there(offload, ratio):
+    # 4M parameters: 48 MiB of states, more than the staging room alone would give.
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))
+    opt = st.OffloadAdamW(model.parameters(), offload=offload, offload_ratio=ratio,
+                          chunk_size="4MiB")
+    model(torch.randn(2, 2048)).sum().backward()
+    opt.step()
+    metrics = opt.metrics()
+    assert metrics["device_peak_bytes"] <= metrics["device_budget_bytes"]
