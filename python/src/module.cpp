@@ -197,22 +197,6 @@ class PyEngine {
     return out;
   }
 
-  void ReadState(size_t parameter, int state, HostFloats out) {
-    Engine& e = engine();
-    const ParameterState kind = StateOf(state);  // May raise: before the GIL goes.
-    Check(Unlocked([&] {
-      return e.ReadParameterState(parameter, kind, {out.data(), out.size()});
-    }));
-  }
-
-  void WriteState(size_t parameter, int state, HostFloats values) {
-    Engine& e = engine();
-    const ParameterState kind = StateOf(state);
-    Check(Unlocked([&] {
-      return e.WriteParameterState(parameter, kind, {values.data(), values.size()});
-    }));
-  }
-
   /// Many states at once: (parameter, state, fp32 array) each; one pass per chunk.
   void ReadStates(const std::vector<std::tuple<size_t, int, HostFloats>>& reads) {
     Engine& e = engine();
@@ -371,15 +355,12 @@ NB_MODULE(_strata, m) {
           "set_step_count",
           [](PyEngine& self, int64_t steps) { Check(self.engine().SetStepCount(steps)); },
           nb::arg("steps"))
-      .def("read_state", &PyEngine::ReadState, nb::arg("parameter"), nb::arg("state"),
-           nb::arg("out"), "Copies state 0 (master), 1 (exp_avg) or 2 (exp_avg_sq) into `out`.")
-      .def("write_state", &PyEngine::WriteState, nb::arg("parameter"), nb::arg("state"),
-           nb::arg("values"), "Replaces a state (the master also sets the working value).")
       .def("read_states", &PyEngine::ReadStates, nb::arg("reads"),
-           "read_state for a list of (parameter, state, out) at once, one pass per chunk.")
+           "Copies states (parameter, state, out) -- state 0 master, 1 exp_avg, 2 exp_avg_sq -- "
+           "into fp32 arrays, one pass per chunk.")
       .def("write_states", &PyEngine::WriteStates, nb::arg("writes"),
-           "write_state for a list of (parameter, state, values) at once, one pass per chunk "
-           "(each chunk all or nothing).")
+           "Replaces states (parameter, state, values); a master also sets the working value. "
+           "One pass per chunk.")
       .def("counters", &PyEngine::Counters, "Bytes moved, optimizer time and tier usage.")
       .def(
           "metrics_text", [](PyEngine& self) { return self.engine().metrics().RenderPrometheus(); },

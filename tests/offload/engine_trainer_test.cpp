@@ -209,7 +209,7 @@ TEST(EngineTrainerTest, EveryStateCanBeReadAndWrittenInEveryTier) {
 
     // Into a fresh engine with the states on the host (a load_state_dict): it holds the same
     // states, and its working parameters were rewritten from the master, so forward sees the
-    // trained model. (Its step count is a checkpoint's business, not a state's.)
+    // trained model. (The step count is SetStepCount's: AnImportedOptimizerContinues... below.)
     ScratchDir other_dir;
     const EngineOptions host = MakeOptions({"host", Tier::kHost, Tier::kDevice}, other_dir.path());
     auto other_device = MakeDevice(64 << 20);

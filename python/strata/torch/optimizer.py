@@ -136,13 +136,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._chunk_grads.append(None if grads_view is None else torch.from_dlpack(grads_view))
 
         self._chunk_of: list[int] = []
+        # Each parameter's place in its chunk, shaped as the parameter: what .data (and .grad)
+        # view. Fixed for the engine's life (device-home chunks do not move).
+        self._param_views: list[torch.Tensor] = []
         self._grad_views: list[torch.Tensor | None] = []
         self._members: list[list[int]] = [[] for _ in range(self._engine.chunk_count)]
         hooks = []
         for i, p in enumerate(self._params):
             chunk, offset, numel = self._engine.location(i)
             self._chunk_of.append(chunk)
-            p.data = self._param_view(i).view(p.shape)
+            self._param_views.append(
+                self._chunk_params[chunk][offset : offset + numel].view(p.shape))
+            p.data = self._param_views[i]
             if p.requires_grad:
                 self._grad_views.append(
                     self._chunk_grads[chunk][offset : offset + numel].view(p.shape))
@@ -646,10 +651,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # -------------------------------------------------------------- parameters and states
 
-    def _param_view(self, i: int) -> torch.Tensor:
-        chunk, offset, numel = self._engine.location(i)
-        return self._chunk_params[chunk][offset : offset + numel]
-
     def _adopt_parameter_changes(self, everything: bool = False) -> None:
         """Parameters written in place since the engine last set them (model.load_state_dict,
         an in-place init under no_grad; every parameter with `everything`) become their
@@ -658,7 +659,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ``.data`` was replaced is copied in and pointed back at its chunk."""
         changed = {}
         for i, p in enumerate(self._params):
-            replaced = p.data_ptr() != self._param_view(i).data_ptr()
+            replaced = p.data_ptr() != self._param_views[i].data_ptr()
             if everything or replaced or p._version != self._param_versions[i]:
                 changed[i] = (_flat_fp32(p, copy=True), replaced)
         # Every new value is read before any is written: writing one master rewrites the working
@@ -673,8 +674,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                             for i, (values, _) in changed.items()])
         for i, (_, replaced) in changed.items():
             if replaced:
-                p = self._params[i]
-                p.data = self._param_view(i).view(p.shape)
+                self._params[i].data = self._param_views[i]
         self._param_versions = [p._version for p in self._params]
 
     def _read_states(self, wanted: list[tuple[int, int]]) -> list[torch.Tensor]:
