@@ -6,7 +6,10 @@
    parameters, against torch.optim.AdamW(fused=True) on tensors of the same size (target:
    >= 2x), and against torch.optim.AdamW with its defaults (on CPU, a loop over the tensors).
    The update is handed to Strata by backward (its hooks), so its time is (backward + step)
-   minus the same backward without an optimizer; torch's is step() alone.
+   minus the same backward without an optimizer; torch's is step() alone. The memory-bandwidth
+   roofline is measured in the same run (`strata bench adam`'s kernel that moves the 28 bytes
+   per parameter an fp32 AdamW step must move, and Strata's CPU Adam kernel alone beside it):
+   no update can beat the roofline, so the >= 2x target needs fused AdamW below half of it.
 2. Overlap: one training step (forward, backward, step) of an MLP whose backward outweighs the
    update, against forward + backward alone, with the update overlapping backward
    (overlap=True) and after it (overlap=False). Target: overlapped <= 1.10x backward alone.
@@ -25,6 +28,7 @@ import time
 import torch
 from torch import nn
 
+from strata import bench_adam
 import strata.torch as st
 
 
@@ -80,6 +84,9 @@ def update_throughput(args) -> dict:
     total = median_seconds(strata_update, args.repeats)
     strata_update_seconds = max(total - backward_alone, 1e-9)
     del strata, params
+
+    kernel = bench_adam(args.params, threads=torch.get_num_threads(), runs=args.repeats)
+    roofline = kernel["roofline_seconds"]
     return {
         "params": args.params,
         "torch_fused_step_seconds": torch_step,
@@ -93,6 +100,15 @@ def update_throughput(args) -> dict:
         "torch_default_step_seconds": torch_default_step,
         "torch_default_params_per_second": args.params / torch_default_step,
         "ratio_to_default": torch_default_step / strata_update_seconds,
+        "roofline_seconds": roofline,
+        "roofline_params_per_second": args.params / roofline,
+        "roofline_bytes_per_param": kernel["bytes_per_param"],
+        "torch_fused_of_roofline": roofline / torch_step,
+        "strata_kernel_seconds": kernel["step_seconds"],
+        "strata_kernel_of_roofline": roofline / kernel["step_seconds"],
+        "strata_kernel_ratio": torch_step / kernel["step_seconds"],
+        "strata_update_of_roofline": roofline / strata_update_seconds,
+        "best_possible_ratio": torch_step / roofline,
     }
 
 
@@ -167,6 +183,16 @@ def main() -> None:
     print(f"  torch.optim.AdamW() (defaults) step      {update['torch_default_step_seconds']:8.4f} s"
           f"  {update['torch_default_params_per_second'] / 1e6:8.1f} M params/s")
     print(f"  ratio to the defaults                    {update['ratio_to_default']:8.2f}")
+    print(f"  memory roofline ({update['roofline_bytes_per_param']} B/param)          "
+          f"{update['roofline_seconds']:8.4f} s  {update['roofline_params_per_second'] / 1e6:8.1f}"
+          f" M params/s")
+    print(f"  fused AdamW runs at                      {update['torch_fused_of_roofline']:8.2f}"
+          f" of the roofline (best possible ratio {update['best_possible_ratio']:.2f})")
+    print(f"  Strata's CPU Adam kernel alone           {update['strata_kernel_seconds']:8.4f} s"
+          f"  {update['strata_kernel_of_roofline']:.2f} of the roofline, "
+          f"x{update['strata_kernel_ratio']:.2f} fused")
+    print(f"  OffloadAdamW's update runs at            {update['strata_update_of_roofline']:8.2f}"
+          f" of the roofline")
     print(f"training step of a {args.layers}-layer MLP, width {args.width}, batch {args.batch} "
           f"({steps['params'] / 1e6:.1f}M params, states on {args.offload})")
     print(f"  forward + backward alone                 {steps['forward_backward_seconds']:8.4f} s")

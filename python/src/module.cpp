@@ -38,6 +38,7 @@
 #include "strata/core/cuda_device.h"
 #include "strata/core/host_device.h"
 #include "strata/core/status.h"
+#include "strata/cpu_adam/adam_benchmark.h"
 #include "strata/offload/engine.h"
 
 namespace nb = nanobind;
@@ -281,6 +282,27 @@ NB_MODULE(_strata, m) {
   m.def(
       "parse_bytes", [](const std::string& text) { return Check(ParseBytes(text)); },
       "Bytes in '64MiB', '1.5GiB', '1e9' (what config sizes accept).");
+
+  m.def(
+      "bench_adam",
+      [](size_t numel, int threads, int runs) {
+        cpu_adam::AdamBenchmarkOptions options;
+        options.numel = numel;
+        options.threads = threads;
+        options.timed_runs = runs;
+        const cpu_adam::AdamBenchmarkResult r =
+            Check(Unlocked([&] { return cpu_adam::RunAdamBenchmark(options); }));
+        nb::dict out;
+        out["simd"] = std::string(cpu_adam::SimdLevelName(r.simd_level));
+        out["threads"] = r.threads;
+        out["bytes_per_param"] = r.bytes_per_param;
+        out["step_seconds"] = r.step_median_seconds;
+        out["roofline_seconds"] = r.roofline_median_seconds;
+        return out;
+      },
+      nb::arg("numel"), nb::arg("threads") = 0, nb::arg("runs") = 5,
+      "`strata bench adam` in-process: the median seconds of one fp32 AdamW step over numel "
+      "parameters and of the roofline kernel that moves the same bytes (28 per parameter).");
 
   // Tensors viewing an engine's memory (and so the engine) may outlive this module at exit.
   nb::set_leak_warnings(false);

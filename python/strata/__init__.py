@@ -5,7 +5,7 @@ is the engine's thin binding underneath them, one call for one C++ call (see
 docs/python.md).
 """
 
-from strata._strata import Engine, built_with_cuda, parse_bytes
+from strata._strata import Engine, bench_adam, built_with_cuda, parse_bytes
 
-__all__ = ["Engine", "built_with_cuda", "parse_bytes"]
+__all__ = ["Engine", "bench_adam", "built_with_cuda", "parse_bytes"]
 __version__ = "0.1.0"

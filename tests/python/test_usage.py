@@ -331,3 +331,14 @@ def test_a_compiled_model_trains_as_the_eager_one():
         ropt.step()
         ropt.zero_grad()
     assert close(model, reference) < 1e-6
+
+
+def test_bench_adam_times_the_kernel_and_its_roofline():
+    import strata
+
+    result = strata.bench_adam(1 << 16, threads=1, runs=1)
+    assert result["bytes_per_param"] == 28  # fp32 AdamW: p, g, m, v read; p, m, v written.
+    assert result["threads"] == 1
+    assert result["step_seconds"] > 0 and result["roofline_seconds"] > 0
+    with pytest.raises(ValueError, match="numel"):
+        strata.bench_adam(0)
