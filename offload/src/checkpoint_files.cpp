@@ -407,21 +407,27 @@ Result<FileDigest> CheckpointFileSink::Finish() {
 // ------------------------------------------------------------------------------------------------
 // CheckpointWriter.
 
-CheckpointWriter::CheckpointWriter(fs::path dir, fs::path staging)
+CheckpointWriter::CheckpointWriter(fs::path dir, fs::path staging, int64_t pid, bool owns_staging)
     : dir_(std::move(dir)),
       staging_(std::move(staging)),
+      staging_pid_(pid),
+      owns_staging_(owns_staging),
       shared_(std::make_shared<CheckpointFileSink::SharedState>()) {}
 
-CheckpointWriter::~CheckpointWriter() {
-  if (!committed_ && !staging_.empty()) {
+void CheckpointWriter::Abandon() {
+  if (!committed_ && owns_staging_ && !staging_.empty()) {
     std::error_code ec;
     fs::remove_all(staging_, ec);  // Best effort; the next Begin removes what is left.
   }
 }
 
+CheckpointWriter::~CheckpointWriter() { Abandon(); }
+
 CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept
     : dir_(std::move(other.dir_)),
       staging_(std::move(other.staging_)),
+      staging_pid_(other.staging_pid_),
+      owns_staging_(other.owns_staging_),
       committed_(other.committed_),
       shared_(std::move(other.shared_)) {
   other.staging_.clear();
@@ -429,13 +435,12 @@ CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept
 
 CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept {
   if (this != &other) {
-    if (!committed_ && !staging_.empty()) {
-      std::error_code ec;
-      fs::remove_all(staging_, ec);
-    }
+    Abandon();
     dir_ = std::move(other.dir_);
     staging_ = std::move(other.staging_);
     other.staging_.clear();
+    staging_pid_ = other.staging_pid_;
+    owns_staging_ = other.owns_staging_;
     committed_ = other.committed_;
     shared_ = std::move(other.shared_);
   }
@@ -450,8 +455,19 @@ std::optional<uint64_t> UsableBytes(const struct statvfs& space, bool privileged
   return blocks * block_bytes;
 }
 
-Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
-                                                 uint64_t bytes_needed) {
+namespace {
+
+/// A checkpoint's final path, checked and with symbolic links resolved, and its parent.
+struct CheckpointPath {
+  fs::path dir;
+  fs::path parent;
+  /// "<dir>.tmp-<pid>": the staging directory of a writer in process `pid`.
+  fs::path Staging(int64_t pid) const {
+    return parent / (dir.filename().string() + ".tmp-" + std::to_string(pid));
+  }
+};
+
+Result<CheckpointPath> ResolveCheckpointPath(const fs::path& requested_dir) {
   fs::path dir = requested_dir;
   if (!dir.empty() && !dir.has_filename()) dir = dir.parent_path();  // "a/b/" names "a/b".
   const std::string name = dir.filename().string();
@@ -489,6 +505,17 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
     parent = dir.parent_path();
   }
 
+  return CheckpointPath{.dir = std::move(dir), .parent = std::move(parent)};
+}
+
+}  // namespace
+
+Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
+                                                 uint64_t bytes_needed) {
+  STRATA_ASSIGN_OR_RETURN(CheckpointPath path, ResolveCheckpointPath(requested_dir));
+  const fs::path& dir = path.dir;
+  const fs::path& parent = path.parent;
+  struct stat st {};
   if (::lstat(dir.c_str(), &st) == 0) {
     if (!S_ISDIR(st.st_mode)) {
       return InvalidArgument("cannot write checkpoint " + dir.string() +
@@ -516,7 +543,8 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
     }
   }
 
-  fs::path staging = parent / (dir.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  fs::path staging = path.Staging(::getpid());
+  std::error_code ec;
   fs::remove_all(staging, ec);
   if (ec) {
     return ErrnoError("cannot remove the stale staging directory " + staging.string(), ec.value());
@@ -525,7 +553,21 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
     return FileError("create staging directory", staging, errno)
         .WithContext("cannot write checkpoint " + dir.string());
   }
-  return CheckpointWriter(std::move(dir), std::move(staging));
+  return CheckpointWriter(std::move(path.dir), std::move(staging), ::getpid(),
+                          /*owns_staging=*/true);
+}
+
+Result<CheckpointWriter> CheckpointWriter::Join(const fs::path& requested_dir, int64_t pid) {
+  STRATA_ASSIGN_OR_RETURN(CheckpointPath path, ResolveCheckpointPath(requested_dir));
+  fs::path staging = path.Staging(pid);
+  struct stat st {};
+  if (::stat(staging.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return NotFound("cannot write checkpoint " + path.dir.string() + ": the staging directory " +
+                    staging.string() +
+                    " its first rank created is not there; the checkpoint directory must be on "
+                    "a file system every rank shares");
+  }
+  return CheckpointWriter(std::move(path.dir), std::move(staging), pid, /*owns_staging=*/false);
 }
 
 Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
@@ -564,6 +606,9 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
     return FailedPrecondition("checkpoint " + dir_.string() + " is already committed");
   }
   const std::string what = "cannot commit checkpoint " + dir_.string();
+  if (!owns_staging_) {
+    return FailedPrecondition(what + ": this writer joined it; the writer that began it commits");
+  }
   if (const int open = shared_->open_sinks.load(); open > 0) {
     return FailedPrecondition(what + ": " + std::to_string(open) +
                               " of its files are still open; call Finish on every "

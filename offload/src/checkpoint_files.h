@@ -55,8 +55,9 @@ namespace strata::offload::internal {
 
 /// The manifest's "format" value that marks a Strata checkpoint.
 inline constexpr std::string_view kCheckpointFormat = "strata-checkpoint";
-/// The manifest "version" this build writes, and the newest it reads.
-inline constexpr int kCheckpointFormatVersion = 1;
+/// The newest manifest "version" this build reads (and NewManifest writes): 2 adds checkpoints
+/// saved by several ranks, one file per rank and chunk (checkpoint_manifest.h).
+inline constexpr int kCheckpointFormatVersion = 2;
 /// Name of the manifest inside a checkpoint directory; not usable as a data file name.
 inline constexpr std::string_view kManifestFileName = "manifest.json";
 
@@ -69,8 +70,9 @@ struct FileDigest {
   friend bool operator==(const FileDigest&, const FileDigest&) = default;
 };
 
-/// Returns {"format": "strata-checkpoint", "version": 1}: the manifest header that Commit
-/// requires and CheckpointReader::Open checks. The engine adds its own keys to it.
+/// Returns {"format": "strata-checkpoint", "version": kCheckpointFormatVersion}: the manifest
+/// header that Commit requires and CheckpointReader::Open checks. The engine adds its own keys to
+/// it.
 nlohmann::json NewManifest();
 
 /// The bytes a checkpoint may fill on a file system `space` describes (statvfs): the blocks
@@ -163,6 +165,13 @@ class CheckpointWriter {
   static Result<CheckpointWriter> Begin(const std::filesystem::path& dir,
                                         uint64_t bytes_needed = 0);
 
+  /// Joins the checkpoint that a writer in process `pid` began at `dir` (Begin), for the other
+  /// ranks of a sharded engine: files created here go into that writer's staging directory. A
+  /// joined writer never commits (the one that began it does, once every rank has finished its
+  /// files) and never removes the staging directory. NotFound when that directory is not
+  /// there (`dir` is not on a file system every rank shares); the errors of Begin for `dir`.
+  static Result<CheckpointWriter> Join(const std::filesystem::path& dir, int64_t pid);
+
   /// Creates the data file `name` in the staging directory and returns its sink. `name` must be
   /// a plain file name: not empty, no '/', not "." or "..", not "manifest.json"
   /// (InvalidArgument). AlreadyExists if this checkpoint already has a file of that name.
@@ -180,22 +189,29 @@ class CheckpointWriter {
   /// durable), or after a successful Commit. IoError on a file system error: `dir` is unchanged
   /// and Commit may be retried, except when the message says the checkpoint was committed but
   /// syncing the parent directory failed (the new checkpoint is in place but may not survive a
-  /// crash). Failing to remove the old checkpoint afterwards only logs a warning; the next Begin
-  /// removes it.
+  /// crash). FailedPrecondition for a writer that joined another's (Join). Failing to remove the
+  /// old checkpoint afterwards only logs a warning; the next Begin removes it.
   Status Commit(const nlohmann::json& manifest);
 
   /// The final path: Begin's `dir` with symbolic links resolved.
   [[nodiscard]] const std::filesystem::path& dir() const { return dir_; }
   /// The staging directory ("<dir>.tmp-<pid>").
   [[nodiscard]] const std::filesystem::path& staging_dir() const { return staging_; }
+  /// The process whose staging directory it is (what Join takes).
+  [[nodiscard]] int64_t staging_pid() const { return staging_pid_; }
 
  private:
-  CheckpointWriter(std::filesystem::path dir, std::filesystem::path staging);
+  CheckpointWriter(std::filesystem::path dir, std::filesystem::path staging, int64_t pid,
+                   bool owns_staging);
+  /// Removes the staging directory of a writer that began it and did not commit.
+  void Abandon();
   /// Moves the staging directory to dir_ (rename or exchange) and removes the old checkpoint.
   Status Publish();
 
   std::filesystem::path dir_;
   std::filesystem::path staging_;
+  int64_t staging_pid_ = 0;
+  bool owns_staging_ = true;  // Begin's writer; false for one that joined it.
   bool committed_ = false;
   std::shared_ptr<CheckpointFileSink::SharedState> shared_;
 };

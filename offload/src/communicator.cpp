@@ -48,6 +48,22 @@ Status Communicator::AllReduceNow(std::span<double> values, ReduceOp op) {
   return result.get();
 }
 
+Status Communicator::AllGatherNow(std::span<const uint64_t> send, std::span<uint64_t> recv) {
+  if (recv.size() != send.size() * size_t(size())) {
+    return InvalidArgument("AllGatherNow of " + std::to_string(send.size()) + " words across " +
+                           std::to_string(size()) + " ranks needs room for " +
+                           std::to_string(send.size() * size_t(size())) + ", not " +
+                           std::to_string(recv.size()));
+  }
+  std::promise<Status> finished;
+  std::future<Status> result = finished.get_future();
+  // A gather only moves elements: two fp32 "elements" per word carry its bits unchanged.
+  static_assert(sizeof(uint64_t) == 2 * sizeof(float));
+  AllGather(send.data(), recv.data(), 2 * send.size(), DType::kFp32, {},
+            [&finished](Status status) { finished.set_value(std::move(status)); });
+  return result.get();
+}
+
 std::unique_ptr<Communicator> CreateSingleRankCommunicator() {
   return std::make_unique<SingleRankCommunicator>();
 }

@@ -105,6 +105,47 @@ bool Contains(const Status& status, const std::string& text) {
   return status.message().find(text) != std::string::npos;
 }
 
+// The other ranks of a sharded save join the first rank's staging directory: their files land
+// in the one checkpoint the first rank commits, they cannot commit it themselves, and dropping a
+// joined writer leaves the directory to its owner.
+TEST(CheckpointFilesTest, JoinedWritersAddFilesToTheCheckpointTheFirstOneCommits) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "step-7";
+  auto owner = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(owner.ok()) << owner.status().ToString();
+  EXPECT_EQ(owner->staging_pid(), getpid());
+  nlohmann::json manifest = NewManifest();
+  {
+    auto joined = CheckpointWriter::Join(tmp.path() / "step-7/", owner->staging_pid());
+    ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+    EXPECT_EQ(joined->staging_dir(), owner->staging_dir());
+    auto sink = joined->CreateFile("rank-1.bin");
+    ASSERT_TRUE(sink.ok()) << sink.status().ToString();
+    ASSERT_TRUE(sink->Append(Pattern(5000, 9)).ok());
+    auto digest = sink->Finish();
+    ASSERT_TRUE(digest.ok());
+    manifest["files"]["rank-1.bin"] = {{"bytes", digest->bytes}, {"xxh3", digest->xxh3}};
+    const Status refused = joined->Commit(manifest);
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(Contains(refused, "the writer that began it commits")) << refused.message();
+  }
+  ASSERT_TRUE(fs::is_directory(owner->staging_dir())) << "the joined writer removed it";
+  auto sink = owner->CreateFile("rank-0.bin");
+  ASSERT_TRUE(sink.ok());
+  ASSERT_TRUE(sink->Append(Pattern(3000, 8)).ok());
+  ASSERT_TRUE(sink->Finish().ok());
+  ASSERT_TRUE(owner->Commit(manifest).ok());
+  EXPECT_TRUE(fs::exists(dir / "rank-0.bin"));
+  EXPECT_TRUE(fs::exists(dir / "rank-1.bin"));
+
+  // A staging directory this rank cannot see: not a file system the ranks share.
+  auto lost = CheckpointWriter::Join(tmp.path() / "step-8", getpid());
+  ASSERT_FALSE(lost.ok());
+  EXPECT_EQ(lost.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(lost.status(), "a file system every rank shares"))
+      << lost.status().message();
+}
+
 TEST(CheckpointFilesTest, RoundTripsStreamedFilesAndManifest) {
   ScratchDir tmp;
   const fs::path dir = tmp.path() / "step-100";
@@ -120,7 +161,7 @@ TEST(CheckpointFilesTest, RoundTripsStreamedFilesAndManifest) {
   EXPECT_FALSE(fs::exists(dir));
 
   nlohmann::json manifest = NewManifest();
-  EXPECT_EQ(manifest, nlohmann::json({{"format", "strata-checkpoint"}, {"version", 1}}));
+  EXPECT_EQ(manifest, nlohmann::json({{"format", "strata-checkpoint"}, {"version", 2}}));
   {
     auto sink = writer->CreateFile("chunk-000000.bin");
     ASSERT_TRUE(sink.ok()) << sink.status().ToString();
@@ -362,12 +403,12 @@ TEST(CheckpointFilesTest, OpenRejectsWrongFormatAndVersion) {
   EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Contains(reader.status(), "\"format\" is missing")) << reader.status().message();
 
-  WriteText(dir / "manifest.json", R"({"format": "strata-checkpoint", "version": 2})");
+  WriteText(dir / "manifest.json", R"({"format": "strata-checkpoint", "version": 3})");
   reader = CheckpointReader::Open(dir);
   ASSERT_FALSE(reader.ok());
   EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Contains(reader.status(), "format version 2")) << reader.status().message();
-  EXPECT_TRUE(Contains(reader.status(), "reads versions 1 to 1")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "format version 3")) << reader.status().message();
+  EXPECT_TRUE(Contains(reader.status(), "reads versions 1 to 2")) << reader.status().message();
 
   for (const char* version : {R"("1")", "1.5", "0", "-3"}) {
     WriteText(dir / "manifest.json",

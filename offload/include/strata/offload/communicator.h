@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
@@ -72,6 +73,10 @@ class Communicator {
   /// scalars between steps (a mean loss, the ranks' peaks), never from a callback.
   Status AllReduceNow(std::span<double> values, ReduceOp op);
   Status AllReduceSum(std::span<double> values) { return AllReduceNow(values, ReduceOp::kSum); }
+  /// Every rank's `send` words (the same count on every rank) into `recv` (size() * send.size()
+  /// words, in rank order; InvalidArgument otherwise), blocking as AllReduceNow: what a rank
+  /// tells the others between steps (a checkpoint's file digests). The words travel as raw bits.
+  Status AllGatherNow(std::span<const uint64_t> send, std::span<uint64_t> recv);
 };
 
 /// The only rank: all-reduces leave the data as it is, reduce-scatter and all-gather copy.
