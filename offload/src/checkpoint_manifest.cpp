@@ -17,6 +17,12 @@ std::string ChunkFileName(size_t chunk) {
   return name;
 }
 
+std::string ChunkShardFileName(size_t chunk, int rank, int world_size) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "chunk-%06zu.rank-%05d-of-%05d.bin", chunk, rank, world_size);
+  return name;
+}
+
 namespace {
 
 /// A field missing, of the wrong type or out of range: thrown by Field() and the checks below,
@@ -157,13 +163,76 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
     return InvalidArgument("the checkpoint has " + std::to_string(chunks.size()) +
                            " chunks; the engine has " + std::to_string(layout.chunk_count()));
   }
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (Field<size_t>(chunks[i], Element("chunks", i), "numel") != layout.chunk(i).numel) {
-      return InvalidArgument("chunk " + std::to_string(i) + " has a different size in the " +
-                             "checkpoint");
+  return Status();
+}
+
+/// The ranks that saved the checkpoint: engine.world_size, 1 where absent (one rank's).
+int WorldSize(const json& engine) {
+  if (!engine.contains("world_size")) return 1;
+  const int world_size = Field<int>(engine, "engine", "world_size");
+  if (world_size < 1 || world_size > (1 << 24)) {
+    throw BadField{"engine.world_size",
+                   "is " + std::to_string(world_size) + "; it is in [1, 16777216]"};
+  }
+  return world_size;
+}
+
+/// Chunk `i`'s file: its name, size and hash at `object` (a chunk, or one of its shards).
+FileDigest Digest(const json& object, const std::string& path) {
+  return {Field<uint64_t>(object, path, "bytes"), Field<uint64_t>(object, path, "xxh3")};
+}
+
+/// Chunk `i` of the manifest, whose parameters `layout` packs alike: its size must be the
+/// layout's chunk padded for `world_size` ranks, its files those of a trained or a frozen chunk.
+Result<SavedChunk> ReadChunk(const json& chunk, size_t i, const ChunkLayout& layout,
+                             int world_size) {
+  const std::string path = Element("chunks", i);
+  SavedChunk saved;
+  saved.numel = Field<size_t>(chunk, path, "numel");
+  const size_t unit = kChunkAlignment * size_t(world_size);
+  if (saved.numel != (layout.chunk(i).used_numel + unit - 1) / unit * unit) {
+    return InvalidArgument("chunk " + std::to_string(i) + " has a different size in the " +
+                           "checkpoint");
+  }
+  if (chunk.contains("shards")) {
+    // A trained chunk saved by several ranks: a file per rank, each a shard's states.
+    const json& shards = Array(chunk, path, "shards");
+    if (world_size == 1 || shards.size() != size_t(world_size)) {
+      throw BadField{path + ".shards", "has " + std::to_string(shards.size()) +
+                                           " files; engine.world_size says " +
+                                           std::to_string(world_size)};
+    }
+    saved.trained = true;
+    const uint64_t bytes = ChunkStateBytes(saved.numel / size_t(world_size));
+    for (size_t r = 0; r < shards.size(); ++r) {
+      const std::string shard_path = path + Element(".shards", r);
+      saved.files.push_back(Digest(shards[r], shard_path));
+      saved.names.push_back(ChunkShardFileName(i, int(r), world_size));
+      if (saved.files.back().bytes != bytes) {
+        return DataLoss("checkpoint file " + saved.names.back() + " holds " +
+                        std::to_string(saved.files.back().bytes) + " bytes; a shard of chunk " +
+                        std::to_string(i) + " needs " + std::to_string(bytes));
+      }
+    }
+  } else {
+    // A chunk saved whole: its states (one rank) or its values (frozen).
+    saved.files.push_back(Digest(chunk, path));
+    saved.names.push_back(ChunkFileName(i));
+    const uint64_t bytes = saved.files.back().bytes;
+    saved.trained = world_size == 1 && bytes == ChunkStateBytes(saved.numel);
+    if (!saved.trained && bytes != saved.numel * sizeof(float)) {
+      return DataLoss("checkpoint file " + ChunkFileName(i) + " holds " + std::to_string(bytes) +
+                      " bytes; chunk " + std::to_string(i) + " needs " +
+                      std::to_string(ChunkStateBytes(saved.numel)) + " (or " +
+                      std::to_string(saved.numel * sizeof(float)) + " if it was frozen)");
     }
   }
-  return Status();
+  if (chunk.contains("frozen") && Field<bool>(chunk, path, "frozen") == saved.trained) {
+    throw BadField{path + ".frozen", std::string("is ") + (saved.trained ? "true" : "false") +
+                                         " but its files are those of a " +
+                                         (saved.trained ? "trained" : "frozen") + " chunk"};
+  }
+  return saved;
 }
 
 int64_t Count(const json& object, const std::string& path, std::string_view key) {
@@ -236,26 +305,14 @@ Result<EngineManifest> ReadEngineManifest(const json& manifest, const ChunkLayou
     }
     saved.working_dtype = *working_dtype;
     saved.scaler = ReadScaler(engine);
+    saved.world_size = WorldSize(engine);
     const json& chunks = manifest.at("chunks");  // An array of layout.chunk_count(): checked.
     for (size_t i = 0; i < chunks.size(); ++i) {
       const json& chunk = chunks[i];
       const std::string path = Element("chunks", i);
-      const FileDigest digest{Field<uint64_t>(chunk, path, "bytes"),
-                              Field<uint64_t>(chunk, path, "xxh3")};
-      // A chunk frozen when it was saved holds only its values, a trained one its states too.
-      const size_t numel = layout.chunk(i).numel;
-      const bool saved_trained = digest.bytes == ChunkStateBytes(numel);
-      if (!saved_trained && digest.bytes != numel * sizeof(float)) {
-        return DataLoss("checkpoint file " + ChunkFileName(i) + " holds " +
-                        std::to_string(digest.bytes) + " bytes; chunk " + std::to_string(i) +
-                        " needs " + std::to_string(ChunkStateBytes(numel)) + " (or " +
-                        std::to_string(numel * sizeof(float)) + " if it was frozen)");
-      }
-      if (chunk.contains("frozen") && Field<bool>(chunk, path, "frozen") == saved_trained) {
-        throw BadField{path + ".frozen", std::string("is ") + (saved_trained ? "true" : "false") +
-                                             " but its file's size is that of a " +
-                                             (saved_trained ? "trained" : "frozen") + " chunk"};
-      }
+      STRATA_ASSIGN_OR_RETURN(SavedChunk saved_chunk,
+                              ReadChunk(chunk, i, layout, saved.world_size));
+      const bool saved_trained = saved_chunk.trained;
       // Checkpoints from before per-chunk step counts: every chunk took every step.
       int64_t steps = saved.step_count;
       if (chunk.contains("steps")) {
@@ -268,7 +325,7 @@ Result<EngineManifest> ReadEngineManifest(const json& manifest, const ChunkLayou
       }
       // Moments start afresh for a chunk frozen now or frozen then.
       if (layout.chunk(i).frozen || !saved_trained) steps = 0;
-      saved.digests.push_back(digest);
+      saved.chunks.push_back(std::move(saved_chunk));
       saved.chunk_steps.push_back(steps);
     }
   } catch (const BadField& bad) {

@@ -63,7 +63,25 @@ class Engine::Impl {
 
   // engine_checkpoint.cpp.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options);
+  /// Save with several ranks: `ready` is this rank's readiness (an error fails it everywhere).
+  Status SaveSharded(const std::filesystem::path& dir, uint64_t bytes_needed, Status ready,
+                     const SaveOptions& save_options);
+  /// Writes this rank's chunk files into `writer` (its shards; frozen chunks from the first rank
+  /// only), their digests into `digests` (one per chunk; untouched for a file it does not write).
+  Status WriteChunkFiles(internal::CheckpointWriter& writer,
+                         std::vector<internal::FileDigest>& digests,
+                         const SaveOptions& save_options);
+  /// The manifest of a checkpoint whose files have `digests`: per chunk, or with several ranks
+  /// every rank's per chunk, rank after rank.
+  nlohmann::json CheckpointManifest(std::span<const internal::FileDigest> digests) const;
   Status Load(const std::filesystem::path& dir);
+  /// Load's checks, the manifest and every file verified, before anything changes; `reader` is
+  /// the checkpoint opened.
+  Result<internal::EngineManifest> OpenVerified(const std::filesystem::path& dir,
+                                                std::optional<internal::CheckpointReader>& reader);
+  /// Loads a checkpoint OpenVerified accepted, whatever world size saved it.
+  Status LoadVerified(const internal::CheckpointReader& reader,
+                      const internal::EngineManifest& saved);
   /// The loss scaler's state after loading `saved` (the saved one, or this engine's fresh one
   /// when their precisions differ).
   LossScalerState ScalerAfterLoad(const internal::EngineManifest& saved) const;

@@ -54,12 +54,24 @@ void CheckEngineFields(const nlohmann::json& manifest) {
   }
   if (read->step_count < 0 || read->step_count > (int64_t{1} << 53) ||
       !(read->scaler.scale > 0.0) || read->scaler.hysteresis_left < 1 ||
-      read->digests.size() != Layout().chunk_count() ||
+      read->chunks.size() != Layout().chunk_count() || read->world_size < 1 ||
       read->chunk_steps.size() != Layout().chunk_count()) {
     __builtin_trap();
   }
   for (int64_t steps : read->chunk_steps) {
     if (steps < 0 || steps > read->step_count) __builtin_trap();
+  }
+  // What Load's Scatter relies on: every file of a chunk the size its share of elements needs.
+  for (const strata::offload::internal::SavedChunk& chunk : read->chunks) {
+    if (chunk.files.empty() || chunk.files.size() != chunk.names.size() ||
+        chunk.numel % chunk.files.size() != 0) {
+      __builtin_trap();
+    }
+    const uint64_t per_file =
+        chunk.numel / chunk.files.size() * sizeof(float) * (chunk.trained ? 3 : 1);
+    for (const strata::offload::internal::FileDigest& file : chunk.files) {
+      if (file.bytes != per_file) __builtin_trap();
+    }
   }
 }
 

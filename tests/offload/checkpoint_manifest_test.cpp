@@ -43,7 +43,13 @@ TEST(CheckpointManifestTest, ReadsWhatSaveWrites) {
       read->scaler,
       (LossScalerState{
           .scale = 65536.0, .iteration = 5, .last_overflow_iteration = 2, .hysteresis_left = 2}));
-  EXPECT_EQ(read->digests, (std::vector<FileDigest>{{49152, 1}, {4096, 2}}));
+  EXPECT_EQ(read->world_size, 1);
+  ASSERT_EQ(read->chunks.size(), 2u);
+  EXPECT_TRUE(read->chunks[0].trained);
+  EXPECT_EQ(read->chunks[0].files, (std::vector<FileDigest>{{49152, 1}}));
+  EXPECT_EQ(read->chunks[0].names, (std::vector<std::string>{"chunk-000000.bin"}));
+  EXPECT_FALSE(read->chunks[1].trained);
+  EXPECT_EQ(read->chunks[1].files, (std::vector<FileDigest>{{4096, 2}}));
   EXPECT_EQ(read->chunk_steps, (std::vector<int64_t>{5, 0}));
 
   // Before per-chunk step counts every chunk took every step.
@@ -57,6 +63,61 @@ TEST(CheckpointManifestTest, ReadsWhatSaveWrites) {
   frozen_then["chunks"][0]["frozen"] = true;
   EXPECT_EQ(ReadEngineManifest(frozen_then, layout, OptimizerType::kAdamW)->chunk_steps,
             (std::vector<int64_t>{0, 0}));
+}
+
+/// tests/fuzz/corpus/manifest/sharded.json: what two ranks' Save writes for Layout().
+json ValidSharded() {
+  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/fuzz/corpus/manifest/sharded.json");
+  return json::parse(in);
+}
+
+// Saved by two ranks: each chunk padded for two (the frozen one to 2048 elements), the trained
+// one in a file per rank; it reads for an engine of one rank (whose chunks pad less).
+TEST(CheckpointManifestTest, ReadsWhatTwoRanksSaveIntoAnotherWorldSize) {
+  Result<EngineManifest> read = ReadEngineManifest(ValidSharded(), Layout(), OptimizerType::kAdamW);
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  EXPECT_EQ(read->world_size, 2);
+  ASSERT_EQ(read->chunks.size(), 2u);
+  EXPECT_TRUE(read->chunks[0].trained);
+  EXPECT_EQ(read->chunks[0].numel, 4096u);
+  EXPECT_EQ(read->chunks[0].files, (std::vector<FileDigest>{{24576, 3}, {24576, 4}}));
+  EXPECT_EQ(read->chunks[0].names,
+            (std::vector<std::string>{"chunk-000000.rank-00000-of-00002.bin",
+                                      "chunk-000000.rank-00001-of-00002.bin"}));
+  EXPECT_FALSE(read->chunks[1].trained);
+  EXPECT_EQ(read->chunks[1].numel, 2048u);
+  EXPECT_EQ(read->chunk_steps, (std::vector<int64_t>{5, 0}));
+
+  struct Case {
+    std::function<void(json&)> edit;
+    StatusCode code;
+    std::string named;
+  };
+  const std::vector<Case> cases = {
+      {[](json& m) { m["engine"]["world_size"] = 0; }, StatusCode::kDataLoss,
+       "engine.world_size is 0"},
+      {[](json& m) { m["engine"]["world_size"] = 3; }, StatusCode::kInvalidArgument,
+       "chunk 0 has a different size"},
+      {[](json& m) { m["chunks"][0]["shards"].erase(1); }, StatusCode::kDataLoss,
+       "chunks[0].shards has 1 files; engine.world_size says 2"},
+      {[](json& m) { m["chunks"][0]["shards"][1]["bytes"] = 49152; }, StatusCode::kDataLoss,
+       "chunk-000000.rank-00001-of-00002.bin holds 49152 bytes; a shard of chunk 0 needs 24576"},
+      {[](json& m) { m["chunks"][0]["shards"][0].erase("xxh3"); }, StatusCode::kDataLoss,
+       "chunks[0].shards[0].xxh3 is missing"},
+      {[](json& m) { m["chunks"][1]["numel"] = 1024; }, StatusCode::kInvalidArgument,
+       "chunk 1 has a different size"},
+      {[](json& m) { m["engine"].erase("world_size"); }, StatusCode::kDataLoss,
+       "chunks[0].shards has 2 files; engine.world_size says 1"},
+  };
+  for (const Case& c : cases) {
+    json manifest = ValidSharded();
+    c.edit(manifest);
+    Result<EngineManifest> bad = ReadEngineManifest(manifest, Layout(), OptimizerType::kAdamW);
+    ASSERT_FALSE(bad.ok()) << manifest.dump();
+    EXPECT_EQ(bad.status().code(), c.code) << bad.status().message();
+    EXPECT_NE(bad.status().message().find(c.named), std::string::npos)
+        << c.named << " not in: " << bad.status().message();
+  }
 }
 
 TEST(CheckpointManifestTest, EachBadFieldIsDataLossNamingIt) {

@@ -87,8 +87,8 @@ void TrainDelayed(Engine& engine, const TinyModel& model, bool overlapped,
 TEST(DelayedUpdateTest, TrajectoryIsTheDelayedReferenceBitForBit) {
   const TinyModel model(kLayers, kWidth, kBatch);
   // A threshold between the steps' norms: some clip, some do not.
-  for (const Setting& setting : {Setting{"fp32"}, Setting{"fp32 clipped", 0.5},
-                                 Setting{"bf16", 0.0, DType::kBf16}}) {
+  for (const Setting& setting :
+       {Setting{"fp32"}, Setting{"fp32 clipped", 0.5}, Setting{"bf16", 0.0, DType::kBf16}}) {
     for (const Placement& placement : kDelayable) {
       for (const bool overlapped : {false, true}) {
         SCOPED_TRACE(std::string(setting.name) + ", " + placement.name +
@@ -206,8 +206,8 @@ TEST(DelayedUpdateTest, TheNextForwardRunsWhileTheStepUpdates) {
 TEST(DelayedUpdateTest, SaveAndWritesBringEveryChunkUpToDateAlike) {
   const TinyModel model(kLayers, kWidth, kBatch);
   ScratchDir nvme, checkpoint;
-  const EngineOptions options = DelayedOptions({"states_nvme", Tier::kNvme, Tier::kDevice},
-                                               nvme.path(), {"fp32"});
+  const EngineOptions options =
+      DelayedOptions({"states_nvme", Tier::kNvme, Tier::kDevice}, nvme.path(), {"fp32"});
   constexpr int kBefore = 5, kAfter = 3;
   struct Run {
     std::vector<double> losses;
@@ -275,7 +275,8 @@ TEST(DelayedUpdateTest, IsRefusedWhereParametersCannotBeHeldBack) {
                                       {"fp16", 0.0, DType::kFp16});
   const Status invalid = fp16.Validate();
   EXPECT_EQ(invalid.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(invalid.message().find("precision.loss_scale"), std::string::npos) << invalid.ToString();
+  EXPECT_NE(invalid.message().find("precision.loss_scale"), std::string::npos)
+      << invalid.ToString();
   fp16.precision.loss_scale = 1024.0;  // A fixed scale is known ahead.
   EXPECT_TRUE(fp16.Validate().ok()) << fp16.Validate().ToString();
 }

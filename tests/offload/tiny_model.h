@@ -283,10 +283,7 @@ class EngineTrainer {
 class ReferenceTrainer {
  public:
   ReferenceTrainer(const TinyModel& model, const EngineOptions& options)
-      : model_(model),
-        options_(options),
-        master_(model.initial_values()),
-        visible_(master_) {
+      : model_(model), options_(options), master_(model.initial_values()), visible_(master_) {
     for (const auto& p : master_) {
       m_.emplace_back(p.size(), 0.0f);
       v_.emplace_back(p.size(), 0.0f);

@@ -1,0 +1,278 @@
+// Sharded checkpoints: every rank saves its shards into one checkpoint that appears whole or not
+// at all, and a checkpoint loads into any world size (2 -> 1, 1 -> 2, 2 -> 3), continuing the
+// run it came from. The gradients are small multiples of 2^-8 (sharded_model.h), so with one and
+// two ranks the continued run must equal an uninterrupted one bit for bit.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine_test_support.h"
+#include "sharded_model.h"
+#include "strata/nvme/fault_injection.h"
+#include "strata/offload/local_communicator.h"
+#include "support/scratch_dir.h"
+
+namespace strata::offload {
+namespace {
+
+namespace fs = std::filesystem;
+using strata::testing::ScratchDir;
+using testing::Grad;
+using testing::MakeDevice;
+using testing::ShardedModel;
+using testing::ShardedOptions;
+using testing::TrainStep;
+using testing::WorkingParameters;
+
+using Parameters = std::vector<std::vector<float>>;
+using RankBody = std::function<void(int rank, Engine& engine)>;
+
+/// Runs `body` on `ranks` sharded engines of ShardedModel, each on a HostDevice and a thread of
+/// its own, joined by local communicators.
+void OnRanks(int ranks, const EngineOptions& options, const RankBody& body,
+             const std::function<EngineEnvironment(int)>& environment = {}) {
+  const ShardedModel model;
+  auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
+  ASSERT_TRUE(comms.ok()) << comms.status().ToString();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      auto device = MakeDevice(64 << 20);
+      EngineEnvironment env = environment ? environment(r) : EngineEnvironment{};
+      env.communicator = std::move((*comms)[size_t(r)]);
+      env.ranks_on_node = ranks;
+      auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+      ASSERT_TRUE(engine.ok()) << "rank " << r << ": " << engine.status().ToString();
+      body(r, **engine);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+/// Steps [first, first + steps) of rank `rank` of a sharded run.
+Status TrainRank(Engine& engine, int rank, int first, int steps) {
+  for (int step = first; step < first + steps; ++step) {
+    STRATA_RETURN_IF_ERROR(TrainStep(engine, step, [&](int s, int m, size_t p, size_t i) {
+                             return Grad(rank, s, m, p, i);
+                           }).status());
+  }
+  return Status();
+}
+
+/// The same steps of one engine trained on the mean gradient of `ranks` ranks.
+Status TrainMean(Engine& engine, int ranks, int first, int steps) {
+  for (int step = first; step < first + steps; ++step) {
+    STRATA_RETURN_IF_ERROR(TrainStep(engine, step, [&](int s, int m, size_t p, size_t i) {
+                             float sum = 0.0f;
+                             for (int r = 0; r < ranks; ++r) sum += Grad(r, s, m, p, i);
+                             return sum / float(ranks);
+                           }).status());
+  }
+  return Status();
+}
+
+/// One engine, not sharded, with `options`' placement.
+struct SingleEngine {
+  std::unique_ptr<Device> device = MakeDevice(64 << 20);
+  std::unique_ptr<Engine> engine;
+
+  explicit SingleEngine(EngineOptions options) {
+    options.placement.zero_stage = 0;
+    auto created = Engine::Create(options, *device, ShardedModel().specs);
+    EXPECT_TRUE(created.ok()) << created.status().ToString();
+    if (created.ok()) engine = std::move(*created);
+  }
+};
+
+struct CheckpointCase {
+  const char* name;
+  Tier states;
+};
+
+class ShardedCheckpointTest : public ::testing::TestWithParam<CheckpointCase> {};
+
+// Two ranks save after two steps and train two more. The checkpoint, loaded by one engine, by
+// two ranks and by three, gives back the saved parameters exactly; one engine and two ranks then
+// continue exactly as the uninterrupted run, and three ranks (whose mean gradient is another)
+// exactly as one engine that loaded it and trains on three ranks' mean.
+TEST_P(ShardedCheckpointTest, SavedByTwoRanksLoadsIntoOneTwoOrThreeAndContinues) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(GetParam().states, dir.path());
+  const fs::path checkpoint = dir.path() / "checkpoint";
+  std::vector<Parameters> saved(2), continued(2);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    ASSERT_TRUE(TrainRank(engine, rank, 0, 2).ok());
+    const Status status = engine.Save(checkpoint);
+    ASSERT_TRUE(status.ok()) << "rank " << rank << ": " << status.ToString();
+    saved[size_t(rank)] = WorkingParameters(engine);
+    ASSERT_TRUE(TrainRank(engine, rank, 2, 2).ok());
+    continued[size_t(rank)] = WorkingParameters(engine);
+  });
+  ASSERT_FALSE(saved[0].empty());
+  EXPECT_TRUE(testing::BitEqual(saved[1], saved[0]));
+
+  // What was written: rank 0's manifest naming both ranks' shard files, nothing left staged.
+  nlohmann::json manifest = nlohmann::json::parse(std::ifstream(checkpoint / "manifest.json"));
+  EXPECT_EQ(manifest["version"], 2);
+  EXPECT_EQ(manifest["engine"]["world_size"], 2);
+  EXPECT_EQ(manifest["chunks"][0]["shards"].size(), 2u);
+  EXPECT_TRUE(fs::exists(checkpoint / "chunk-000000.rank-00001-of-00002.bin"));
+  for (const auto& entry : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
+  }
+
+  // The uninterrupted run, as one engine: two ranks are it, bit for bit.
+  SingleEngine reference(options);
+  ASSERT_TRUE(TrainMean(*reference.engine, 2, 0, 4).ok());
+  const Parameters uninterrupted = WorkingParameters(*reference.engine);
+  EXPECT_TRUE(testing::BitEqual(continued[0], uninterrupted));
+
+  // 2 -> 1.
+  SingleEngine one(options);
+  ASSERT_TRUE(one.engine->Load(checkpoint).ok());
+  EXPECT_TRUE(testing::BitEqual(WorkingParameters(*one.engine), saved[0]));
+  ASSERT_TRUE(TrainMean(*one.engine, 2, 2, 2).ok());
+  EXPECT_TRUE(testing::BitEqual(WorkingParameters(*one.engine), uninterrupted))
+      << "differs by " << testing::MaxAbsDiff(WorkingParameters(*one.engine), uninterrupted);
+
+  // 2 -> 2.
+  std::vector<Parameters> again(2);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    const Status loaded = engine.Load(checkpoint);
+    ASSERT_TRUE(loaded.ok()) << "rank " << rank << ": " << loaded.ToString();
+    ASSERT_TRUE(TrainRank(engine, rank, 2, 2).ok());
+    again[size_t(rank)] = WorkingParameters(engine);
+  });
+  EXPECT_TRUE(testing::BitEqual(again[0], uninterrupted));
+  EXPECT_TRUE(testing::BitEqual(again[1], uninterrupted));
+
+  // 2 -> 3, against one engine that loaded it and trains on three ranks' mean gradient.
+  SingleEngine three_reference(options);
+  ASSERT_TRUE(three_reference.engine->Load(checkpoint).ok());
+  ASSERT_TRUE(TrainMean(*three_reference.engine, 3, 2, 2).ok());
+  const Parameters three_expected = WorkingParameters(*three_reference.engine);
+  std::vector<Parameters> loaded3(3), trained3(3);
+  OnRanks(3, options, [&](int rank, Engine& engine) {
+    const Status loaded = engine.Load(checkpoint);
+    ASSERT_TRUE(loaded.ok()) << "rank " << rank << ": " << loaded.ToString();
+    loaded3[size_t(rank)] = WorkingParameters(engine);
+    ASSERT_TRUE(TrainRank(engine, rank, 2, 2).ok());
+    trained3[size_t(rank)] = WorkingParameters(engine);
+  });
+  for (size_t r = 0; r < 3; ++r) {
+    EXPECT_TRUE(testing::BitEqual(loaded3[r], saved[0])) << "rank " << r;
+    EXPECT_TRUE(testing::BitEqual(trained3[r], trained3[0])) << "rank " << r;
+    // A third of a sum is not exact: the order of the reduction shows, to rounding.
+    EXPECT_LT(testing::MaxAbsDiff(trained3[r], three_expected), 1e-6) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Placements, ShardedCheckpointTest,
+                         ::testing::Values(CheckpointCase{"states_host", Tier::kHost},
+                                           CheckpointCase{"states_nvme", Tier::kNvme}),
+                         [](const auto& param_info) { return std::string(param_info.param.name); });
+
+// One engine's checkpoint loads into two ranks (each takes its shard of every chunk's states),
+// which continue exactly as the uninterrupted run.
+TEST(ShardedCheckpointTest, SavedByOneLoadsIntoTwoRanksAndContinues) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  const fs::path checkpoint = dir.path() / "checkpoint";
+  SingleEngine reference(options);
+  ASSERT_TRUE(TrainMean(*reference.engine, 2, 0, 2).ok());
+  ASSERT_TRUE(reference.engine->Save(checkpoint).ok());
+  ASSERT_TRUE(TrainMean(*reference.engine, 2, 2, 2).ok());
+  const Parameters uninterrupted = WorkingParameters(*reference.engine);
+
+  std::vector<Parameters> continued(2);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    const Status loaded = engine.Load(checkpoint);
+    ASSERT_TRUE(loaded.ok()) << "rank " << rank << ": " << loaded.ToString();
+    ASSERT_TRUE(TrainRank(engine, rank, 2, 2).ok());
+    continued[size_t(rank)] = WorkingParameters(engine);
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(testing::BitEqual(continued[r], uninterrupted))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(continued[r], uninterrupted);
+  }
+}
+
+// A rank whose save fails (its NVMe reads fail) fails the save on every rank, naming it; the
+// checkpoint saved before at the same path stays, whole, and nothing staged is left behind.
+TEST(ShardedCheckpointTest, ARankWhoseSaveFailsFailsItEverywhereAndKeepsThePreviousOne) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  const fs::path checkpoint = dir.path() / "checkpoint";
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  std::vector<Status> second_save(2);
+  std::vector<Parameters> first_saved(2);
+  OnRanks(
+      2, options,
+      [&](int rank, Engine& engine) {
+        ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+        ASSERT_TRUE(engine.Save(checkpoint).ok());
+        first_saved[size_t(rank)] = WorkingParameters(engine);
+        ASSERT_TRUE(TrainRank(engine, rank, 1, 1).ok());
+        if (rank == 1) {
+          plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
+        }
+        second_save[size_t(rank)] = engine.Save(checkpoint);
+      },
+      [&](int rank) {
+        EngineEnvironment env;
+        if (rank == 1) {
+          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+          };
+        }
+        return env;
+      });
+  for (size_t r = 0; r < 2; ++r) EXPECT_FALSE(second_save[r].ok()) << "rank " << r;
+  EXPECT_NE(second_save[0].message().find("failed on rank 1 of 2"), std::string::npos)
+      << second_save[0].message();
+  for (const auto& entry : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
+  }
+  SingleEngine one(options);
+  const Status loaded = one.engine->Load(checkpoint);
+  ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  EXPECT_TRUE(testing::BitEqual(WorkingParameters(*one.engine), first_saved[0]));
+}
+
+// A shard file that is corrupted fails Load on every rank before any of them changes anything.
+TEST(ShardedCheckpointTest, ACorruptedShardChangesNothingOnAnyRank) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  const fs::path checkpoint = dir.path() / "checkpoint";
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+    ASSERT_TRUE(engine.Save(checkpoint).ok());
+  });
+  {
+    std::fstream file(checkpoint / "chunk-000001.rank-00001-of-00002.bin",
+                      std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(100);
+    file.put('\x7f');
+  }
+  std::vector<Status> loads(2);
+  std::vector<Parameters> before(2), after(2);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    before[size_t(rank)] = WorkingParameters(engine);
+    loads[size_t(rank)] = engine.Load(checkpoint);
+    after[size_t(rank)] = WorkingParameters(engine);
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(loads[r].code(), StatusCode::kDataLoss) << "rank " << r << ": " << loads[r].ToString();
+    EXPECT_TRUE(testing::BitEqual(after[r], before[r])) << "rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace strata::offload
