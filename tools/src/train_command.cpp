@@ -430,12 +430,6 @@ int Train(const TrainFlags& f) {
                         : message,
                 command);
   };
-  if (several && (!f.checkpoint.empty() || f.checkpoint_every > 0 || !f.resume.empty())) {
-    return fail(kExitUsage,
-                "checkpoints of a run across several ranks (sharded checkpoints) are not built "
-                "yet; train without --checkpoint, --checkpoint-every and --resume",
-                kCommand);
-  }
   if (several && !offload::MpiAvailable()) {
     return fail(kExitFailure, "started by " + launched.launcher +
                                   " as one of several ranks, but this build has no MPI: install "
@@ -679,9 +673,12 @@ int RunTrain(const std::vector<std::string>& args) {
                "serve Prometheus /metrics and JSON /status on this port while training (0: any)");
   flags.AddString("metrics-address", &f.metrics_address, "ADDR",
                   "interface for --metrics-port (default 127.0.0.1)");
-  flags.AddString("checkpoint", &f.checkpoint, "DIR", "save a checkpoint here (at the end)");
+  flags.AddString("checkpoint", &f.checkpoint, "DIR",
+                  "save a checkpoint here (at the end); under mpirun or srun every rank saves "
+                  "its shards into it, so it must be on a file system the ranks share");
   flags.AddInt("checkpoint-every", &f.checkpoint_every, "also save every K steps");
-  flags.AddString("resume", &f.resume, "DIR", "continue from a checkpoint");
+  flags.AddString("resume", &f.resume, "DIR",
+                  "continue from a checkpoint, saved by any number of ranks");
   flags.AddInt("seed", &f.seed, "initialization and data seed (default 1)");
   flags.AddDouble("collective-timeout", &f.collective_timeout,
                   "under mpirun or srun: seconds a collective waits for the other ranks before "
