@@ -521,12 +521,12 @@ Status Engine::Impl::Load(const std::filesystem::path& dir) {
 
 Status Engine::Impl::LoadVerified(const internal::CheckpointReader& reader,
                                   const internal::EngineManifest& saved) {
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
-  AlignedBuffer master;  // With several ranks: the whole chunk's, beside the shard's states.
-  if (sharded()) {
-    STRATA_ASSIGN_OR_RETURN(master,
-                            AlignedBuffer::Allocate(layout_.max_chunk_numel() * sizeof(float)));
-  }
+  // A failure to allocate reaches the ranks' agreement below like any other (`staged`).
+  Result<AlignedBuffer> states_or = AlignedBuffer::Allocate(max_state_bytes());
+  Result<AlignedBuffer> master_or =  // With several ranks: the whole chunk's master.
+      AlignedBuffer::Allocate(sharded() ? layout_.max_chunk_numel() * sizeof(float) : 0);
+  AlignedBuffer states = states_or.ok() ? std::move(*states_or) : AlignedBuffer();
+  AlignedBuffer master = master_or.ok() ? std::move(*master_or) : AlignedBuffer();
   // Fills `states` (and `master`) for chunk i from its files, whatever world size saved them.
   auto read_chunk = [&](size_t i) -> Result<const float*> {
     const Chunk& c = chunks_[i];
@@ -551,13 +551,28 @@ Status Engine::Impl::LoadVerified(const internal::CheckpointReader& reader,
   };
   // Then what lives on NVMe goes into the shadow extents, where a failure half-way (a write
   // error, a full disk) leaves the current state untouched.
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    const Chunk& c = chunks_[i];
-    if (c.placement.optimizer_states != Tier::kNvme && c.placement.params != Tier::kNvme) continue;
-    STRATA_RETURN_IF_ERROR(read_chunk(i).status());
-    STRATA_RETURN_IF_ERROR(WriteNvmeHome(i, states.data(), /*shadow=*/true)
-                               .WithContext("loading chunk " + std::to_string(i)));
+  auto stage_nvme = [&]() -> Status {
+    for (size_t i = 0; i < chunks_.size(); ++i) {
+      const Chunk& c = chunks_[i];
+      if (c.placement.optimizer_states != Tier::kNvme && c.placement.params != Tier::kNvme) {
+        continue;
+      }
+      STRATA_RETURN_IF_ERROR(read_chunk(i).status());
+      STRATA_RETURN_IF_ERROR(WriteNvmeHome(i, states.data(), /*shadow=*/true)
+                                 .WithContext("loading chunk " + std::to_string(i)));
+    }
+    return Status();
+  };
+  Status staged = !states_or.ok()   ? states_or.status()
+                  : !master_or.ok() ? master_or.status()
+                                    : stage_nvme();
+  // Several ranks go on to change their memory only if every one of them staged its states:
+  // a rank that could not must not be left with the old state while the others take the new.
+  if (sharded()) {
+    staged = internal::AgreeAcrossRanks(*environment_.communicator, staged,
+                                        "staging the checkpoint's states on NVMe");
   }
+  STRATA_RETURN_IF_ERROR(staged);
   // Memory tiers are written in place, once fetches (which read host-home parameters) and
   // preloads in flight are done. After the verification above only a disk that fails
   // between two reads of the same checkpoint can stop this half-way; the engine then says so.

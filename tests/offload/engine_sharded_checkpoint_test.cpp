@@ -246,6 +246,46 @@ TEST(ShardedCheckpointTest, ARankWhoseSaveFailsFailsItEverywhereAndKeepsThePrevi
   EXPECT_TRUE(testing::BitEqual(WorkingParameters(*one.engine), first_saved[0]));
 }
 
+// A rank whose NVMe writes fail while it stages a checkpoint's states fails Load on every rank
+// before any of them changes its memory: the others must not go on with the loaded state while
+// it keeps the old one (review finding: they did, and only reported the other rank's failure).
+TEST(ShardedCheckpointTest, ARankThatCannotStageTheStatesLeavesEveryRankAsItWas) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  const fs::path checkpoint = dir.path() / "checkpoint";
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  std::vector<Status> loads(2);
+  std::vector<Parameters> before(2), after(2);
+  OnRanks(
+      2, options,
+      [&](int rank, Engine& engine) {
+        ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+        ASSERT_TRUE(engine.Save(checkpoint).ok());
+        ASSERT_TRUE(TrainRank(engine, rank, 1, 1).ok());
+        before[size_t(rank)] = WorkingParameters(engine);
+        if (rank == 1) {
+          plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .times = -1});
+        }
+        loads[size_t(rank)] = engine.Load(checkpoint);
+        after[size_t(rank)] = WorkingParameters(engine);
+      },
+      [&](int rank) {
+        EngineEnvironment env;
+        if (rank == 1) {
+          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+          };
+        }
+        return env;
+      });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_FALSE(loads[r].ok()) << "rank " << r;
+    EXPECT_TRUE(testing::BitEqual(after[r], before[r])) << "rank " << r << " changed";
+  }
+  EXPECT_NE(loads[0].message().find("failed on rank 1 of 2"), std::string::npos)
+      << loads[0].message();
+}
+
 // A shard file that is corrupted fails Load on every rank before any of them changes anything.
 TEST(ShardedCheckpointTest, ACorruptedShardChangesNothingOnAnyRank) {
   ScratchDir dir;
@@ -269,7 +309,8 @@ TEST(ShardedCheckpointTest, ACorruptedShardChangesNothingOnAnyRank) {
     after[size_t(rank)] = WorkingParameters(engine);
   });
   for (size_t r = 0; r < 2; ++r) {
-    EXPECT_EQ(loads[r].code(), StatusCode::kDataLoss) << "rank " << r << ": " << loads[r].ToString();
+    EXPECT_EQ(loads[r].code(), StatusCode::kDataLoss)
+        << "rank " << r << ": " << loads[r].ToString();
     EXPECT_TRUE(testing::BitEqual(after[r], before[r])) << "rank " << r;
   }
 }
