@@ -50,6 +50,9 @@ struct Chunk {
   // in it, with offsets from its first element.
   ChunkShard shard;
   std::vector<ChunkSegment> segments;
+  // ZeRO stage 3 (a trained chunk with several ranks): host_params and param_copy hold only this
+  // rank's shard of the working parameters; Acquire gathers the whole chunk (ParamGather).
+  bool params_sharded = false;
 
   // Device-home parameters: the working parameters and their gradient buffer, always there.
   // (Offloaded parameters come and go with Residency.)

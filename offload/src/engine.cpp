@@ -117,6 +117,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     c.shard = layout_.shard(i, rank());
     c.segments = layout_.ShardSegments(i, rank());
     c.placement.params = place.params;
+    // Frozen chunks stay whole on every rank: they have no optimizer step to share.
+    c.params_sharded = sharded() && place.zero_stage == 3 && !layout_.chunk(i).frozen;
     if (place.params == Tier::kNvme &&
         params_in_host + c.working_bytes(wsize) <= place.max_params_in_host) {
       c.placement.params = Tier::kHost;  // Within max_params_in_host: cached in host memory.
@@ -349,6 +351,20 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
 
   AllocateStateShadows();
 
+  // --- Stage 3: host slots the chunks' parameters are gathered into, for the chunk acquired and
+  // the prefetch depth's ---
+  if (std::any_of(chunks_.begin(), chunks_.end(),
+                  [](const Chunk& c) { return c.params_sharded; })) {
+    const size_t slots = size_t(std::max(0, place.prefetch_depth)) + 1;
+    const size_t bytes = max_trained_numel() * wsize;
+    const uint64_t total = slots * AlignUp(bytes, kHostAlignment);
+    STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
+        total, "the " + std::to_string(slots) +
+                   " buffers stage 3 gathers parameters into (placement.prefetch_depth + 1)"));
+    static_reservations_.emplace_back(&host_budget_, total);
+    STRATA_RETURN_IF_ERROR(param_gather_.Initialize(slots, bytes));
+  }
+
   // --- Initial values: master = given values (padding zero), moments zero; a frozen chunk's
   // "states" are just the values (Chunk::state_bytes). With several ranks, the states hold
   // this rank's shard of the master, and the working parameters come from the whole of it ---
@@ -509,8 +525,10 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
   const size_t wsize = working_size();
   const std::string name = "chunk " + std::to_string(chunk);
   std::vector<HostBuffer> buffers;
+  // Stage 3 keeps this rank's shard of a trained chunk's working parameters (ParamGather).
+  const size_t param_bytes = c.params_sharded ? c.shard.numel() * wsize : c.working_bytes(wsize);
   if (c.placement.params == Tier::kHost) {
-    buffers.push_back({&c.host_params, c.working_bytes(wsize), "the parameters of " + name});
+    buffers.push_back({&c.host_params, param_bytes, "the parameters of " + name});
   }
   // Frozen chunks have no gradients; device-kept ones keep theirs there.
   if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) return buffers;
@@ -523,8 +541,7 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
                        "this rank's shard of the gradients of " + name});
   }
   if (c.placement.params != Tier::kNvme) {
-    buffers.push_back(
-        {&c.param_copy, c.working_bytes(wsize), "the updated working parameters of " + name});
+    buffers.push_back({&c.param_copy, param_bytes, "the updated working parameters of " + name});
   }
   if (options_.optimizer.delayed_update) {
     buffers.push_back(
@@ -617,15 +634,16 @@ Status Engine::Impl::CheckShardable() const {
                        "plain data parallelism (zero_optimization.stage 0) is not built; stages "
                        "1 and 2 shard the optimizer states");
   }
-  if (place.zero_stage == 3) {
+  if (place.zero_stage == 3 && place.params != Tier::kHost) {
     return Unavailable(across +
-                       "zero_optimization.stage 3 (sharded parameters) is not built "
-                       "yet; stages 1 and 2 are");
+                       "zero_optimization.stage 3 keeps each rank's shard of the parameters in "
+                       "host memory and gathers a chunk's on Acquire: set offload_param cpu "
+                       "(shards kept on the device or on NVMe are not built yet)");
   }
-  if (place.params != Tier::kDevice) {
+  if (place.zero_stage != 3 && place.params != Tier::kDevice) {
     return Unavailable(across +
-                       "offloaded parameters come with stage 3; keep them on the device "
-                       "(offload_param none)");
+                       "offloaded parameters are sharded by stage 3; with stages 1 and 2 keep "
+                       "them on the device (offload_param none)");
   }
   if (place.optimizer_states == Tier::kDevice || place.offload_ratio < 1.0) {
     return Unavailable(across +
@@ -665,7 +683,15 @@ Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
   }
   STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "Acquire(" + std::to_string(chunk) + ")",
                                                  /*acquire=*/true));
-  return residency_.Acquire(chunk);
+  if (!chunks_[chunk].params_sharded || residency_.Held(chunk)) return residency_.Acquire(chunk);
+  // Stage 3: every rank gathers the chunk's parameters for this Acquire, whatever its device
+  // holds (see param_gather.h), and the chunks expected next ahead of time.
+  const auto depth = size_t(std::max(0, options_.placement.prefetch_depth));
+  STRATA_ASSIGN_OR_RETURN(const std::byte* gathered,
+                          param_gather_.Take(chunk, residency_.Upcoming(chunk, depth)));
+  Result<ChunkView> view = residency_.Acquire(chunk, gathered);
+  param_gather_.Return(chunk);
+  return view;
 }
 
 void Engine::Impl::Release(size_t chunk, TrainerStream stream) {
@@ -730,7 +756,10 @@ void Engine::Release(size_t chunk, TrainerStream stream) { impl_->Release(chunk,
 Status Engine::GradsReady(size_t chunk, TrainerStream stream) {
   return impl_->GradsReady(chunk, stream);
 }
-std::future<Result<StepReport>> Engine::Step() { return impl_->pipeline_.Step(); }
+std::future<Result<StepReport>> Engine::Step() {
+  impl_->param_gather_.Discard();  // Stage 3: gathers made ahead hold this step's parameters.
+  return impl_->pipeline_.Step();
+}
 double Engine::loss_scale() const { return impl_->pipeline_.loss_scale(); }
 int64_t Engine::step_count() const { return impl_->pipeline_.step_count(); }
 int64_t Engine::iteration_count() const { return impl_->pipeline_.iteration_count(); }
@@ -780,6 +809,8 @@ EngineCounters& EngineCounters::operator+=(const EngineCounters& o) {
   fetches += o.fetches;
   speculative_updates += o.speculative_updates;
   rolled_back_updates += o.rolled_back_updates;
+  reduce_scatter_bytes += o.reduce_scatter_bytes;
+  all_gather_bytes += o.all_gather_bytes;
   return *this;
 }
 
@@ -795,6 +826,8 @@ EngineCounters& EngineCounters::operator-=(const EngineCounters& o) {
   fetches -= o.fetches;
   speculative_updates -= o.speculative_updates;
   rolled_back_updates -= o.rolled_back_updates;
+  reduce_scatter_bytes -= o.reduce_scatter_bytes;
+  all_gather_bytes -= o.all_gather_bytes;
   return *this;
 }
 
@@ -811,7 +844,9 @@ EngineCounters Engine::counters() const {
           .evictions = count(m.evictions),
           .fetches = count(m.fetches),
           .speculative_updates = count(m.speculative_updates),
-          .rolled_back_updates = count(m.rolled_back_updates)};
+          .rolled_back_updates = count(m.rolled_back_updates),
+          .reduce_scatter_bytes = count(m.collective_bytes[int(CollectiveKind::kReduceScatter)]),
+          .all_gather_bytes = count(m.collective_bytes[int(CollectiveKind::kAllGather)])};
 }
 
 MetricsRegistry& Engine::metrics() {

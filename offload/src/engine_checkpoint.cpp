@@ -102,7 +102,13 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states, cons
   }
   if (c.placement.params == Tier::kNvme) return Status();
   if (c.placement.params == Tier::kHost) {
-    std::memcpy(c.host_params.data(), working->data(), c.working_bytes(working_size()));
+    const size_t wsize = working_size();
+    if (c.params_sharded) {  // Stage 3: this rank's shard only.
+      std::memcpy(c.host_params.data(), working->data() + c.shard.begin * wsize,
+                  c.shard.numel() * wsize);
+    } else {
+      std::memcpy(c.host_params.data(), working->data(), c.working_bytes(wsize));
+    }
     return Status();
   }
   STRATA_RETURN_IF_ERROR(
@@ -255,7 +261,8 @@ Status Engine::Impl::SetStepCount(int64_t steps) {
 }
 
 Status Engine::Impl::WaitForQuietMemory() {
-  WaitIdle();  // Fetches in flight read host-home parameters.
+  param_gather_.Discard();  // Stage 3: gathers in flight read the parameter shards.
+  WaitIdle();               // Fetches in flight read host-home parameters.
   return residency_.WaitForTrainerUse();
 }
 

@@ -8,6 +8,7 @@
 //   prefetch.
 // - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing,
 //   the per-chunk update journeys and the commit.
+// - ParamGather (param_gather.h) owns ZeRO stage 3's gather slots and their collectives.
 // - Checkpoints (engine_checkpoint.cpp) read and write chunk states between steps.
 //
 // Threads: the trainer thread calls the public methods; the event loop thread runs every
@@ -31,6 +32,7 @@
 #include "chunk.h"
 #include "engine_metrics.h"
 #include "loop_sync.h"
+#include "param_gather.h"
 #include "residency.h"
 #include "step_pipeline.h"
 #include "strata/core/aligned_buffer.h"
@@ -212,6 +214,7 @@ class Engine::Impl {
   // The parts. Their coroutines run on loop_ and their jobs in jobs_.
   Residency residency_{*this};
   StepPipeline pipeline_{*this, options_};
+  ParamGather param_gather_{*this};  // Trainer thread only.
 
   JobCounter jobs_in_flight_;  // Every AwaitJob of the parts counts here.
   // Coroutines started by Spawn and not yet finished.

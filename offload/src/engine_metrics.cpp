@@ -8,7 +8,8 @@ namespace {
 constexpr const char* kInFlightNames[kInFlightKinds] = {"nvme_read", "nvme_write", "host_to_device",
                                                         "device_to_host", "cpu_optimizer"};
 constexpr const char* kTrainerWaitNames[kTrainerWaits] = {
-    "host_to_device", "nvme", "device_to_host", "device_memory", "step"};
+    "host_to_device", "nvme", "device_to_host", "device_memory", "step", "collective"};
+constexpr const char* kCollectiveNames[kCollectiveKinds] = {"reduce_scatter", "all_gather"};
 constexpr const char* kUpdateWaitNames[kUpdateWaits] = {"nvme_read", "staging_buffer",
                                                         "cpu_optimizer", "nvme_write"};
 
@@ -75,6 +76,13 @@ void EngineMetrics::Register(MetricsRegistry& r) {
         "strata_update_wait_seconds_total",
         "Time chunk updates spent waiting on each resource, summed over concurrent updates.",
         {{"resource", kUpdateWaitNames[i]}});
+  }
+  for (int i = 0; i < kCollectiveKinds; ++i) {
+    collective_bytes[i] = &r.GetCounter(
+        "strata_collective_bytes_total",
+        "Bytes of the buffers this rank's collectives covered across ranks (a chunk's gradients "
+        "reduce-scattered, its parameters all-gathered).",
+        {{"op", kCollectiveNames[i]}});
   }
   last_time_ = Clock::now();
 }

@@ -30,8 +30,13 @@ enum class TrainerWait {
   kDeviceToHost,  ///< Acquire: the chunk's gradients of the previous micro-step still copying out.
   kDeviceMemory,  ///< Acquire: no room in the device budget until a copy in flight finishes.
   kStep,          ///< Step(): the update pipeline after backward, until the step commits.
+  kCollective,    ///< Acquire: ZeRO stage 3's all-gather of the chunk's parameters.
 };
-inline constexpr int kTrainerWaits = 5;
+inline constexpr int kTrainerWaits = 6;
+
+/// The collectives whose bytes are counted (strata_collective_bytes_total{op}).
+enum class CollectiveKind { kReduceScatter, kAllGather };
+inline constexpr int kCollectiveKinds = 2;
 
 /// What a chunk's update waits for.
 enum class UpdateWait {
@@ -65,6 +70,9 @@ struct EngineMetrics {
   Gauge* in_flight[kInFlightKinds] = {};
   Counter* trainer_stall[kTrainerWaits] = {};
   Counter* update_wait[kUpdateWaits] = {};
+  // Bytes of the whole buffers this rank's collectives covered (a chunk's, for a reduce-scatter
+  // or all-gather of it): what the ZeRO paper counts as Ψ per step and stage.
+  Counter* collective_bytes[kCollectiveKinds] = {};
   // Over the last step: bytes per second per tier pair (d2h, h2d, nvme->host, host->nvme) and
   // parameters the CPU optimizer updated per second while it was busy (wall time).
   Gauge* bandwidth[4] = {};
@@ -76,6 +84,7 @@ struct EngineMetrics {
   Gauge& in_flight_of(InFlightKind kind) { return *in_flight[int(kind)]; }
   Counter& stall_of(TrainerWait wait) { return *trainer_stall[int(wait)]; }
   Counter& wait_of(UpdateWait wait) { return *update_wait[int(wait)]; }
+  Counter& collective_of(CollectiveKind kind) { return *collective_bytes[int(kind)]; }
 
   /// A chunk update enters / leaves the CPU optimizer: counts it in flight and keeps the wall
   /// time during which at least one chunk was being updated. Loop thread only.

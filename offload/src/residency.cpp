@@ -27,10 +27,36 @@ ChunkView Residency::ViewLocked(size_t chunk) const {
   return {copy.memory.params.data(), copy.memory.grads.data(), c.numel, engine_.working_dtype()};
 }
 
-Result<ChunkView> Residency::Acquire(size_t chunk) {
+bool Residency::Held(size_t chunk) const {
+  std::lock_guard lock(mutex_);
+  return copies_[chunk].pins > 0;
+}
+
+std::vector<size_t> Residency::Upcoming(size_t chunk, size_t count) const {
+  std::lock_guard lock(mutex_);
+  std::vector<size_t> upcoming;
+  if (recording_) return upcoming;
+  // Where RecordAccessLocked will find this access.
+  size_t i = order_position_;
+  while (i < order_.size() && order_[i] != chunk) ++i;
+  for (++i; i < order_.size() && upcoming.size() < count; ++i) {
+    const size_t next = order_[i];
+    if (engine_.chunks_[next].params_sharded && copies_[next].pins == 0) upcoming.push_back(next);
+  }
+  return upcoming;
+}
+
+Result<ChunkView> Residency::Acquire(size_t chunk, const std::byte* gathered) {
   std::unique_lock lock(mutex_);
   Copy& copy = copies_[chunk];
   const Chunk& c = engine_.chunks_[chunk];
+  // Fetches of this acquisition copy the gathered parameters; it outlives them (this call waits
+  // for each).
+  copy.gathered = gathered;
+  struct ForgetGathered {
+    Copy& copy;
+    ~ForgetGathered() { copy.gathered = nullptr; }
+  } forget{copy};
   ++copy.pins;
   copy.last_use = ++use_tick_;
   copy.grads_declared = false;
@@ -312,6 +338,8 @@ void Residency::PrefetchLocked(std::unique_lock<std::mutex>& lock) {
   if (recording_ || depth <= 0) return;
   int issued = 0;
   for (size_t i = order_position_; i < order_.size() && issued < depth; ++i) {
+    // A stage-3 chunk comes only with the parameters its Acquire gathers.
+    if (engine_.chunks_[order_[i]].params_sharded) continue;
     if (copies_[order_[i]].state == State::kAbsent &&
         !StartFetchLocked(order_[i], /*demand=*/false, lock).ok()) {
       return;  // No room: stop here.
@@ -326,7 +354,7 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
   Copy& copy = copies_[chunk];  // Its buffers stay put while it is fetching.
   const size_t bytes = c.working_bytes(e.working_size());
   Status status;
-  const std::byte* source = c.host_params.data();
+  const std::byte* source = c.params_sharded ? copy.gathered : c.host_params.data();
   StagingBuffer staging;  // NVMe-home parameters come up through one.
   if (c.placement.params == Tier::kNvme) {
     staging = co_await e.param_staging_->Acquire();

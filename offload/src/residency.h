@@ -35,8 +35,17 @@ class Residency {
 
   /// Pins `chunk` for the trainer, makes its working parameters resident on the device and its
   /// gradient buffer free (the previous micro-step's copy out has read it), blocking until both
-  /// hold, and prefetches the chunks expected next.
-  Result<ChunkView> Acquire(size_t chunk);
+  /// hold, and prefetches the chunks expected next. `gathered`: a stage-3 chunk's whole working
+  /// parameters (ParamGather), which a fetch copies instead of its home (a shard); a fetch of
+  /// such a chunk happens only here, never ahead.
+  Result<ChunkView> Acquire(size_t chunk, const std::byte* gathered = nullptr);
+  /// Whether the trainer holds `chunk` (acquired and not released). Trainer thread.
+  bool Held(size_t chunk) const;
+  /// Up to `count` stage-3 chunks (Chunk::params_sharded) that the order recorded in the first
+  /// step expects after this access of `chunk`, skipping those the trainer holds; none while
+  /// the order is being recorded.
+  /// Trainer thread, before Acquire(chunk).
+  std::vector<size_t> Upcoming(size_t chunk, size_t count) const;
   /// Unpins a chunk acquired earlier and records the end of the trainer's queued work on it
   /// (on `stream`).
   void Release(size_t chunk, TrainerStream stream);
@@ -91,6 +100,7 @@ class Residency {
     uint64_t last_use = 0;
     bool stale = false;  // Dropped while fetching: what arrives is thrown away.
     Status fetch_status;
+    const std::byte* gathered = nullptr;  // Acquire's, while it waits for the fetch.
   };
 
   ChunkView ViewLocked(size_t chunk) const;

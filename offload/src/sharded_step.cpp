@@ -52,6 +52,8 @@ void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   reduce_order_.push_back(chunk);
+  e.m_.collective_of(CollectiveKind::kReduceScatter)
+      .Increment(double(c.numel * DTypeSize(DType::kFp32)));
   e.environment_.communicator->ReduceScatter(
       c.grads_sum.data(), c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
       [&c] { return c.grads_summed.Wait(); },
@@ -88,6 +90,9 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
   step_outcome_.Reset();  // The last step's was delivered before this Step() was accepted.
   for (size_t chunk : order) {
     Chunk& c = e.chunks_[chunk];
+    // Stage 3 gathers parameters when the trainer acquires them (ParamGather), not here.
+    if (c.params_sharded) continue;
+    e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(c.working_bytes(wsize)));
     comm.AllGather(
         c.param_copy.data() + c.shard.begin * wsize, c.param_copy.data(), c.shard.numel(),
         e.working_dtype(), [&c] { return c.shard_updated.Wait(); },
@@ -175,6 +180,16 @@ Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
   Chunk& c = engine_.chunks_[chunk];
   if (step_.cancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
   const bool updated = c.phase_now() == ChunkPhase::kUpdated;
+  if (c.params_sharded) {
+    // Stage 3: the shard's new parameters wait in param_copy for the commit; the next Acquire
+    // gathers them.
+    if (!updated && !step_.skip && step_.error.ok()) {
+      KeepFirstError(Internal("chunk " + std::to_string(chunk) + " was not updated on rank " +
+                              std::to_string(engine_.rank())));
+    }
+    c.gathered = true;
+    co_return;
+  }
   // The all-gather runs whatever this rank's update did (as the reduce-scatter, see
   // ReduceGrads). A skipped step gathers and uploads nothing; a chunk not updated otherwise
   // fails this rank's step, and so, through the outcome all-reduce, every rank's.

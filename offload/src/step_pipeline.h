@@ -50,22 +50,27 @@
 // `mutex_` (which Release and Acquire then take too). While a delayed step runs, Acquire is
 // allowed and the next GradsReady waits on `step_done_` until Step()'s future is ready.
 //
-// Sharding (ZeRO stages 1 and 2; EngineEnvironment::communicator with several ranks): each rank
-// keeps and updates the optimizer states of its shard of every chunk (Chunk::shard) and the
-// whole chunk's working parameters. Collectives are enqueued in program order on the trainer
+// Sharding (ZeRO stages 1, 2 and 3; EngineEnvironment::communicator with several ranks): each
+// rank keeps and updates the optimizer states of its shard of every chunk (Chunk::shard), and
+// the whole chunk's working parameters (stages 1 and 2) or its shard of them in host memory
+// (stage 3, Chunk::params_sharded). Collectives are enqueued in program order on the trainer
 // thread, the same on every rank, and run on the communicator's thread as their inputs come:
 //
+//   Acquire (stage 3)             all-gather host_params shards into a slot, and the chunks
+//                                 expected next ahead (ParamGather, param_gather.h)
 //   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed),
 //                                 chunk by chunk in one order (the last chunk first), whatever
 //                                 order the trainer declares them in
 //   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
 //                                 all-gather param_copy, chunk by chunk in that order
-//                                                                           (ready: shard_updated)
+//                                                  (ready: shard_updated; not with stage 3)
 //                                 all-reduce of the ranks whose step failed (ready: step_outcome_)
 //
 // The journey then runs: land and sum in fp32 -> grads_summed -> reduce -> measure the shard
 // (ReduceGrads) -> arrive -> gate (gated steps) -> update the shard with the mean gradient
-// (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams); the step commits
+// (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams; with stage 3 the
+// shard's new parameters wait in param_copy for the commit, which swaps them into host_params
+// and drops the stale device copies, and the next Acquire gathers them); the step commits
 // once the norm's all-reduce (which every step's report needs) and every all-gather are done,
 // and reports once every rank's outcome is in: a step that failed anywhere fails everywhere.
 // A rank's failure (a landing, an update, an upload) fails its step, not the collectives, which

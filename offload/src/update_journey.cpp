@@ -276,8 +276,10 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   }
   StagingBuffer param_buffer;
   // This rank's shard of the new parameters (the whole chunk with one rank); the all-gather
-  // brings the other ranks' shards (GatherParams).
-  void* param_copy = c.param_copy.data() + c.shard.begin * e.working_size();
+  // brings the other ranks' shards (GatherParams), or with stage 3 the next Acquire does, from
+  // a param_copy that holds the shard alone.
+  void* param_copy =
+      c.param_copy.data() + (c.params_sharded ? 0 : c.shard.begin * e.working_size());
   if (status.ok() && nvme_params) {
     {
       WaitTimer waiting(m.wait_of(UpdateWait::kStagingBuffer));

@@ -28,6 +28,7 @@ using testing::Grad;
 using testing::MakeDevice;
 using testing::ShardedModel;
 using testing::ShardedOptions;
+using testing::Stage3Options;
 using testing::TrainStep;
 using testing::WorkingParameters;
 
@@ -94,6 +95,7 @@ struct SingleEngine {
 struct CheckpointCase {
   const char* name;
   Tier states;
+  int stage;
 };
 
 class ShardedCheckpointTest : public ::testing::TestWithParam<CheckpointCase> {};
@@ -104,7 +106,9 @@ class ShardedCheckpointTest : public ::testing::TestWithParam<CheckpointCase> {}
 // exactly as one engine that loaded it and trains on three ranks' mean.
 TEST_P(ShardedCheckpointTest, SavedByTwoRanksLoadsIntoOneTwoOrThreeAndContinues) {
   ScratchDir dir;
-  const EngineOptions options = ShardedOptions(GetParam().states, dir.path());
+  const EngineOptions options = GetParam().stage == 3
+                                    ? Stage3Options(GetParam().states, dir.path())
+                                    : ShardedOptions(GetParam().states, dir.path());
   const fs::path checkpoint = dir.path() / "checkpoint";
   std::vector<Parameters> saved(2), continued(2);
   OnRanks(2, options, [&](int rank, Engine& engine) {
@@ -175,8 +179,10 @@ TEST_P(ShardedCheckpointTest, SavedByTwoRanksLoadsIntoOneTwoOrThreeAndContinues)
 }
 
 INSTANTIATE_TEST_SUITE_P(Placements, ShardedCheckpointTest,
-                         ::testing::Values(CheckpointCase{"states_host", Tier::kHost},
-                                           CheckpointCase{"states_nvme", Tier::kNvme}),
+                         ::testing::Values(CheckpointCase{"states_host", Tier::kHost, 2},
+                                           CheckpointCase{"states_nvme", Tier::kNvme, 2},
+                                           CheckpointCase{"stage3_states_host", Tier::kHost, 3},
+                                           CheckpointCase{"stage3_states_nvme", Tier::kNvme, 3}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // One engine's checkpoint loads into two ranks (each takes its shard of every chunk's states),

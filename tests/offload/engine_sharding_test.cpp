@@ -1,4 +1,4 @@
-// Sharded engines (ZeRO stages 1 and 2): several ranks, each an engine on its own HostDevice and
+// Sharded engines (ZeRO stages 1, 2 and 3): several ranks, each an engine on its own HostDevice and
 // thread, joined by local communicators, against one engine trained on the ranks' mean
 // gradients. The gradients are small multiples of 2^-8, so every sum of them is exact in fp32
 // in any order: with two ranks the sharded trajectory must equal the reference bit for bit.
@@ -30,6 +30,7 @@ using testing::Grad;
 using testing::MakeDevice;
 using testing::ShardedModel;
 using testing::ShardedOptions;
+using testing::Stage3Options;
 using testing::TrainStep;
 using testing::WorkingParameters;
 
@@ -37,11 +38,13 @@ using testing::WorkingParameters;
 struct RankResult {
   Status status;
   std::vector<StepReport> reports;
+  std::vector<std::vector<float>> initial_params;  // Before the first step.
   std::vector<std::vector<float>> params;
   size_t chunks = 0;
   size_t trained_numel = 0;  // Elements of the trained chunks (padded to a multiple of ranks).
   bool padded_to_shards = true;
   EngineCounters counters;
+  uint64_t host_bytes = 0;
 };
 
 /// Trains `ranks` sharded engines for `steps` steps, each on a thread of its own; rank r writes
@@ -49,7 +52,8 @@ struct RankResult {
 std::vector<RankResult> TrainSharded(
     int ranks, const EngineOptions& options, int steps, float scale = 1.0f,
     std::function<EngineEnvironment(int)> environment = {}, int swapping_rank = -1,
-    std::function<void(int, testing::WrappedDevice&)> on_device = {}) {
+    std::function<void(int, testing::WrappedDevice&)> on_device = {},
+    uint64_t device_bytes = 64 << 20) {
   const ShardedModel model;
   auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
   EXPECT_TRUE(comms.ok());
@@ -58,7 +62,7 @@ std::vector<RankResult> TrainSharded(
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       RankResult& result = results[size_t(r)];
-      auto inner = MakeDevice(64 << 20);
+      auto inner = MakeDevice(device_bytes);
       testing::WrappedDevice device(*inner);
       EngineEnvironment env = environment ? environment(r) : EngineEnvironment{};
       env.communicator = std::move((*comms)[size_t(r)]);
@@ -71,6 +75,8 @@ std::vector<RankResult> TrainSharded(
       const ChunkLayout& layout = (*engine)->layout();
       result.chunks = layout.chunk_count();
       if (on_device) on_device(r, device);
+      result.initial_params = WorkingParameters(**engine);
+      const EngineCounters before = (*engine)->counters();
       for (size_t c = 0; c < layout.chunk_count(); ++c) {
         if (!layout.chunk(c).frozen) result.trained_numel += layout.chunk(c).numel;
         result.padded_to_shards &=
@@ -85,8 +91,10 @@ std::vector<RankResult> TrainSharded(
         result.status = report.status();
         if (report.ok()) result.reports.push_back(*report);
       }
+      // The steps' alone: reading the parameters gathers them with stage 3.
+      result.counters = (*engine)->counters() - before;
+      result.host_bytes = (*engine)->tier_usage(Tier::kHost).used_bytes;
       if (result.status.ok()) result.params = WorkingParameters(**engine);
-      result.counters = (*engine)->counters();
     });
   }
   for (std::thread& thread : threads) thread.join();
@@ -121,23 +129,32 @@ std::vector<std::vector<float>> TrainReference(int ranks, const EngineOptions& o
 struct ShardedCase {
   const char* name;
   Tier states;
+  int stage;
 };
+
+EngineOptions OptionsFor(const ShardedCase& sharded, const std::string& nvme_path) {
+  return sharded.stage == 3 ? Stage3Options(sharded.states, nvme_path)
+                            : ShardedOptions(sharded.states, nvme_path);
+}
 
 class ShardingTest : public ::testing::TestWithParam<ShardedCase> {};
 
 // Two ranks, each keeping half of every chunk's optimizer states (host or NVMe), reduce-scatter
-// their gradients, update their halves and all-gather the parameters: every rank ends with the
+// their gradients, update their halves and all-gather the parameters (stage 2: after the
+// update; stage 3: on every Acquire, from each rank's half): every rank ends with the
 // parameters of one engine trained on the mean gradient, bit for bit, and reports its norm.
 TEST_P(ShardingTest, TwoRanksTrainExactlyAsOneOnTheMeanGradient) {
   ScratchDir dir;
-  const EngineOptions options = ShardedOptions(GetParam().states, dir.path());
+  const EngineOptions options = OptionsFor(GetParam(), dir.path());
   constexpr int kSteps = 3;
   std::vector<RankResult> ranks = TrainSharded(2, options, kSteps);
   std::vector<StepReport> reference_reports;
   const auto reference = TrainReference(2, options, kSteps, &reference_reports);
   ASSERT_FALSE(reference.empty());
+  const ShardedModel model;
   for (size_t r = 0; r < ranks.size(); ++r) {
     ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].initial_params, model.values)) << "rank " << r;
     EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
         << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
     ASSERT_EQ(ranks[r].reports.size(), size_t(kSteps));
@@ -154,8 +171,10 @@ TEST_P(ShardingTest, TwoRanksTrainExactlyAsOneOnTheMeanGradient) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
-                         ::testing::Values(ShardedCase{"states_host", Tier::kHost},
-                                           ShardedCase{"states_nvme", Tier::kNvme}),
+                         ::testing::Values(ShardedCase{"states_host", Tier::kHost, 2},
+                                           ShardedCase{"states_nvme", Tier::kNvme, 2},
+                                           ShardedCase{"stage3_states_host", Tier::kHost, 3},
+                                           ShardedCase{"stage3_states_nvme", Tier::kNvme, 3}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // The ranks' collectives go in one fixed chunk order, whatever order each rank's backward
@@ -180,9 +199,18 @@ TEST(ShardingTest, RanksThatDeclareGradientsInAnotherOrderStillReduceTheSameChun
 // Three ranks: each pads every chunk to three equal shards and updates only its own (a third
 // of the CPU optimizer's work). The mean is not exact any more (a third), but the trajectory is
 // the reference's to rounding, and every rank holds the same parameters bit for bit.
+void ExpectThreeRanksFollowTheMeanGradient(const EngineOptions& options);
+
 TEST(ShardingTest, ThreeRanksAgreeBitForBitAndFollowTheMeanGradient) {
   ScratchDir dir;
-  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const EngineOptions options = OptionsFor({"", Tier::kHost, stage}, dir.path());
+    ExpectThreeRanksFollowTheMeanGradient(options);
+  }
+}
+
+void ExpectThreeRanksFollowTheMeanGradient(const EngineOptions& options) {
   constexpr int kSteps = 2;
   std::vector<RankResult> ranks = TrainSharded(3, options, kSteps);
   std::vector<StepReport> reference_reports;
@@ -195,6 +223,49 @@ TEST(ShardingTest, ThreeRanksAgreeBitForBitAndFollowTheMeanGradient) {
     EXPECT_TRUE(ranks[r].padded_to_shards) << "rank " << r;
     EXPECT_EQ(ranks[r].counters.optimizer_params, kSteps * ranks[r].trained_numel / 3)
         << "rank " << r;
+  }
+}
+
+// What each stage moves between ranks per step, as the ZeRO paper counts it (Ψ: the trained
+// chunks' bytes): stage 2 reduce-scatters the gradients and all-gathers the updated parameters
+// once (2Ψ); stage 3 gathers the parameters on every Acquire instead — forward's and
+// backward's of each micro-step (two here) — and never after the update.
+TEST(ShardingTest, EachStageMovesTheBytesZeroPredicts) {
+  ScratchDir dir;
+  constexpr int kSteps = 2;
+  constexpr int kMicroSteps = 2;
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const EngineOptions options = OptionsFor({"", Tier::kHost, stage}, dir.path());
+    std::vector<RankResult> ranks = TrainSharded(2, options, kSteps);
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+      const uint64_t psi = ranks[r].trained_numel * sizeof(float);  // fp32 working parameters
+      EXPECT_EQ(ranks[r].counters.reduce_scatter_bytes, kSteps * psi) << "rank " << r;
+      const uint64_t gathers = stage == 3 ? 2 * kMicroSteps : 1;
+      EXPECT_EQ(ranks[r].counters.all_gather_bytes, kSteps * gathers * psi) << "rank " << r;
+    }
+  }
+}
+
+// Stage 3 needs the device to hold only the chunks in use: with room for two of the three
+// trained chunks, chunks are evicted and gathered again on their next Acquire, and the ranks
+// still train exactly as one engine on the mean gradient.
+TEST(ShardingTest, StageThreeTrainsWithADeviceThatCannotHoldTheModel) {
+  ScratchDir dir;
+  const EngineOptions options = Stage3Options(Tier::kHost, dir.path());
+  constexpr int kSteps = 3;
+  constexpr uint64_t kTwoChunks = 2 * 2 * testing::kShardedChunkBytes + 16 * 1024;
+  std::vector<RankResult> ranks =
+      TrainSharded(2, options, kSteps, 1.0f, {}, -1, {}, /*device_bytes=*/kTwoChunks);
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(2, options, kSteps, &reference_reports);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_GT(ranks[r].counters.evictions, 0u) << "rank " << r;
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
   }
 }
 
@@ -315,10 +386,14 @@ TEST(ShardingTest, WhatIsNotBuiltForSeveralRanksIsRefusedClearly) {
     auto device = MakeDevice(64 << 20);
     return Engine::Create(options, *device, model.specs, std::move(env)).status();
   };
-  EngineOptions stage3 = ShardedOptions(Tier::kHost, dir.path());
-  stage3.placement.zero_stage = 3;
-  EXPECT_EQ(create(stage3).code(), StatusCode::kUnavailable);
-  EXPECT_NE(create(stage3).message().find("stage 3"), std::string::npos);
+  // Stage 3 keeps the parameter shards in host memory: on the device or NVMe is not built.
+  for (const Tier params : {Tier::kDevice, Tier::kNvme}) {
+    EngineOptions stage3 = Stage3Options(Tier::kHost, dir.path());
+    stage3.placement.params = params;
+    EXPECT_EQ(create(stage3).code(), StatusCode::kUnavailable);
+    EXPECT_NE(create(stage3).message().find("offload_param cpu"), std::string::npos)
+        << create(stage3).message();
+  }
   EngineOptions stage0 = ShardedOptions(Tier::kHost, dir.path());
   stage0.placement.zero_stage = 0;
   EXPECT_EQ(create(stage0).code(), StatusCode::kUnavailable);

@@ -120,4 +120,12 @@ inline EngineOptions ShardedOptions(Tier states, const std::string& nvme_path) {
   return o;
 }
 
+/// ShardedOptions with ZeRO stage 3: each rank keeps its shard of the parameters in host memory.
+inline EngineOptions Stage3Options(Tier states, const std::string& nvme_path) {
+  EngineOptions o = ShardedOptions(states, nvme_path);
+  o.placement.zero_stage = 3;
+  o.placement.params = Tier::kHost;
+  return o;
+}
+
 }  // namespace strata::offload::testing

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """strata train under mpirun: two ranks with --batch 4 each train one model as one rank with
 --batch 8 does (the same samples; bf16 sums in another order, so the losses agree to a stated
-tolerance), only rank 0 prints, a checkpoint two ranks save resumes on two ranks and on one, and
+tolerance), stage 3 exactly as stage 2, only rank 0 prints, a checkpoint two ranks save resumes on two ranks and on one, and
 an error on the ranks names each rank.
 
 Usage: train_ranks_test.py STRATA MPIRUN
@@ -77,13 +77,24 @@ def main():
     print(f"saved by 2 ranks at step 10, resumed to 20: by 2 ranks exactly, by 1 rank within "
           f"{resumed['1 rank']:.2e} of the uninterrupted run")
 
-    # What is not built for several ranks: every rank says so, naming itself; nothing trains.
+    # Stage 3: each rank keeps half the parameters and gathers a chunk's on every Acquire. The
+    # gathered parameters are the ones stage 2 gathers after the update: the same losses exactly.
     code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3"])
-    assert code != 0, "stage 3 across ranks should be refused"
+    assert code == 0, f"stage 3 failed ({code}):\n{err}"
+    stage3 = json.loads(out)
+    assert stage3["ranks"]["zero_stage"] == 3, stage3["ranks"]
+    c = [s["loss"] for s in stage3["steps"]]
+    assert c == b, f"stage 3 differs from stage 2: {c} vs {b}"
+    print("stage 3 on 2 ranks: the same losses as stage 2, exactly")
+
+    # What is not built for several ranks: every rank says so, naming itself; nothing trains.
+    code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3",
+                                                    "--offload-params", "nvme"])
+    assert code != 0, "stage 3 with parameter shards on NVMe should be refused"
     for rank in (0, 1):
-        assert f"rank {rank} of 2:" in err and "stage 3" in err, err
+        assert f"rank {rank} of 2:" in err and "offload_param cpu" in err, err
     assert '"steps"' not in out, out
-    print("stage 3 refused on both ranks, each naming itself")
+    print("stage 3 with parameter shards on NVMe refused on both ranks, each naming itself")
 
     # A DeepSpeed config's batch sizes count every rank: 16 = 4 per rank x 2 micro-steps x 2.
     with tempfile.TemporaryDirectory() as scratch:

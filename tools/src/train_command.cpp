@@ -114,13 +114,16 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   if (!f.offload_optimizer.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
   }
+  if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
   // Several ranks shard the optimizer states (ZeRO stages 1 and 2), which keeps the working
-  // parameters on each rank's device: that is their default there.
-  if (ranks > 1 && !config) o.placement.params = Tier::kDevice;
+  // parameters on each rank's device, or the parameters too (stage 3), each rank keeping its
+  // shard in host memory: those are their defaults there.
+  if (ranks > 1 && !config) {
+    o.placement.params = o.placement.zero_stage == 3 ? Tier::kHost : Tier::kDevice;
+  }
   if (!f.offload_params.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.placement.params, ParseTier(f.offload_params));
   }
-  if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
   if (!f.precision.empty()) {
     STRATA_ASSIGN_OR_RETURN(o.precision.working_dtype, ParseDType(f.precision));
   }
@@ -618,9 +621,11 @@ int Train(const TrainFlags& f) {
     }
     for (size_t i = 0; i < peaks.size(); ++i) summary.peak_bytes[i] = uint64_t(peaks[i]);
   }
-  if (!prints) return kExitOk;  // Every rank holds the same parameters: rank 0 evaluates.
+  // Every rank evaluates, as during training: with stage 3 each Acquire gathers the chunk's
+  // parameters from every rank.
   auto validation = (*trainer)->Evaluate();
   if (!validation.ok()) return fail(kExitFailure, validation.status().message());
+  if (!prints) return kExitOk;
   summary.validation_loss = *validation;
   gauges.validation_loss->Set(*validation);
   if (f.json) {
@@ -684,8 +689,9 @@ int RunTrain(const std::vector<std::string>& args) {
                   "under mpirun or srun: seconds a collective waits for the other ranks before "
                   "the step fails (placement.collective_timeout_seconds, default 600)");
   flags.AddInt("zero-stage", &f.zero_stage,
-               "under mpirun or srun: 1 or 2 shards the optimizer states across the ranks "
-               "(default: the config's, else 2); --batch is per rank");
+               "under mpirun or srun: 1 or 2 shards the optimizer states across the ranks, 3 "
+               "the parameters too (each rank keeps its shard in host memory) (default: the "
+               "config's, else 2); --batch is per rank");
   flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
   flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
   flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");

@@ -10,8 +10,8 @@
 // Implementations: a single rank (every collective is a copy or nothing), MPI on host memory
 // (mpi_communicator.h), which is what HostDevice runs with, and ranks that are threads of one
 // process (local_communicator.h), for tests; NCCL on a CUDA stream comes with GPU sharding.
-// With more than one rank the engine shards optimizer states (ZeRO stages 1 and 2; see
-// "Sharding" in the engine's step_pipeline.h).
+// With more than one rank the engine shards optimizer states (ZeRO stages 1 and 2) and
+// parameters (stage 3; see "Sharding" in the engine's step_pipeline.h).
 //
 // With more than one rank, an implementation must return from every enqueueing call at once and
 // run `ready` on a thread of its own: the engine enqueues a collective before it starts the work

@@ -122,6 +122,10 @@ struct EngineCounters {
   /// them the verdict rolled back (a clipped or overflowing step).
   uint64_t speculative_updates = 0;
   uint64_t rolled_back_updates = 0;
+  /// With several ranks: bytes of the chunks whose gradients were reduce-scattered and whose
+  /// parameters were all-gathered (ZeRO's Ψ per step: stages 1 and 2 move 2Ψ, stage 3 3Ψ).
+  uint64_t reduce_scatter_bytes = 0;
+  uint64_t all_gather_bytes = 0;
 
   /// Field by field, for totals over steps and traffic between two readings.
   EngineCounters& operator+=(const EngineCounters& other);
@@ -168,7 +172,11 @@ struct SaveOptions {
 
 /// What an engine is plugged into besides its options.
 struct EngineEnvironment {
-  /// Collectives across data-parallel ranks; null = a single rank.
+  /// Collectives across data-parallel ranks; null = a single rank. With several ranks every
+  /// rank's trainer makes the same calls in the same order — GradsReady and Step always, and
+  /// with placement.zero_stage 3 Acquire too (each Acquire of a chunk the trainer does not
+  /// hold gathers its parameters from every rank): a rank that evaluates or reads parameters
+  /// alone waits for the others until placement.collective_timeout_seconds.
   std::unique_ptr<Communicator> communicator;
   /// Ranks sharing this node's memory and cores: the automatic host budget and CPU optimizer
   /// threads are divided among them, so that 8 ranks do not each take 80% of memory and every

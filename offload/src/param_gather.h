@@ -1,0 +1,68 @@
+// ParamGather: ZeRO stage 3's parameter all-gathers. Each rank keeps only its shard of a trained
+// chunk's working parameters (Chunk::host_params); Acquire gathers the whole chunk from every
+// rank's shard into one of a few host slots, and Residency fetches it to the device from there.
+//
+// Collectives go in one order on every rank, so what is gathered, and when, follows only the
+// trainer's calls, never what the device happens to hold (which depends on timing): every
+// Acquire of a chunk the trainer does not already hold gathers it — forward's and backward's,
+// the 2Ψ of ZeRO-3's 3Ψ — and gathers the chunks the recorded order expects next as far as the
+// free slots go (prefetch). A gather made for an Acquire that never came (the trainer held the
+// chunk, or left the order) is thrown away when a step or a Load changes the parameters.
+//
+// Threads: the trainer thread makes every call; the communicator's thread opens a slot's signal
+// when its gather is done.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <optional>
+#include <span>
+
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/device.h"
+#include "strata/core/status.h"
+#include "strata/offload/engine.h"
+#include "thread_signal.h"
+
+namespace strata::offload {
+
+class ParamGather {
+ public:
+  explicit ParamGather(Engine::Impl& engine) : engine_(engine) {}
+
+  /// `slots` host buffers of `slot_bytes` each (the largest trained chunk's working parameters).
+  /// The caller has reserved them on the host budget.
+  Status Initialize(size_t slots, size_t slot_bytes);
+
+  /// The whole of `chunk`'s working parameters, blocking until they are gathered: its gather
+  /// was prefetched, or is enqueued now; then the gathers of `upcoming` (the chunks expected
+  /// next, in order) that free slots allow. Valid until Return(chunk). The first failed
+  /// collective's error (the communicator stays failed).
+  Result<const std::byte*> Take(size_t chunk, std::span<const size_t> upcoming);
+  /// Residency has copied what Take returned: its slot is free.
+  void Return(size_t chunk);
+  /// The parameters are about to change (a step, a Load): prefetched gathers are stale. Blocks
+  /// until every gather in flight has stopped reading the shards and writing the slots.
+  void Discard();
+
+ private:
+  struct Slot {
+    AlignedBuffer buffer;
+    PinnedHostRegion pinned;      // For the copy to the device; unpinned before it is freed.
+    std::optional<size_t> chunk;  // What it holds or is gathering; empty when free.
+    bool taken = false;           // Between Take and Return.
+    bool in_flight = false;       // A gather was enqueued into it and not waited for since.
+    ThreadSignal gathered;        // Opened by the communicator with the gather's status.
+  };
+
+  Slot* Find(size_t chunk);
+  Slot* FreeSlot();
+  /// Enqueues the all-gather of `chunk` into `slot`, after the slot's previous one is done.
+  void Enqueue(Slot& slot, size_t chunk);
+  static void WaitIdle(Slot& slot);
+
+  Engine::Impl& engine_;
+  std::deque<Slot> slots_;  // Never moved: the communicator writes into them.
+};
+
+}  // namespace strata::offload
