@@ -118,7 +118,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     c.segments = layout_.ShardSegments(i, rank());
     c.placement.params = place.params;
     // Frozen chunks stay whole on every rank: they have no optimizer step to share.
-    c.params_sharded = sharded() && place.zero_stage == 3 && !layout_.chunk(i).frozen;
+    c.params_sharded = gathers_params() && !layout_.chunk(i).frozen;
     if (place.params == Tier::kNvme &&
         params_in_host + c.working_bytes(wsize) <= place.max_params_in_host) {
       c.placement.params = Tier::kHost;  // Within max_params_in_host: cached in host memory.
@@ -239,6 +239,19 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     STRATA_ASSIGN_OR_RETURN(out, AllocateZeroed(bytes));
     return Status();
   };
+  // Stage 3's host slots that chunks' parameters are gathered into (for the chunk acquired and
+  // the prefetch depth's), before spilling states or sizing staging: both fit what is left.
+  if (std::any_of(chunks_.begin(), chunks_.end(),
+                  [](const Chunk& c) { return c.params_sharded; })) {
+    const size_t slots = size_t(std::max(0, place.prefetch_depth)) + 1;
+    const size_t bytes = max_trained_numel() * wsize;
+    const uint64_t total = slots * AlignUp(bytes, kHostAlignment);
+    STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
+        total, "the " + std::to_string(slots) +
+                   " buffers stage 3 gathers parameters into (placement.prefetch_depth + 1)"));
+    static_reservations_.emplace_back(&host_budget_, total);
+    STRATA_RETURN_IF_ERROR(param_gather_.Initialize(slots, bytes));
+  }
   SpillStatesToNvme();
   for (size_t i = 0; i < n_chunks; ++i) {
     for (const HostBuffer& b : HostBuffersOf(i)) {
@@ -350,20 +363,6 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   }
 
   AllocateStateShadows();
-
-  // --- Stage 3: host slots the chunks' parameters are gathered into, for the chunk acquired and
-  // the prefetch depth's ---
-  if (std::any_of(chunks_.begin(), chunks_.end(),
-                  [](const Chunk& c) { return c.params_sharded; })) {
-    const size_t slots = size_t(std::max(0, place.prefetch_depth)) + 1;
-    const size_t bytes = max_trained_numel() * wsize;
-    const uint64_t total = slots * AlignUp(bytes, kHostAlignment);
-    STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
-        total, "the " + std::to_string(slots) +
-                   " buffers stage 3 gathers parameters into (placement.prefetch_depth + 1)"));
-    static_reservations_.emplace_back(&host_budget_, total);
-    STRATA_RETURN_IF_ERROR(param_gather_.Initialize(slots, bytes));
-  }
 
   // --- Initial values: master = given values (padding zero), moments zero; a frozen chunk's
   // "states" are just the values (Chunk::state_bytes). With several ranks, the states hold
@@ -691,6 +690,9 @@ Result<ChunkView> Engine::Impl::Acquire(size_t chunk) {
                           param_gather_.Take(chunk, residency_.Upcoming(chunk, depth)));
   Result<ChunkView> view = residency_.Acquire(chunk, gathered);
   param_gather_.Return(chunk);
+  // The other ranks went on from this gather; a retry here would gather once more than they
+  // do, and this rank's collectives would no longer match theirs.
+  if (!view.ok()) param_gather_.Fail(view.status());
   return view;
 }
 

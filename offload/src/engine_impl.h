@@ -153,8 +153,12 @@ class Engine::Impl {
   int rank() const { return rank_; }
   int ranks() const { return layout_.world_size(); }
   bool sharded() const { return ranks() > 1; }
-  /// Unavailable naming what is not built for several ranks (stage 0 and 3, offloaded
-  /// parameters, device-kept states, the delayed update); OK for one rank.
+  /// ZeRO stage 3 across several ranks: Acquire gathers trained chunks' parameters
+  /// (ParamGather), so every rank's Acquire calls are collectives.
+  bool gathers_params() const { return sharded() && options_.placement.zero_stage == 3; }
+  /// Unavailable naming what is not built for several ranks (stage 0, stage 3's shards
+  /// anywhere but host memory, offloaded parameters with stages 1 and 2, device-kept states,
+  /// the delayed update); OK for one rank.
   Status CheckShardable() const;
   /// Unavailable for `operation` (checkpoints, state access) on a sharded engine: not built yet.
   Status CheckUnsharded(const std::string& operation) const;

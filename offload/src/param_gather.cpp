@@ -54,6 +54,7 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
 }
 
 Result<const std::byte*> ParamGather::Take(size_t chunk, std::span<const size_t> upcoming) {
+  if (!failed_.ok()) return failed_;
   Slot* slot = Find(chunk);
   if (slot == nullptr) {
     slot = FreeSlot();
@@ -99,6 +100,15 @@ void ParamGather::Return(size_t chunk) {
       return;
     }
   }
+}
+
+void ParamGather::Fail(const Status& error) {
+  if (!failed_.ok()) return;
+  failed_ = FailedPrecondition(
+      "an Acquire failed on this rank after the ranks gathered its chunk's parameters (" +
+      error.ToString() +
+      "); with zero_optimization.stage 3 every rank's Acquire is a collective, so this rank "
+      "cannot go on in step with the others: restart the ranks");
 }
 
 void ParamGather::Discard() {

@@ -44,6 +44,10 @@ class ParamGather {
   /// The parameters are about to change (a step, a Load): prefetched gathers are stale. Blocks
   /// until every gather in flight has stopped reading the shards and writing the slots.
   void Discard();
+  /// An Acquire failed on this rank after its gather, which the other ranks took part in and
+  /// went on from: every later Take refuses, naming `error`, rather than gather out of step
+  /// with them.
+  void Fail(const Status& error);
 
  private:
   struct Slot {
@@ -63,6 +67,7 @@ class ParamGather {
 
   Engine::Impl& engine_;
   std::deque<Slot> slots_;  // Never moved: the communicator writes into them.
+  Status failed_;           // Never moved: the communicator writes into them.
 };
 
 }  // namespace strata::offload

@@ -355,6 +355,11 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
   const size_t bytes = c.working_bytes(e.working_size());
   Status status;
   const std::byte* source = c.params_sharded ? copy.gathered : c.host_params.data();
+  if (source == nullptr) {  // Only Acquire fetches a stage-3 chunk, with what it gathered.
+    status = Internal("chunk " + std::to_string(chunk) +
+                      " was fetched without its gathered "
+                      "parameters");
+  }
   StagingBuffer staging;  // NVMe-home parameters come up through one.
   if (c.placement.params == Tier::kNvme) {
     staging = co_await e.param_staging_->Acquire();

@@ -113,10 +113,20 @@ void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count,
 
 Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, bool acquire) const {
   std::unique_lock lock(mutex_);
-  if (acquire && options_.optimizer.delayed_update) {
+  if (acquire && (options_.optimizer.delayed_update || engine_.gathers_params())) {
     // A trainer overlaps the next forward with every step when updates are delayed; a step
-    // before delayed_update_from_step is exact, so the forward waits for it.
+    // before delayed_update_from_step is exact, so the forward waits for it. With stage 3 an
+    // Acquire gathers across ranks, so whether it does must not hang on how far this rank's
+    // step has got: it waits for the step too.
     step_done_.wait(lock, [this] { return StepDone() || (step_running_ && hyper_.delayed); });
+  }
+  if (acquire && attempt_failed_ && engine_.gathers_params()) {
+    // The ranks whose own step succeeded committed it; the others did not: their shards and
+    // recorded orders differ, and so would the gathers.
+    return FailedPrecondition(operation +
+                              " after a failed step with zero_optimization.stage 3 "
+                              "across ranks: the ranks' parameters may differ; "
+                              "restart the ranks");
   }
   // The next step's forward: the device's parameters stay until it is done with the chunk.
   if (acquire && step_running_ && hyper_.delayed) return Status();

@@ -269,6 +269,110 @@ TEST(ShardingTest, StageThreeTrainsWithADeviceThatCannotHoldTheModel) {
   }
 }
 
+/// Runs `body` on two stage-3 ranks (host states) of ShardedModel, each an engine on a wrapped
+/// HostDevice and a thread of its own, whose collectives time out after `timeout` seconds.
+void OnStageThreeRanks(const std::string& nvme_path, double timeout,
+                       const std::function<void(int, Engine&, testing::WrappedDevice&)>& body) {
+  const ShardedModel model;
+  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = timeout});
+  ASSERT_TRUE(comms.ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto inner = MakeDevice(64 << 20);
+      testing::WrappedDevice device(*inner);
+      EngineEnvironment env;
+      env.communicator = std::move((*comms)[size_t(r)]);
+      auto engine = Engine::Create(Stage3Options(Tier::kHost, nvme_path), device, model.specs,
+                                   std::move(env));
+      ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+      body(r, **engine, device);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+// With stage 3 an Acquire is a collective, so it must not depend on how far this rank's step
+// has got: right after Step(), before its future is ready (rank 1 is late to the step, so rank
+// 0's cannot have finished), Acquire waits for the step and gathers its new parameters.
+TEST(ShardingTest, StageThreeAcquireRightAfterStepWaitsForTheStep) {
+  ScratchDir dir;
+  std::vector<std::vector<std::vector<float>>> after(2);
+  OnStageThreeRanks(dir.path(), 30, [&](int r, Engine& engine, testing::WrappedDevice&) {
+    auto grad = [&](int s, int m, size_t p, size_t i) { return Grad(r, s, m, p, i); };
+    ASSERT_TRUE(testing::ForwardBackward(engine, 0, grad).ok());
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::future<Result<StepReport>> step = engine.Step();
+    Result<ChunkView> view = engine.Acquire(0);
+    ASSERT_TRUE(view.ok()) << "rank " << r << ": " << view.status().ToString();
+    engine.Release(0);
+    ASSERT_TRUE(step.get().ok()) << "rank " << r;
+    after[size_t(r)] = WorkingParameters(engine);
+  });
+  EXPECT_TRUE(testing::BitEqual(after[0], after[1]));
+}
+
+// A rank whose Acquire fails after the gather (its copy to the device fails) cannot take part
+// in the next gathers as the others do: its later Acquires refuse, naming the cause, rather
+// than gather another chunk beside the others' and hand them mixed parameters; the others' next
+// gather times out.
+TEST(ShardingTest, StageThreeRankWhoseAcquireFailsStopsGathering) {
+  ScratchDir dir;
+  std::vector<Status> first(2), second(2);
+  OnStageThreeRanks(dir.path(), 2, [&](int r, Engine& engine, testing::WrappedDevice& device) {
+    if (r == 1) device.FailCopiesToDevice(0, 1 << 20);
+    first[size_t(r)] = engine.Acquire(0).status();
+    if (first[size_t(r)].ok()) engine.Release(0);
+    second[size_t(r)] = engine.Acquire(r == 1 ? 0 : 1).status();
+  });
+  EXPECT_TRUE(first[0].ok()) << first[0].ToString();
+  EXPECT_FALSE(first[1].ok());
+  EXPECT_EQ(second[1].code(), StatusCode::kFailedPrecondition) << second[1].ToString();
+  EXPECT_NE(second[1].message().find("restart the ranks"), std::string::npos)
+      << second[1].ToString();
+  EXPECT_FALSE(second[0].ok()) << "rank 0 gathered chunk 1 beside rank 1's chunk 0";
+}
+
+// After a step that failed (rank 1's NVMe reads fail), stage 3's Acquire refuses on every rank:
+// the ranks whose own step succeeded committed it and the others did not, so their shards, and
+// their gathers, would differ.
+TEST(ShardingTest, StageThreeAcquireAfterAFailedStepIsRefused) {
+  ScratchDir dir;
+  const EngineOptions options = Stage3Options(Tier::kNvme, dir.path());
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
+  const ShardedModel model;
+  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
+  ASSERT_TRUE(comms.ok());
+  std::vector<Status> stepped(2), acquired(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto device = MakeDevice(64 << 20);
+      EngineEnvironment env;
+      env.communicator = std::move((*comms)[size_t(r)]);
+      if (r == 1) {
+        env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+          return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+        };
+      }
+      auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+      ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+      stepped[size_t(r)] = TrainStep(**engine, 0, [&](int s, int m, size_t p, size_t i) {
+                             return Grad(r, s, m, p, i);
+                           }).status();
+      acquired[size_t(r)] = (*engine)->Acquire(0).status();
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_FALSE(stepped[r].ok()) << "rank " << r;
+    EXPECT_EQ(acquired[r].code(), StatusCode::kFailedPrecondition) << "rank " << r;
+    EXPECT_NE(acquired[r].message().find("restart the ranks"), std::string::npos)
+        << acquired[r].ToString();
+  }
+}
+
 // Gradient clipping uses the global norm of the mean gradient, all-reduced across ranks; the
 // step clips on every rank alike.
 TEST(ShardingTest, ClippingUsesTheGlobalNormOfTheMeanGradient) {

@@ -51,11 +51,11 @@ inline float Grad(int rank, int step, int micro, size_t p, size_t i, float scale
 
 using GradFn = std::function<float(int step, int micro, size_t p, size_t i)>;
 
-/// One training step as a trainer drives it: forward over every chunk, backward in reverse
-/// writing `grad`'s gradients, for each micro-step; then Step(). `swap_last_two`: backward
-/// declares the last two chunks' gradients in the other order (as autograd hooks may).
-inline Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad,
-                                    bool swap_last_two = false) {
+/// One training step's forward and backward as a trainer drives them: forward over every chunk,
+/// backward in reverse writing `grad`'s gradients, for each micro-step. `swap_last_two`:
+/// backward declares the last two chunks' gradients in the other order (as autograd hooks may).
+inline Status ForwardBackward(Engine& engine, int step, const GradFn& grad,
+                              bool swap_last_two = false) {
   const ChunkLayout& layout = engine.layout();
   const int gas = 2;
   std::vector<size_t> backward;
@@ -85,6 +85,13 @@ inline Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad
       engine.Release(c);
     }
   }
+  return Status();
+}
+
+/// ForwardBackward, then Step().
+inline Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad,
+                                    bool swap_last_two = false) {
+  STRATA_RETURN_IF_ERROR(ForwardBackward(engine, step, grad, swap_last_two));
   return engine.Step().get();
 }
 

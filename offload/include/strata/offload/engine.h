@@ -123,7 +123,9 @@ struct EngineCounters {
   uint64_t speculative_updates = 0;
   uint64_t rolled_back_updates = 0;
   /// With several ranks: bytes of the chunks whose gradients were reduce-scattered and whose
-  /// parameters were all-gathered (ZeRO's Ψ per step: stages 1 and 2 move 2Ψ, stage 3 3Ψ).
+  /// parameters were all-gathered (ZeRO's Ψ per step: stages 1 and 2 move 2Ψ, stage 3 3Ψ when
+  /// the trainer acquires in the order of the first step; a chunk gathered ahead that the
+  /// trainer did not come to counts too).
   uint64_t reduce_scatter_bytes = 0;
   uint64_t all_gather_bytes = 0;
 
