@@ -219,10 +219,22 @@ const MpiTypes& Types() {  // MPI thread only.
   return types;
 }
 
+/// Who a collective of `rank` among `size` ranks that timed out waited for: a non-blocking
+/// collective does not tell which peer is missing, so this names every other rank.
+std::string Peers(int rank, int size) {
+  if (size == 2) return "rank " + std::to_string(1 - rank) + ", the other rank,";
+  std::string peers;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return "one of ranks " + peers;
+}
+
 /// Polls `request` until it completes or `timeout_seconds` pass. MPI thread. On a timeout the
-/// request is handed to the MPI thread with `buffers`, which MPI may still write.
+/// request is handed to the MPI thread with `buffers`, which MPI may still write; `peers` says
+/// who it waited for.
 Status Await(MPI_Request request, double timeout_seconds, const std::string& name,
-             std::shared_ptr<void> buffers) {
+             std::shared_ptr<void> buffers, const std::string& peers = "another rank") {
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_seconds);
   auto pause = std::chrono::microseconds(0);
   for (;;) {
@@ -233,8 +245,9 @@ Status Await(MPI_Request request, double timeout_seconds, const std::string& nam
     if (finished) return Status();
     if (Clock::now() > deadline) {
       MpiThread::Get().Abandon(request, std::move(buffers));
-      return Unavailable(name + " did not complete within " + Seconds(timeout_seconds) +
-                         ": another rank died or stopped enqueueing the same collectives "
+      return Unavailable(name + " did not complete within " + Seconds(timeout_seconds) + ": " +
+                         peers +
+                         " died, hangs or stopped enqueueing the same collectives "
                          "(MpiCommunicatorOptions::timeout_seconds)");
     }
     // Short collectives finish within the first polls; long ones are polled at most 1 ms
@@ -367,7 +380,8 @@ class MpiCommunicator final : public Communicator {
         if (const int code = start(state->comm, &request); code != MPI_SUCCESS) {
           status = Internal(name + " could not start: " + MpiErrorText(code));
         } else {
-          status = Await(request, state->timeout_seconds, name, std::move(buffers));
+          status = Await(request, state->timeout_seconds, name, std::move(buffers),
+                         Peers(state->rank, state->size));
           if (!status.ok() && status.code() == StatusCode::kUnavailable) state->timed_out = true;
         }
       }

@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """strata train under mpirun: two ranks with --batch 4 each train one model as one rank with
 --batch 8 does (the same samples; bf16 sums in another order, so the losses agree to a stated
-tolerance), stage 3 exactly as stage 2, only rank 0 prints, a checkpoint two ranks save resumes on two ranks and on one, and
+tolerance), stage 3 exactly as stage 2, three ranks (stage 3, states on NVMe) as one rank with
+the whole batch, a rank killed or stopped mid-training ends the job naming it, only rank 0
+prints, a checkpoint two ranks save resumes on two ranks and on one, and
 an error on the ranks names each rank.
 
 Usage: train_ranks_test.py STRATA MPIRUN
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 STRATA, MPIRUN = sys.argv[1], sys.argv[2]
 MPI = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "2"]
@@ -22,6 +26,52 @@ TOLERANCE = 1e-3  # nats per byte, over 20 steps of bf16 training
 def run(command, timeout=300):
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stdout, done.stderr
+
+
+def rank_pid(marker, rank, deadline):
+    """The pid of the strata process of `rank` whose command line holds `marker`."""
+    while time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().split(b"\0")
+                if STRATA.encode() not in command or marker.encode() not in command:
+                    continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environment = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environment:
+                return int(pid)
+        time.sleep(0.05)
+    sys.exit(f"rank {rank} (marker {marker}) never started")
+
+
+def lose_rank_one(how, sig):
+    """Trains on two ranks, sends rank 1 `sig` mid-training, and returns what mpirun returned
+    and printed, and how long it took from the signal."""
+    seed = "97531" if how == "killed" else "97532"
+    steps = COMMON.index("--steps")
+    command = (MPI + [STRATA] + COMMON[:steps] + ["--steps", "1000000"] + COMMON[steps + 2:] +
+               ["--batch", "4", "--seed", seed, "--collective-timeout", "5"])
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    pid = None
+    try:
+        pid = rank_pid(seed, 1, time.time() + 60)
+        time.sleep(1.5)  # Mid-training.
+        os.kill(pid, sig)
+        lost = time.time()
+        out, err = process.communicate(timeout=90)
+        return process.returncode, out + err, time.time() - lost
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def main():
@@ -86,6 +136,35 @@ def main():
     c = [s["loss"] for s in stage3["steps"]]
     assert c == b, f"stage 3 differs from stage 2: {c} vs {b}"
     print("stage 3 on 2 ranks: the same losses as stage 2, exactly")
+
+    # An uneven split: three ranks (chunks padded to three shards), stage 3 with the states on
+    # NVMe, against one rank with the whole batch.
+    three = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "3"]
+    nvme = COMMON[:COMMON.index("host")] + ["nvme"] + COMMON[COMMON.index("host") + 1:]
+    code, out, err = run(three + [STRATA] + nvme + ["--batch", "4", "--zero-stage", "3"])
+    assert code == 0, f"3 ranks failed ({code}):\n{err}"
+    by_three = json.loads(out)
+    assert by_three["ranks"]["world_size"] == 3, by_three["ranks"]
+    code, out, err = run([STRATA] + nvme + ["--batch", "12", "--offload-params", "device"])
+    assert code == 0, f"one rank with the whole batch failed ({code}):\n{err}"
+    by_one = [s["loss"] for s in json.loads(out)["steps"]]
+    d = [s["loss"] for s in by_three["steps"]]
+    worst3 = max(abs(x - y) for x, y in zip(by_one, d))
+    assert len(d) == 20 and worst3 < TOLERANCE, f"losses differ by {worst3}: {by_one} vs {d}"
+    print(f"3 ranks x batch 4 (stage 3, states on NVMe) vs 1 rank x batch 12: losses within "
+          f"{worst3:.2e} over 20 steps")
+
+    # A rank that dies mid-training takes the job down at once, named (by mpirun); one that
+    # hangs (stopped) fails the other's next collective after --collective-timeout, named.
+    code, text, seconds = lose_rank_one("killed", signal.SIGKILL)
+    assert code != 0 and "rank 1" in text, (code, text)
+    print(f"rank 1 killed mid-training: the job exits ({code}) after {seconds:.1f} s, naming it")
+    code, text, seconds = lose_rank_one("stopped", signal.SIGSTOP)
+    assert code != 0, (code, text)
+    assert "rank 0 of 2:" in text and "rank 1, the other rank, died, hangs" in text, text
+    assert seconds < 5 + 30, seconds
+    print(f"rank 1 stopped mid-training: rank 0 exits ({code}) after {seconds:.1f} s "
+          f"(collective timeout 5 s), naming it")
 
     # What is not built for several ranks: every rank says so, naming itself; nothing trains.
     code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3",
