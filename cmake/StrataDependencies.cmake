@@ -19,6 +19,7 @@ endif()
 # CUDA is optional. AUTO turns it on when a CUDA compiler is found (Debian's toolkit lives in
 # /usr/local/cuda, which is not always on PATH).
 set(STRATA_CUDA_ENABLED OFF)
+set(STRATA_NCCL_ENABLED OFF)
 if(NOT STRATA_WITH_CUDA STREQUAL "OFF")
   if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX}
      AND EXISTS /usr/local/cuda/bin/nvcc)
@@ -39,6 +40,7 @@ if(NOT STRATA_WITH_CUDA STREQUAL "OFF")
       set_target_properties(strata_nccl PROPERTIES IMPORTED_LOCATION "${STRATA_NCCL_LIBRARY}"
                             INTERFACE_INCLUDE_DIRECTORIES "${STRATA_NCCL_INCLUDE_DIR}")
       add_library(strata::nccl ALIAS strata_nccl)
+      set(STRATA_NCCL_ENABLED ON)
     endif()
     set(STRATA_CUDA_ENABLED ON)
   elseif(STRATA_WITH_CUDA STREQUAL "ON")
@@ -59,7 +61,8 @@ if(NOT STRATA_WITH_MPI STREQUAL "OFF")
     message(FATAL_ERROR "STRATA_WITH_MPI=ON but MPI was not found; install libopenmpi-dev")
   endif()
 endif()
-message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, MPI ${STRATA_MPI_ENABLED}, "
+message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, NCCL ${STRATA_NCCL_ENABLED}, "
+               "MPI ${STRATA_MPI_ENABLED}, "
                "liburing ${liburing_VERSION}, "
                "xxHash ${xxhash_VERSION}, TBB ${TBB_VERSION}, Boost ${Boost_VERSION}")
 
