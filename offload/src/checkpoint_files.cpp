@@ -421,7 +421,10 @@ void CheckpointWriter::Abandon() {
   }
 }
 
-CheckpointWriter::~CheckpointWriter() { Abandon(); }
+CheckpointWriter::~CheckpointWriter() {
+  Abandon();
+  RemovePrevious();  // Committed with keep_previous and never removed: nothing needs it now.
+}
 
 CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept
     : dir_(std::move(other.dir_)),
@@ -429,19 +432,24 @@ CheckpointWriter::CheckpointWriter(CheckpointWriter&& other) noexcept
       staging_pid_(other.staging_pid_),
       owns_staging_(other.owns_staging_),
       committed_(other.committed_),
+      previous_(std::move(other.previous_)),
       shared_(std::move(other.shared_)) {
   other.staging_.clear();
+  other.previous_.clear();
 }
 
 CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&& other) noexcept {
   if (this != &other) {
     Abandon();
+    RemovePrevious();
     dir_ = std::move(other.dir_);
     staging_ = std::move(other.staging_);
     other.staging_.clear();
     staging_pid_ = other.staging_pid_;
     owns_staging_ = other.owns_staging_;
     committed_ = other.committed_;
+    previous_ = std::move(other.previous_);
+    other.previous_.clear();
     shared_ = std::move(other.shared_);
   }
   return *this;
@@ -600,7 +608,7 @@ Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
   return CheckpointFileSink(fd, std::move(path), std::move(hash), shared_);
 }
 
-Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
+Status CheckpointWriter::Commit(const nlohmann::json& manifest, bool keep_previous) {
   if (staging_.empty()) return FailedPrecondition("Commit on a moved-from CheckpointWriter");
   if (committed_) {
     return FailedPrecondition("checkpoint " + dir_.string() + " is already committed");
@@ -646,7 +654,22 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest) {
     }
   }
   STRATA_RETURN_IF_ERROR(SyncDirectory(staging_).WithContext(what));
-  return Publish();
+  STRATA_RETURN_IF_ERROR(Publish());
+  if (!keep_previous) RemovePrevious();
+  return Status::Ok();
+}
+
+void CheckpointWriter::RemovePrevious() {
+  if (previous_.empty()) return;
+  std::error_code ec;
+  fs::remove_all(previous_, ec);
+  if (ec) {
+    Log(LogLevel::kWarning, "checkpoint " + dir_.string() +
+                                " was committed, but removing the previous one at " +
+                                previous_.string() + " failed: " + ec.message() +
+                                "; the next save to this path removes it");
+  }
+  previous_.clear();
 }
 
 Status CheckpointWriter::Publish() {
@@ -700,19 +723,9 @@ Status CheckpointWriter::Publish() {
     }
   }
 
-  STRATA_RETURN_IF_ERROR(SyncDirectory(parent).WithContext(
-      "checkpoint " + dir_.string() + " was committed but may not survive a crash"));
-  if (!old.empty()) {
-    std::error_code ec;
-    fs::remove_all(old, ec);
-    if (ec) {
-      Log(LogLevel::kWarning, "checkpoint " + dir_.string() +
-                                  " was committed, but removing the previous one at " +
-                                  old.string() + " failed: " + ec.message() +
-                                  "; the next save to this path removes it");
-    }
-  }
-  return Status::Ok();
+  previous_ = old;  // Committed: the old checkpoint is removable whatever follows.
+  return SyncDirectory(parent).WithContext("checkpoint " + dir_.string() +
+                                           " was committed but may not survive a crash");
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -190,8 +190,13 @@ class CheckpointWriter {
   /// and Commit may be retried, except when the message says the checkpoint was committed but
   /// syncing the parent directory failed (the new checkpoint is in place but may not survive a
   /// crash). FailedPrecondition for a writer that joined another's (Join). Failing to remove the
-  /// old checkpoint afterwards only logs a warning; the next Begin removes it.
-  Status Commit(const nlohmann::json& manifest);
+  /// old checkpoint afterwards only logs a warning; the next Begin removes it. `keep_previous`:
+  /// the previous checkpoint is left for RemovePrevious, so that a sharded save's ranks agree on
+  /// the commit before the first rank spends time removing it.
+  Status Commit(const nlohmann::json& manifest, bool keep_previous = false);
+  /// Removes the checkpoint a Commit(manifest, true) replaced, if any (best effort: a failure
+  /// logs a warning; the next Begin removes it). The destructor does too.
+  void RemovePrevious();
 
   /// The final path: Begin's `dir` with symbolic links resolved.
   [[nodiscard]] const std::filesystem::path& dir() const { return dir_; }
@@ -205,7 +210,8 @@ class CheckpointWriter {
                    bool owns_staging);
   /// Removes the staging directory of a writer that began it and did not commit.
   void Abandon();
-  /// Moves the staging directory to dir_ (rename or exchange) and removes the old checkpoint.
+  /// Moves the staging directory to dir_ (rename or exchange); the old checkpoint goes to
+  /// previous_.
   Status Publish();
 
   std::filesystem::path dir_;
@@ -213,6 +219,7 @@ class CheckpointWriter {
   int64_t staging_pid_ = 0;
   bool owns_staging_ = true;  // Begin's writer; false for one that joined it.
   bool committed_ = false;
+  std::filesystem::path previous_;  // The checkpoint Commit replaced, until removed.
   std::shared_ptr<CheckpointFileSink::SharedState> shared_;
 };
 

@@ -299,8 +299,9 @@ Status Engine::Impl::WriteChunkFiles(internal::CheckpointWriter& writer,
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = chunks_[i];
-    // Every rank holds a frozen chunk whole: the first one saves it.
-    if (c.frozen() && rank() != 0) continue;
+    // Every rank holds a frozen chunk whole: one saves it, the ranks taking turns (a large
+    // frozen base is not all the first rank's to write).
+    if (c.frozen() && rank() != FrozenChunkSaver(i)) continue;
     // One chunk at a time through one buffer: saving never needs the whole model in memory.
     STRATA_RETURN_IF_ERROR(ReadChunkStates(i, states.data()));
     const std::string name = sharded() && !c.frozen()
@@ -351,7 +352,8 @@ json Engine::Impl::CheckpointManifest(std::span<const internal::FileDigest> dige
       }
       chunk["shards"] = std::move(shards);
     } else {
-      chunk.update(FileEntry(ChunkFileName(i), digests[i]));
+      const size_t saver = sharded() ? size_t(FrozenChunkSaver(i)) : 0;
+      chunk.update(FileEntry(ChunkFileName(i), digests[saver * chunks_.size() + i]));
     }
     chunks.push_back(std::move(chunk));
   }
@@ -419,9 +421,13 @@ Status Engine::Impl::SaveSharded(const std::filesystem::path& dir, uint64_t byte
   if (rank() == 0) {
     std::vector<internal::FileDigest> digests(gathered.size() / 2);
     for (size_t k = 0; k < digests.size(); ++k) digests[k] = {gathered[2 * k], gathered[2 * k + 1]};
-    committed = writer->Commit(CheckpointManifest(digests));
+    // The previous checkpoint goes after the ranks agree: removing a large one must not hold
+    // them in the agreement until their collective timeout.
+    committed = writer->Commit(CheckpointManifest(digests), /*keep_previous=*/true);
   }
-  return internal::AgreeAcrossRanks(comm, committed, "committing the checkpoint");
+  STRATA_RETURN_IF_ERROR(internal::AgreeAcrossRanks(comm, committed, "committing the checkpoint"));
+  if (rank() == 0) writer->RemovePrevious();
+  return Status();
 }
 
 LossScalerState Engine::Impl::ScalerAfterLoad(const internal::EngineManifest& saved) const {

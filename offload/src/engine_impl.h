@@ -68,11 +68,14 @@ class Engine::Impl {
   /// Save with several ranks: `ready` is this rank's readiness (an error fails it everywhere).
   Status SaveSharded(const std::filesystem::path& dir, uint64_t bytes_needed, Status ready,
                      const SaveOptions& save_options);
-  /// Writes this rank's chunk files into `writer` (its shards; frozen chunks from the first rank
-  /// only), their digests into `digests` (one per chunk; untouched for a file it does not write).
+  /// Writes this rank's chunk files into `writer` (its shards; the frozen chunks it saves, see
+  /// FrozenChunkSaver), their digests into `digests` (one per chunk; untouched for a file it
+  /// does not write).
   Status WriteChunkFiles(internal::CheckpointWriter& writer,
                          std::vector<internal::FileDigest>& digests,
                          const SaveOptions& save_options);
+  /// The rank that saves frozen chunk `chunk`, which every rank holds whole: they take turns.
+  int FrozenChunkSaver(size_t chunk) const { return int(chunk % size_t(ranks())); }
   /// The manifest of a checkpoint whose files have `digests`: per chunk, or with several ranks
   /// every rank's per chunk, rank after rank.
   nlohmann::json CheckpointManifest(std::span<const internal::FileDigest> digests) const;

@@ -469,6 +469,34 @@ TEST(CheckpointFilesTest, CommitReplacesExistingCheckpoint) {
   EXPECT_EQ(out, new_data);
 }
 
+// A sharded save commits keeping the previous checkpoint until its ranks agree: the new one
+// is in place at once, the old one waits beside it for RemovePrevious (or the destructor).
+TEST(CheckpointFilesTest, CommitCanLeaveThePreviousCheckpointForLater) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  WriteCheckpoint(dir, {{"old.bin", Pattern(3000, 13)}});
+  for (const bool explicitly : {true, false}) {
+    SCOPED_TRACE(explicitly ? "RemovePrevious" : "destructor");
+    {
+      auto writer = CheckpointWriter::Begin(dir);
+      ASSERT_TRUE(writer.ok());
+      auto sink = writer->CreateFile("new.bin");
+      ASSERT_TRUE(sink.ok());
+      ASSERT_TRUE(sink->Append(Pattern(4000, 14)).ok());
+      ASSERT_TRUE(sink->Finish().ok());
+      ASSERT_TRUE(writer->Commit(NewManifest(), /*keep_previous=*/true).ok());
+      EXPECT_EQ(List(dir), (std::vector<std::string>{"manifest.json", "new.bin"}));
+      EXPECT_EQ(List(tmp.path()).size(), 2u) << "the previous checkpoint waits beside it";
+      if (explicitly) {
+        writer->RemovePrevious();
+        EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"ckpt"});
+      }
+    }
+    EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"ckpt"});
+    EXPECT_TRUE(CheckpointReader::Open(dir).ok());
+  }
+}
+
 TEST(CheckpointFilesTest, AbandonedWriterKeepsPreviousCheckpoint) {
   ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
