@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "collective_peers.h"
 #include "nccl_bootstrap.h"
 
 namespace strata::offload {
@@ -59,16 +60,6 @@ ncclDataType_t NcclType(DType dtype) {
 }
 
 ncclRedOp_t NcclOp(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
-
-/// Who a collective that timed out waited for: NCCL does not say which peer is missing.
-std::string Peers(int rank, int size) {
-  if (size == 2) return "rank " + std::to_string(1 - rank) + ", the other rank,";
-  std::string peers;
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
-  }
-  return "one of ranks " + peers;
-}
 
 /// Whether `pointer` is memory of GPU `device` that NCCL may use in place (device or managed
 /// memory); host memory (pinned or not) and other GPUs' memory go through scratch.
@@ -340,7 +331,7 @@ class NcclCommunicator final : public Communicator {
 
   Status TimedOut(const std::string& what) const {
     return Unavailable(what + " did not complete within " + Seconds(timeout_seconds_) + ": " +
-                       Peers(rank_, size_) +
+                       internal::PeersOf(rank_, size_) +
                        " died, hangs or stopped enqueueing the same collectives "
                        "(placement.collective_timeout_seconds)");
   }

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <future>
 
+#include "collective_peers.h"
+
 namespace strata::offload {
 namespace {
 
@@ -63,6 +65,19 @@ Status Communicator::AllGatherNow(std::span<const uint64_t> send, std::span<uint
             [&finished](Status status) { finished.set_value(std::move(status)); });
   return result.get();
 }
+
+namespace internal {
+
+std::string PeersOf(int rank, int size) {
+  if (size == 2) return "rank " + std::to_string(1 - rank) + ", the other rank,";
+  std::string peers;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return "one of ranks " + peers;
+}
+
+}  // namespace internal
 
 std::unique_ptr<Communicator> CreateSingleRankCommunicator() {
   return std::make_unique<SingleRankCommunicator>();

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <string>
 
+#include "collective_peers.h"
+
 #if STRATA_WITH_MPI
 #include <mpi.h>
 
@@ -219,17 +221,6 @@ const MpiTypes& Types() {  // MPI thread only.
   return types;
 }
 
-/// Who a collective of `rank` among `size` ranks that timed out waited for: a non-blocking
-/// collective does not tell which peer is missing, so this names every other rank.
-std::string Peers(int rank, int size) {
-  if (size == 2) return "rank " + std::to_string(1 - rank) + ", the other rank,";
-  std::string peers;
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
-  }
-  return "one of ranks " + peers;
-}
-
 /// Polls `request` until it completes or `timeout_seconds` pass. MPI thread. On a timeout the
 /// request is handed to the MPI thread with `buffers`, which MPI may still write; `peers` says
 /// who it waited for.
@@ -381,7 +372,7 @@ class MpiCommunicator final : public Communicator {
           status = Internal(name + " could not start: " + MpiErrorText(code));
         } else {
           status = Await(request, state->timeout_seconds, name, std::move(buffers),
-                         Peers(state->rank, state->size));
+                         internal::PeersOf(state->rank, state->size));
           if (!status.ok() && status.code() == StatusCode::kUnavailable) state->timed_out = true;
         }
       }

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "collective_peers.h"
 #include "communicator_conformance.h"
 #include "strata/core/dtype.h"
 
@@ -148,3 +149,16 @@ TEST(LocalCommunicatorTest, BadOptionsAreRefused) {
 
 }  // namespace
 }  // namespace strata::offload
+
+namespace strata::offload::internal {
+namespace {
+
+// A timed-out collective's error names who it waited for: the other rank, or every other one.
+TEST(CollectivePeersTest, NamesTheRanksACollectiveWaitedFor) {
+  EXPECT_EQ(PeersOf(0, 2), "rank 1, the other rank,");
+  EXPECT_EQ(PeersOf(1, 2), "rank 0, the other rank,");
+  EXPECT_EQ(PeersOf(1, 4), "one of ranks 0, 2, 3");
+}
+
+}  // namespace
+}  // namespace strata::offload::internal
