@@ -41,6 +41,19 @@ TEST(FlagParserTest, ParsesAllKinds) {
   EXPECT_DOUBLE_EQ(p.lr, 3e-4);
 }
 
+// A caller whose default depends on the context (strata plan's --gpus under a launcher) asks
+// whether the user gave the flag, whatever value it has.
+TEST(FlagParserTest, SaysWhichFlagsWereGiven) {
+  TestCommand p;
+  ASSERT_TRUE(p.parser.Parse({"--steps", "10", "--json"}).ok());
+  EXPECT_TRUE(p.parser.was_set("steps"));  // Given, though equal to the default.
+  EXPECT_TRUE(p.parser.was_set("json"));
+  EXPECT_FALSE(p.parser.was_set("lr"));
+  ASSERT_TRUE(p.parser.Parse({"--lr", "1"}).ok());
+  EXPECT_FALSE(p.parser.was_set("steps"));  // Of the last Parse only.
+  EXPECT_TRUE(p.parser.was_set("lr"));
+}
+
 TEST(FlagParserTest, ErrorsNameTheFlagAndValue) {
   Status s = Parse({"--size", "12XB"});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);

@@ -2,8 +2,8 @@
 """strata train under mpirun: two ranks with --batch 4 each train one model as one rank with
 --batch 8 does (the same samples; bf16 sums in another order, so the losses agree to a stated
 tolerance), stage 3 exactly as stage 2, three ranks (stage 3, states on NVMe) as one rank with
-the whole batch, a rank killed or stopped mid-training ends the job naming it, only rank 0
-prints, a checkpoint two ranks save resumes on two ranks and on one, and
+the whole batch, a rank killed or stopped mid-training ends the job naming it, strata plan
+--measure times the link across the ranks, only rank 0 prints, a checkpoint two ranks save resumes on two ranks and on one, and
 an error on the ranks names each rank.
 
 Usage: train_ranks_test.py STRATA MPIRUN
@@ -174,6 +174,20 @@ def main():
         assert f"rank {rank} of 2:" in err and "offload_param cpu" in err, err
     assert '"steps"' not in out, out
     print("stage 3 with parameter shards on NVMe refused on both ranks, each naming itself")
+
+    # strata plan --measure under mpirun times the link with the engine's collectives across the
+    # ranks (the node's other rates given here, so that only the link is measured); --gpus
+    # defaults to the ranks, and one rank prints.
+    code, out, err = run(MPI + [STRATA, "plan", "--params", "1e9", "--measure", "--json",
+                                "--h2d-gbps", "10", "--d2h-gbps", "10", "--nvme-read-gbps", "3",
+                                "--nvme-write-gbps", "3", "--optimizer-gparams", "1",
+                                "--chunk-size", "4MiB"])
+    assert code == 0, err
+    plan = json.loads(out)
+    link = plan["machine"]["link_bytes_per_second"]
+    assert plan["gpus"] == 2 and link > 0, (plan["gpus"], link)
+    assert err.count("measuring the link") == 1, err
+    print(f"strata plan --measure on 2 ranks: link {link / 1e9:.2f} GB/s (MPI on host memory)")
 
     # A DeepSpeed config's batch sizes count every rank: 16 = 4 per rank x 2 micro-steps x 2.
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,5 +1,6 @@
 #include "flags.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <sstream>
@@ -69,6 +70,7 @@ const FlagParser::Flag* FlagParser::Find(const std::string& name) const {
 }
 
 Status FlagParser::Parse(const std::vector<std::string>& args) {
+  set_.clear();
   size_t next_positional = 0;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -102,11 +104,16 @@ Status FlagParser::Parse(const std::vector<std::string>& args) {
     }
     Status status = flag->set(value);
     if (!status.ok()) return InvalidArgument("--" + name + ": " + status.message());
+    set_.push_back(name);
   }
   for (size_t p = next_positional; p < positionals_.size(); ++p) {
     if (positionals_[p].required) return InvalidArgument("missing " + positionals_[p].name);
   }
   return Status();
+}
+
+bool FlagParser::was_set(const std::string& name) const {
+  return std::find(set_.begin(), set_.end(), name) != set_.end();
 }
 
 std::string FlagParser::Help() const {

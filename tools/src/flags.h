@@ -29,6 +29,8 @@ class FlagParser {
   Status Parse(const std::vector<std::string>& args);
 
   bool help_requested() const { return help_requested_; }
+  /// Whether the last Parse saw --`name` (a default it keeps is the caller's to choose).
+  bool was_set(const std::string& name) const;
   std::string Help() const;
 
  private:
@@ -50,6 +52,7 @@ class FlagParser {
   std::string summary_;
   std::vector<Flag> flags_;
   std::vector<Positional> positionals_;
+  std::vector<std::string> set_;  // Flags the last Parse saw.
   bool help_requested_ = false;
 };
 

@@ -17,6 +17,8 @@
 #include "plan_measure.h"
 #include "strata/core/bytes.h"
 #include "strata/offload/memory_plan.h"
+#include "strata/offload/mpi_communicator.h"
+#include "strata/offload/ranks.h"
 #include "strata/offload/step_plan.h"
 
 namespace strata::tools {
@@ -81,20 +83,27 @@ Status ValidateMachine(const MachineFlags& m) {
   return Status();
 }
 
-/// The flags' rates; --measure measures those not given.
-Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in) {
+/// The flags' rates; --measure measures those not given: the link with `ranks` (several ranks,
+/// every one measuring alike), the node's rates on the first rank only (ranks sharing a node
+/// would measure each other).
+Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in,
+                              offload::Communicator* ranks) {
   MachineRates r;
   if (m.measure) {
+    const bool first = ranks == nullptr || ranks->rank() == 0;
     MeasureSettings settings{
         .nvme_path = m.nvme_path.empty() ? TempDirectory() : m.nvme_path,
         .chunk_bytes = in.chunk_bytes,
         .working_dtype = in.working_dtype,
         .params = in.params,
-        .copies = !(m.h2d_gbps > 0 && m.d2h_gbps > 0),
-        .states = !(m.nvme_read_gbps > 0 && m.nvme_write_gbps > 0 && m.optimizer_gparams > 0),
-        .progress = [](const std::string& line) {
-          std::fprintf(stderr, "strata plan: %s\n", line.c_str());
-        }};
+        .copies = first && !(m.h2d_gbps > 0 && m.d2h_gbps > 0),
+        .states =
+            first && !(m.nvme_read_gbps > 0 && m.nvme_write_gbps > 0 && m.optimizer_gparams > 0),
+        .ranks = m.link_gbps > 0 ? nullptr : ranks,
+        .progress = first
+                        ? [](const std::string&
+                                 line) { std::fprintf(stderr, "strata plan: %s\n", line.c_str()); }
+                        : std::function<void(const std::string&)>()};
     STRATA_ASSIGN_OR_RETURN(r, MeasureRates(settings));
   }
   auto given = [](double gbps, double& rate) {
@@ -305,7 +314,8 @@ int RunPlan(const std::vector<std::string>& args) {
                    "placements (the ZeRO paper's accounting); given the machine's memory and "
                    "rates, each placement's step time per resource and the fastest that fits.");
   flags.AddDouble("params", &params, "parameter count, e.g. 10e9 (required)");
-  flags.AddInt("gpus", &gpus, "data-parallel GPUs (default 1)");
+  flags.AddInt("gpus", &gpus,
+               "data-parallel GPUs (default 1, or the ranks under mpirun, srun or torchrun)");
   flags.AddString("precision", &precision, "DTYPE", "working dtype: fp16 (default), bf16, fp32");
   flags.AddString("optimizer", &optimizer, "NAME", "adamw (default), adam, adagrad or lion");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
@@ -338,7 +348,8 @@ int RunPlan(const std::vector<std::string>& args) {
                 "(optimizer.speculative_updates false)");
   flags.AddBool("measure", &machine.measure,
                 "measure on this machine the rates not given (the engine's chunk copies, swap "
-                "space and optimizer)");
+                "space and optimizer; under mpirun or srun with several ranks, the link too: "
+                "the engine's reduce-scatters and all-gathers across the ranks, over MPI)");
   flags.AddString("nvme-path", &machine.nvme_path, "DIR",
                   "directory --measure times NVMe in (default $TMPDIR or /tmp)");
   flags.AddBytes("chunk-size", &machine.chunk_size,
@@ -349,6 +360,22 @@ int RunPlan(const std::vector<std::string>& args) {
     std::cout << flags.Help();
     return kExitOk;
   }
+  // Under a launcher with several ranks: --gpus defaults to them, --measure times the link with
+  // collectives across them (MPI, as `strata train` runs them), and the first rank prints.
+  const Result<offload::RankInfo> launched = offload::DetectRanks();
+  if (!launched.ok()) return Fail(kExitUsage, launched.status().message(), command);
+  const bool several = launched->size > 1;
+  if (several && !flags.was_set("gpus")) gpus = launched->size;
+  std::unique_ptr<offload::Communicator> ranks;
+  if (several && machine.measure && !(machine.link_gbps > 0)) {
+    auto created = offload::CreateMpiCommunicator({});
+    if (!created.ok()) {
+      return Fail(kExitFailure, "measuring the link across " + std::to_string(launched->size) +
+                                    " ranks: " + created.status().message());
+    }
+    ranks = std::move(*created);
+  }
+  const bool prints = launched->rank == 0;
   PlanInput input{.params = params, .gpus = int(std::clamp<int64_t>(gpus, 0, 1 << 24))};
   auto dtype = ParseDType(precision);
   if (!dtype.ok()) return Fail(kExitUsage, dtype.status().message(), command);
@@ -374,6 +401,7 @@ int RunPlan(const std::vector<std::string>& args) {
     }
   }
   if (!machine.given()) {
+    if (!prints) return kExitOk;
     if (json) {
       std::cout << ToJson(input, rows).dump(2) << "\n";
     } else {
@@ -382,8 +410,9 @@ int RunPlan(const std::vector<std::string>& args) {
     return kExitOk;
   }
 
-  auto rates = RatesFor(machine, input);
+  auto rates = RatesFor(machine, input, ranks.get());
   if (!rates.ok()) return Fail(kExitFailure, "measuring: " + rates.status().message());
+  if (!prints) return kExitOk;
   const MachineMemory memory{.device_bytes = double(machine.device_memory),
                              .host_bytes = double(machine.host_memory),
                              .nvme_bytes = double(machine.nvme_bytes)};

@@ -1,7 +1,9 @@
 #include "plan_measure.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,38 @@ namespace {
 constexpr double kMinMeasuredStateBytes = 256.0 * kMiB;
 constexpr double kMaxMeasuredParams = 32.0 * kMiB;
 
+/// Bytes per second the ranks' collectives cover, as the plan counts them (a reduce-scatter or
+/// all-gather of a chunk counts the chunk's bytes): rounds of a reduce-scatter and an all-gather
+/// of one chunk, as the engine runs them each step, timed from a common start to the slowest
+/// rank's end.
+Result<double> MeasureLink(offload::Communicator& comm, uint64_t chunk_bytes, DType dtype) {
+  const size_t ranks = size_t(comm.size());
+  const size_t element = DTypeSize(dtype);
+  const size_t shard = std::max<size_t>(1, chunk_bytes / element / ranks);
+  const size_t bytes = shard * ranks * element;
+  const int rounds = int(std::clamp<uint64_t>(256 * kMiB / bytes, 4, 64));
+  std::vector<std::byte> whole(bytes, std::byte{0}), part(shard * element, std::byte{0});
+  std::vector<double> clock = {0.0};
+  STRATA_RETURN_IF_ERROR(comm.AllReduceNow(clock, offload::ReduceOp::kMax));  // A common start.
+  const auto start = std::chrono::steady_clock::now();
+  std::promise<Status> finished;
+  std::future<Status> done = finished.get_future();
+  int left = 2 * rounds;
+  Status first;
+  auto count = [&](Status status) {  // On the communicator's thread, one at a time.
+    if (first.ok()) first = status;
+    if (--left == 0) finished.set_value(first);
+  };
+  for (int r = 0; r < rounds; ++r) {
+    comm.ReduceScatter(whole.data(), part.data(), shard, dtype, offload::ReduceOp::kSum, {}, count);
+    comm.AllGather(part.data(), whole.data(), shard, dtype, {}, count);
+  }
+  STRATA_RETURN_IF_ERROR(done.get());
+  clock[0] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  STRATA_RETURN_IF_ERROR(comm.AllReduceNow(clock, offload::ReduceOp::kMax));
+  return clock[0] > 0 ? 2.0 * rounds * double(bytes) / clock[0] : 0.0;
+}
+
 }  // namespace
 
 Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
@@ -27,6 +61,12 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   };
   offload::MachineRates rates;
 
+  if (s.ranks != nullptr && s.ranks->size() > 1) {
+    progress("measuring the link: reduce-scatters and all-gathers of " +
+             FormatBytes(s.chunk_bytes) + " across " + std::to_string(s.ranks->size()) + " ranks");
+    STRATA_ASSIGN_OR_RETURN(rates.link_bytes_per_second,
+                            MeasureLink(*s.ranks, s.chunk_bytes, s.working_dtype));
+  }
   if (s.copies) {
     progress("measuring host<->device copies of " + FormatBytes(s.chunk_bytes));
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
