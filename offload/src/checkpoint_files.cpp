@@ -723,9 +723,12 @@ Status CheckpointWriter::Publish() {
     }
   }
 
-  previous_ = old;  // Committed: the old checkpoint is removable whatever follows.
-  return SyncDirectory(parent).WithContext("checkpoint " + dir_.string() +
-                                           " was committed but may not survive a crash");
+  STRATA_RETURN_IF_ERROR(SyncDirectory(parent).WithContext(
+      "checkpoint " + dir_.string() + " was committed but may not survive a crash"));
+  // Only once the swap is durable may the old checkpoint go: a crash could otherwise lose the
+  // rename and keep the removal.
+  previous_ = old;
+  return Status::Ok();
 }
 
 // ------------------------------------------------------------------------------------------------

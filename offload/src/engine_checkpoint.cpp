@@ -297,11 +297,14 @@ Status Engine::Impl::WriteChunkFiles(internal::CheckpointWriter& writer,
                                      std::vector<internal::FileDigest>& digests,
                                      const SaveOptions& save_options) {
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
+  // Every rank holds a frozen chunk whole: one saves it, the ranks taking turns (a large frozen
+  // base is not all the first rank's to write).
+  auto mine = [&](size_t i) { return !chunks_[i].frozen() || rank() == FrozenChunkSaver(i); };
+  size_t total = 0, done = 0;
+  for (size_t i = 0; i < chunks_.size(); ++i) total += mine(i) ? 1 : 0;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = chunks_[i];
-    // Every rank holds a frozen chunk whole: one saves it, the ranks taking turns (a large
-    // frozen base is not all the first rank's to write).
-    if (c.frozen() && rank() != FrozenChunkSaver(i)) continue;
+    if (!mine(i)) continue;
     // One chunk at a time through one buffer: saving never needs the whole model in memory.
     STRATA_RETURN_IF_ERROR(ReadChunkStates(i, states.data()));
     const std::string name = sharded() && !c.frozen()
@@ -310,7 +313,7 @@ Status Engine::Impl::WriteChunkFiles(internal::CheckpointWriter& writer,
     STRATA_ASSIGN_OR_RETURN(internal::CheckpointFileSink sink, writer.CreateFile(name));
     STRATA_RETURN_IF_ERROR(sink.Append({states.data(), c.state_bytes()}));
     STRATA_ASSIGN_OR_RETURN(digests[i], sink.Finish());
-    if (save_options.on_chunk_saved) save_options.on_chunk_saved(i + 1, chunks_.size());
+    if (save_options.on_chunk_saved) save_options.on_chunk_saved(++done, total);
   }
   return Status();
 }

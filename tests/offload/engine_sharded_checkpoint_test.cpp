@@ -185,6 +185,35 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardedCheckpointTest,
                                            CheckpointCase{"stage3_states_nvme", Tier::kNvme, 3}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
+// Each rank's progress callback counts the files that rank writes: its shards, and the frozen
+// chunks whose turn is its (chunk i by rank i mod N), ending at (total, total).
+TEST(ShardedCheckpointTest, EachRanksProgressCountsTheFilesItWrites) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  std::vector<std::vector<std::pair<size_t, size_t>>> progress(2);
+  std::vector<size_t> frozen_turns(2, 0), chunks(2, 0);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+    const ChunkLayout& layout = engine.layout();
+    chunks[size_t(rank)] = layout.chunk_count();
+    for (size_t c = 0; c < layout.chunk_count(); ++c) {
+      if (layout.chunk(c).frozen && c % 2 == size_t(rank)) ++frozen_turns[size_t(rank)];
+    }
+    SaveOptions save;
+    save.on_chunk_saved = [&, rank](size_t done, size_t total) {
+      progress[size_t(rank)].emplace_back(done, total);
+    };
+    ASSERT_TRUE(engine.Save(dir.path() / "checkpoint", save).ok());
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    const size_t trained = chunks[r] - (frozen_turns[0] + frozen_turns[1]);
+    const size_t files = trained + frozen_turns[r];
+    ASSERT_EQ(progress[r].size(), files) << "rank " << r;
+    EXPECT_EQ(progress[r].back(), std::make_pair(files, files)) << "rank " << r;
+  }
+  EXPECT_EQ(frozen_turns[0] + frozen_turns[1], 1u);  // ShardedModel has one frozen chunk.
+}
+
 // One engine's checkpoint loads into two ranks (each takes its shard of every chunk's states),
 // which continue exactly as the uninterrupted run.
 TEST(ShardedCheckpointTest, SavedByOneLoadsIntoTwoRanksAndContinues) {

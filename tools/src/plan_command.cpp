@@ -86,11 +86,10 @@ Status ValidateMachine(const MachineFlags& m) {
 /// The flags' rates; --measure measures those not given: the link with `ranks` (several ranks,
 /// every one measuring alike), the node's rates on the first rank only (ranks sharing a node
 /// would measure each other).
-Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in,
+Result<MachineRates> RatesFor(const MachineFlags& m, const PlanInput& in, bool first,
                               offload::Communicator* ranks) {
   MachineRates r;
   if (m.measure) {
-    const bool first = ranks == nullptr || ranks->rank() == 0;
     MeasureSettings settings{
         .nvme_path = m.nvme_path.empty() ? TempDirectory() : m.nvme_path,
         .chunk_bytes = in.chunk_bytes,
@@ -373,6 +372,12 @@ int RunPlan(const std::vector<std::string>& args) {
       return Fail(kExitFailure, "measuring the link across " + std::to_string(launched->size) +
                                     " ranks: " + created.status().message());
     }
+    if ((*created)->size() != launched->size) {
+      return Fail(kExitFailure,
+                  "measuring the link: MPI has " + std::to_string((*created)->size()) +
+                      " ranks, the launcher's variables say " + std::to_string(launched->size) +
+                      " (start the ranks with mpirun or srun, or give --link-gbps)");
+    }
     ranks = std::move(*created);
   }
   const bool prints = launched->rank == 0;
@@ -410,7 +415,7 @@ int RunPlan(const std::vector<std::string>& args) {
     return kExitOk;
   }
 
-  auto rates = RatesFor(machine, input, ranks.get());
+  auto rates = RatesFor(machine, input, prints, ranks.get());
   if (!rates.ok()) return Fail(kExitFailure, "measuring: " + rates.status().message());
   if (!prints) return kExitOk;
   const MachineMemory memory{.device_bytes = double(machine.device_memory),
