@@ -180,22 +180,18 @@ Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
   Chunk& c = engine_.chunks_[chunk];
   if (step_.cancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
   const bool updated = c.phase_now() == ChunkPhase::kUpdated;
-  if (c.params_sharded) {
-    // Stage 3: the shard's new parameters wait in param_copy for the commit; the next Acquire
-    // gathers them.
-    if (!updated && !step_.skip && step_.error.ok()) {
-      KeepFirstError(Internal("chunk " + std::to_string(chunk) + " was not updated on rank " +
-                              std::to_string(engine_.rank())));
-    }
-    c.gathered = true;
-    co_return;
-  }
   // The all-gather runs whatever this rank's update did (as the reduce-scatter, see
   // ReduceGrads). A skipped step gathers and uploads nothing; a chunk not updated otherwise
   // fails this rank's step, and so, through the outcome all-reduce, every rank's.
   if (!updated && !step_.skip && step_.error.ok()) {
     KeepFirstError(Internal("chunk " + std::to_string(chunk) + " was not updated on rank " +
                             std::to_string(engine_.rank())));
+  }
+  if (c.params_sharded) {
+    // Stage 3 gathers nothing here: the shard's new parameters wait in param_copy for the
+    // commit, and the next Acquire gathers them.
+    c.gathered = true;
+    co_return;
   }
   c.shard_updated.Open(Status());
   co_await c.params_gathered->Acquire();

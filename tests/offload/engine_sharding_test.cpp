@@ -269,10 +269,13 @@ TEST(ShardingTest, StageThreeTrainsWithADeviceThatCannotHoldTheModel) {
   }
 }
 
-/// Runs `body` on two stage-3 ranks (host states) of ShardedModel, each an engine on a wrapped
-/// HostDevice and a thread of its own, whose collectives time out after `timeout` seconds.
+/// Runs `body` on two stage-3 ranks of ShardedModel (states on `states`; rank r's engine with
+/// `environment(r)`, if given), each an engine on a wrapped HostDevice and a thread of its own,
+/// whose collectives time out after `timeout` seconds.
 void OnStageThreeRanks(const std::string& nvme_path, double timeout,
-                       const std::function<void(int, Engine&, testing::WrappedDevice&)>& body) {
+                       const std::function<void(int, Engine&, testing::WrappedDevice&)>& body,
+                       Tier states = Tier::kHost,
+                       const std::function<EngineEnvironment(int)>& environment = {}) {
   const ShardedModel model;
   auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = timeout});
   ASSERT_TRUE(comms.ok());
@@ -281,10 +284,10 @@ void OnStageThreeRanks(const std::string& nvme_path, double timeout,
     threads.emplace_back([&, r] {
       auto inner = MakeDevice(64 << 20);
       testing::WrappedDevice device(*inner);
-      EngineEnvironment env;
+      EngineEnvironment env = environment ? environment(r) : EngineEnvironment{};
       env.communicator = std::move((*comms)[size_t(r)]);
-      auto engine = Engine::Create(Stage3Options(Tier::kHost, nvme_path), device, model.specs,
-                                   std::move(env));
+      auto engine =
+          Engine::Create(Stage3Options(states, nvme_path), device, model.specs, std::move(env));
       ASSERT_TRUE(engine.ok()) << engine.status().ToString();
       body(r, **engine, device);
     });
@@ -338,33 +341,27 @@ TEST(ShardingTest, StageThreeRankWhoseAcquireFailsStopsGathering) {
 // their gathers, would differ.
 TEST(ShardingTest, StageThreeAcquireAfterAFailedStepIsRefused) {
   ScratchDir dir;
-  const EngineOptions options = Stage3Options(Tier::kNvme, dir.path());
   auto plan = std::make_shared<nvme::FaultPlan>();
   plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
-  const ShardedModel model;
-  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
-  ASSERT_TRUE(comms.ok());
   std::vector<Status> stepped(2), acquired(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto device = MakeDevice(64 << 20);
-      EngineEnvironment env;
-      env.communicator = std::move((*comms)[size_t(r)]);
-      if (r == 1) {
-        env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-          return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-        };
-      }
-      auto engine = Engine::Create(options, *device, model.specs, std::move(env));
-      ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-      stepped[size_t(r)] = TrainStep(**engine, 0, [&](int s, int m, size_t p, size_t i) {
-                             return Grad(r, s, m, p, i);
-                           }).status();
-      acquired[size_t(r)] = (*engine)->Acquire(0).status();
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  OnStageThreeRanks(
+      dir.path(), 30,
+      [&](int r, Engine& engine, testing::WrappedDevice&) {
+        stepped[size_t(r)] = TrainStep(engine, 0, [&](int s, int m, size_t p, size_t i) {
+                               return Grad(r, s, m, p, i);
+                             }).status();
+        acquired[size_t(r)] = engine.Acquire(0).status();
+      },
+      Tier::kNvme,
+      [&](int rank) {
+        EngineEnvironment env;
+        if (rank == 1) {
+          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+          };
+        }
+        return env;
+      });
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_FALSE(stepped[r].ok()) << "rank " << r;
     EXPECT_EQ(acquired[r].code(), StatusCode::kFailedPrecondition) << "rank " << r;
