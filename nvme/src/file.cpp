@@ -88,9 +88,7 @@ Result<File> File::OpenWithFlags(const std::string& path, const FileOptions& opt
 
 Status File::Reserve(uint64_t bytes) {
   if (bytes == 0) return Status();
-  const int result = posix_fallocate(fd_, 0, static_cast<off_t>(bytes));
-  if (result == 0) return Status();
-  if (result == ENOSPC || result == EFBIG) {
+  auto no_space = [&] {
     struct statvfs fs {};
     std::string free_text = "unknown";
     if (fstatvfs(fd_, &fs) == 0) free_text = FormatBytes(uint64_t{fs.f_bavail} * fs.f_frsize);
@@ -98,7 +96,15 @@ Status File::Reserve(uint64_t bytes) {
                              FormatBytes(bytes) + " of swap space (" + free_text +
                              " free); free space there, add nvme paths, or lower the "
                              "offloaded state");
-  }
+  };
+  // A request past the free space is refused before fallocate: ext4 allocates block by block
+  // and only then fails, filling the drive for a moment under every other process on it (the
+  // other ranks' swap files, a checkpoint being written).
+  struct statvfs fs {};
+  if (fstatvfs(fd_, &fs) == 0 && bytes > uint64_t{fs.f_bavail} * fs.f_frsize) return no_space();
+  const int result = posix_fallocate(fd_, 0, static_cast<off_t>(bytes));
+  if (result == 0) return Status();
+  if (result == ENOSPC || result == EFBIG) return no_space();
   return ErrnoError("reserving " + FormatBytes(bytes) + " in " + path_, result);
 }
 
