@@ -62,7 +62,8 @@ struct Chunk {
   // Host.
   AlignedBuffer grads_landing;  // The working-dtype gradients copied out of the device.
   // fp32 sum over micro-steps (gradient_accumulation_steps > 1), and with several ranks the
-  // input of the reduce-scatter.
+  // input of the reduce-scatter (without accumulation, several ranks reduce from the
+  // ReduceRing's few buffers instead).
   AlignedBuffer grads_sum;
   AlignedBuffer grads_shard;  // Several ranks: this rank's shard of the sum over ranks.
   AlignedBuffer param_copy;   // New working parameters (device- and host-home parameters).
@@ -129,6 +130,12 @@ struct Chunk {
   ThreadSignal grads_summed;   // grads_sum holds this rank's gradients: reduce-scatter them.
   ThreadSignal shard_updated;  // param_copy holds the shard's new parameters: all-gather them.
   std::optional<LoopSemaphore> grads_reduced;
+  // Reducing from the ReduceRing (reduce_ring.h): released on the loop with reduce_number once
+  // the chunk's reduce-scatter is enqueued, which may come after its landing (a trainer that
+  // declares gradients out of the reduce order).
+  std::optional<LoopSemaphore> reduce_queued;
+  uint64_t reduce_number = 0;
+  static constexpr uint64_t kNeverQueued = ~uint64_t{0};  // Released by Cancel instead.
   std::optional<LoopSemaphore> params_gathered;
   Status reduce_status;  // Loop thread, like what follows.
   Status gather_status;

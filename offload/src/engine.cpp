@@ -252,6 +252,17 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     static_reservations_.emplace_back(&host_budget_, total);
     STRATA_RETURN_IF_ERROR(param_gather_.Initialize(slots, bytes));
   }
+  if (reduces_from_ring() && max_trained_numel() > 0) {
+    // Two: one chunk's gradients are widened while the one before is reduced, and the widening
+    // is far quicker than the link.
+    constexpr size_t kSlots = 2;
+    const uint64_t total = kSlots * AlignUp(max_trained_numel() * sizeof(float), kHostAlignment);
+    STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
+        total,
+        "the " + std::to_string(kSlots) + " buffers gradients are reduced across ranks from"));
+    static_reservations_.emplace_back(&host_budget_, total);
+    STRATA_RETURN_IF_ERROR(reduce_ring_.Initialize(kSlots, max_trained_numel()));
+  }
   SpillStatesToNvme();
   for (size_t i = 0; i < n_chunks; ++i) {
     for (const HostBuffer& b : HostBuffersOf(i)) {
@@ -532,7 +543,7 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
   // Frozen chunks have no gradients; device-kept ones keep theirs there.
   if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) return buffers;
   buffers.push_back({&c.grads_landing, c.working_bytes(wsize), "the gradients of " + name});
-  if (options_.optimizer.gradient_accumulation_steps > 1 || sharded()) {
+  if (options_.optimizer.gradient_accumulation_steps > 1) {
     buffers.push_back({&c.grads_sum, c.numel * sizeof(float), "the gradient sum of " + name});
   }
   if (sharded()) {

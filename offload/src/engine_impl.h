@@ -9,6 +9,7 @@
 // - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing,
 //   the per-chunk update journeys and the commit.
 // - ParamGather (param_gather.h) owns ZeRO stage 3's gather slots and their collectives.
+// - ReduceRing (reduce_ring.h) owns the buffers several ranks reduce gradients from.
 // - Checkpoints (engine_checkpoint.cpp) read and write chunk states between steps.
 //
 // Threads: the trainer thread calls the public methods; the event loop thread runs every
@@ -33,6 +34,7 @@
 #include "engine_metrics.h"
 #include "loop_sync.h"
 #include "param_gather.h"
+#include "reduce_ring.h"
 #include "residency.h"
 #include "step_pipeline.h"
 #include "strata/core/aligned_buffer.h"
@@ -159,6 +161,11 @@ class Engine::Impl {
   /// ZeRO stage 3 across several ranks: Acquire gathers trained chunks' parameters
   /// (ParamGather), so every rank's Acquire calls are collectives.
   bool gathers_params() const { return sharded() && options_.placement.zero_stage == 3; }
+  /// Several ranks reduce each chunk once a step, without accumulating micro-steps: its fp32
+  /// gradients need to exist only until they are reduced (ReduceRing), not all step long.
+  bool reduces_from_ring() const {
+    return sharded() && options_.optimizer.gradient_accumulation_steps == 1;
+  }
   /// Unavailable naming what is not built for several ranks (stage 0, stage 3's shards
   /// anywhere but host memory, offloaded parameters with stages 1 and 2, device-kept states,
   /// the delayed update); OK for one rank.
@@ -222,6 +229,7 @@ class Engine::Impl {
   Residency residency_{*this};
   StepPipeline pipeline_{*this, options_};
   ParamGather param_gather_{*this};  // Trainer thread only.
+  ReduceRing reduce_ring_;           // See reduce_ring.h for its threads.
 
   JobCounter jobs_in_flight_;  // Every AwaitJob of the parts counts here.
   // Coroutines started by Spawn and not yet finished.

@@ -138,12 +138,18 @@ Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const vo
                                                             bool last) {
   cpu_adam::CpuOptimizer& optimizer = *engine_.optimizer_;
   const DType dtype = engine_.working_dtype();
-  // Several ranks reduce the fp32 sum (measured after, on this rank's shard: ReduceGrads).
-  const bool sharded = engine_.sharded();
-  if (gas_ > 1 || sharded) AccumulateGrads(optimizer, sum, grads, dtype, numel, micro_step == 1);
-  if (!last || sharded) return cpu_adam::GradientStats{};
+  if (gas_ > 1) AccumulateGrads(optimizer, sum, grads, dtype, numel, micro_step == 1);
+  // Several ranks measure this rank's shard of the sum over ranks, once reduced (ReduceGrads);
+  // without accumulation they widen the gradients into the ReduceRing only when their
+  // reduce-scatter's turn comes.
+  if (!last || engine_.sharded()) return cpu_adam::GradientStats{};
   return gas_ > 1 ? optimizer.ComputeGradientStats(sum, DType::kFp32, numel)
                   : optimizer.ComputeGradientStats(grads, dtype, numel);
+}
+
+void StepPipeline::WidenGrads(float* into, const void* grads, size_t numel) {
+  AccumulateGrads(*engine_.optimizer_, into, grads, engine_.working_dtype(), numel,
+                  /*first=*/true);
 }
 
 Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool last) {

@@ -54,11 +54,24 @@ void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   reduce_order_.push_back(chunk);
   e.m_.collective_of(CollectiveKind::kReduceScatter)
       .Increment(double(c.numel * DTypeSize(DType::kFp32)));
+  const bool ring = e.reduces_from_ring();
+  const uint64_t number = ring ? e.reduce_ring_.Next() : 0;
+  const void* input =
+      ring ? static_cast<const void*>(e.reduce_ring_.Input(number)) : c.grads_sum.data();
+  if (ring) {
+    // The journey widens the gradients into the slot when its turn comes (ReduceGrads).
+    boost::asio::post(e.loop_.executor(), [&c, number] {
+      c.reduce_number = number;
+      c.reduce_queued->Release();
+    });
+  }
   e.environment_.communicator->ReduceScatter(
-      c.grads_sum.data(), c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
+      input, c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
       [&c] { return c.grads_summed.Wait(); },
-      [&e, &c](Status status) {
-        boost::asio::post(e.loop_.executor(), [&c, status = std::move(status)] {
+      [&e, &c, ring, number](Status status) {
+        boost::asio::post(e.loop_.executor(), [&e, &c, ring, number, status = std::move(status)] {
+          // Done reading the slot, whatever its outcome.
+          if (ring) e.reduce_ring_.Release(number);
           c.reduce_status = status;
           c.grads_reduced->Release();
         });
@@ -154,6 +167,20 @@ void StepPipeline::DeliverAgreedStep() {
   DeliverStep(std::move(result), completed);
 }
 
+Awaitable<void> StepPipeline::WidenIntoRing(Chunk& c) {
+  Engine::Impl& e = engine_;
+  co_await c.reduce_queued->Acquire();
+  // Never queued: Cancel ended the step, and released grads_reduced with its status.
+  if (c.reduce_number == Chunk::kNeverQueued) co_return;
+  const uint64_t number = c.reduce_number;
+  co_await e.reduce_ring_.WaitTurn(number);
+  float* slot = e.reduce_ring_.Input(number);
+  auto widen = [&] { WidenGrads(slot, c.grads_landing.data(), c.numel); };
+  co_await AwaitJob(e.jobs_, widen, &e.jobs_in_flight_);
+  c.grads_summed.Open(Status());
+  e.reduce_ring_.Release(number);  // Written: the slot is the next number's once read.
+}
+
 Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
@@ -161,7 +188,11 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
   // rank's step (land_status), and every rank learns of it from the step's outcome all-reduce.
   // A failed input would fail the collective on this rank only, and MPI peers would wait for it
   // until their timeout.
-  c.grads_summed.Open(Status());
+  if (e.reduces_from_ring()) {
+    co_await WidenIntoRing(c);
+  } else {
+    c.grads_summed.Open(Status());  // grads_sum holds them.
+  }
   co_await c.grads_reduced->Acquire();
   if (!c.reduce_status.ok()) {
     c.land_status = c.reduce_status.WithContext("reducing the gradients across ranks");

@@ -60,6 +60,7 @@ void StepPipeline::Initialize() {
   for (Chunk& c : engine_.chunks_) {
     c.grads_copied.emplace(0);
     c.grads_reduced.emplace(0);
+    c.reduce_queued.emplace(0);
     c.params_gathered.emplace(0);
     if (!c.frozen()) ++trained_chunks_;
   }
@@ -351,6 +352,8 @@ void StepPipeline::Cancel() {
     if (!reducing[i]) {
       c.reduce_status = cancelled;
       c.grads_reduced->Release();
+      c.reduce_number = Chunk::kNeverQueued;
+      c.reduce_queued->Release();
     }
     c.gather_status = cancelled;
     c.params_gathered->Release();

@@ -60,7 +60,8 @@
 //                                 expected next ahead (ParamGather, param_gather.h)
 //   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed),
 //                                 chunk by chunk in one order (the last chunk first), whatever
-//                                 order the trainer declares them in
+//                                 order the trainer declares them in; without accumulation
+//                                 from a ReduceRing slot instead of grads_sum (reduce_ring.h)
 //   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
 //                                 all-gather param_copy, chunk by chunk in that order
 //                                                  (ready: shard_updated; not with stage 3)
@@ -217,6 +218,9 @@ class StepPipeline {
   void EnqueueStepCollectives(const std::vector<size_t>& order);
   /// Opens grads_summed, waits for the reduce-scatter and measures this rank's shard.
   Awaitable<void> ReduceGrads(size_t chunk);
+  /// Without accumulation: once the chunk's reduce-scatter is queued and its ReduceRing slot
+  /// is free, widens the landed gradients into it and opens grads_summed.
+  Awaitable<void> WidenIntoRing(Chunk& c);
   /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
   Awaitable<void> GatherParams(size_t chunk);
   /// With the ranks whose step failed (from the outcome all-reduce, or its own failure):
@@ -230,6 +234,8 @@ class StepPipeline {
                       bool last);
   Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
                                                 int micro_step, bool last);
+  /// into[i] = grads[i] widened to fp32 (a job: it runs on the optimizer's threads).
+  void WidenGrads(float* into, const void* grads, size_t numel);
   Awaitable<void> LandMicroStep(size_t chunk, int micro_step);
   Awaitable<Status> LandGrads(size_t chunk, int micro_step, bool last);
 

@@ -17,6 +17,7 @@
 
 #include "engine_test_support.h"
 #include "sharded_model.h"
+#include "strata/core/aligned_buffer.h"
 #include "strata/nvme/fault_injection.h"
 #include "strata/offload/local_communicator.h"
 #include "support/scratch_dir.h"
@@ -42,6 +43,7 @@ struct RankResult {
   std::vector<std::vector<float>> params;
   size_t chunks = 0;
   size_t trained_numel = 0;  // Elements of the trained chunks (padded to a multiple of ranks).
+  std::vector<size_t> trained_chunk_numels;
   bool padded_to_shards = true;
   EngineCounters counters;
   uint64_t host_bytes = 0;
@@ -78,7 +80,10 @@ std::vector<RankResult> TrainSharded(
       result.initial_params = WorkingParameters(**engine);
       const EngineCounters before = (*engine)->counters();
       for (size_t c = 0; c < layout.chunk_count(); ++c) {
-        if (!layout.chunk(c).frozen) result.trained_numel += layout.chunk(c).numel;
+        if (!layout.chunk(c).frozen) {
+          result.trained_numel += layout.chunk(c).numel;
+          result.trained_chunk_numels.push_back(layout.chunk(c).numel);
+        }
         result.padded_to_shards &=
             layout.chunk(c).numel % size_t(ranks) == 0 &&
             layout.shard(c, r).numel() * size_t(ranks) == layout.chunk(c).numel;
@@ -87,7 +92,7 @@ std::vector<RankResult> TrainSharded(
         auto report = TrainStep(
             **engine, step,
             [&](int s, int m, size_t p, size_t i) { return Grad(r, s, m, p, i, scale); },
-            r == swapping_rank);
+            r == swapping_rank, options.optimizer.gradient_accumulation_steps);
         result.status = report.status();
         if (report.ok()) result.reports.push_back(*report);
       }
@@ -114,11 +119,14 @@ std::vector<std::vector<float>> TrainReference(int ranks, const EngineOptions& o
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
   for (int step = 0; step < steps; ++step) {
-    auto report = TrainStep(**engine, step, [&](int s, int m, size_t p, size_t i) {
-      float sum = 0.0f;
-      for (int r = 0; r < ranks; ++r) sum += Grad(r, s, m, p, i, scale);
-      return sum / float(ranks);
-    });
+    auto report = TrainStep(
+        **engine, step,
+        [&](int s, int m, size_t p, size_t i) {
+          float sum = 0.0f;
+          for (int r = 0; r < ranks; ++r) sum += Grad(r, s, m, p, i, scale);
+          return sum / float(ranks);
+        },
+        /*swap_last_two=*/false, options.optimizer.gradient_accumulation_steps);
     EXPECT_TRUE(report.ok()) << report.status().ToString();
     if (!report.ok()) return {};
     reports->push_back(*report);
@@ -130,11 +138,15 @@ struct ShardedCase {
   const char* name;
   Tier states;
   int stage;
+  // 1: each chunk is reduced from the ReduceRing's few buffers, not a gradient sum of its own.
+  int micro_steps = 2;
 };
 
 EngineOptions OptionsFor(const ShardedCase& sharded, const std::string& nvme_path) {
-  return sharded.stage == 3 ? Stage3Options(sharded.states, nvme_path)
-                            : ShardedOptions(sharded.states, nvme_path);
+  EngineOptions o = sharded.stage == 3 ? Stage3Options(sharded.states, nvme_path)
+                                       : ShardedOptions(sharded.states, nvme_path);
+  o.optimizer.gradient_accumulation_steps = sharded.micro_steps;
+  return o;
 }
 
 class ShardingTest : public ::testing::TestWithParam<ShardedCase> {};
@@ -174,26 +186,59 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
                          ::testing::Values(ShardedCase{"states_host", Tier::kHost, 2},
                                            ShardedCase{"states_nvme", Tier::kNvme, 2},
                                            ShardedCase{"stage3_states_host", Tier::kHost, 3},
-                                           ShardedCase{"stage3_states_nvme", Tier::kNvme, 3}),
+                                           ShardedCase{"stage3_states_nvme", Tier::kNvme, 3},
+                                           ShardedCase{"one_micro_step", Tier::kHost, 2, 1},
+                                           ShardedCase{"one_micro_step_nvme", Tier::kNvme, 2, 1},
+                                           ShardedCase{"stage3_one_micro_step", Tier::kHost, 3, 1}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // The ranks' collectives go in one fixed chunk order, whatever order each rank's backward
 // declares gradients in: a rank whose last two chunks come the other way round (chunks of the
 // same size, so nothing but the order tells them apart) still reduces each chunk with its peers'
 // same chunk.
+// With one micro-step, the swapped chunk's landing also waits for its reduce-scatter to be
+// queued before it takes a ReduceRing slot.
 TEST(ShardingTest, RanksThatDeclareGradientsInAnotherOrderStillReduceTheSameChunks) {
   ScratchDir dir;
-  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
-  constexpr int kSteps = 2;
-  std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, 1.0f, {}, /*swapping_rank=*/1);
-  std::vector<StepReport> reference_reports;
-  const auto reference = TrainReference(2, options, kSteps, &reference_reports);
-  ASSERT_FALSE(reference.empty());
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
-    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
-        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
+  for (const int micro_steps : {2, 1}) {
+    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
+    const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
+    constexpr int kSteps = 2;
+    std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, 1.0f, {}, /*swapping_rank=*/1);
+    std::vector<StepReport> reference_reports;
+    const auto reference = TrainReference(2, options, kSteps, &reference_reports);
+    ASSERT_FALSE(reference.empty());
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+      EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
+          << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
+    }
   }
+}
+
+// ZeRO stage 2's memory: without accumulation a rank keeps, of the fp32 gradients, only its
+// shard and the ReduceRing's two buffers as large as the largest chunk, not a sum of every
+// chunk (which accumulating micro-steps needs all step long).
+TEST(ShardingTest, WithoutAccumulationTheFp32GradientsOfWholeChunksAreTwoBuffers) {
+  ScratchDir dir;
+  auto host_bytes = [&](int micro_steps) {
+    const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
+    std::vector<RankResult> ranks = TrainSharded(2, options, 1);
+    EXPECT_TRUE(ranks[0].status.ok()) << ranks[0].status.ToString();
+    return ranks[0];
+  };
+  const RankResult accumulating = host_bytes(2);
+  const RankResult one = host_bytes(1);
+  ASSERT_GT(accumulating.chunks, 3u) << "more chunks than the ring has buffers";
+  uint64_t sums = 0;
+  size_t largest = 0;
+  for (size_t numel : one.trained_chunk_numels) {
+    sums += AlignUp(numel * sizeof(float), strata::kHostAlignment);
+    largest = std::max(largest, numel);
+  }
+  const uint64_t ring = 2 * AlignUp(largest * sizeof(float), strata::kHostAlignment);
+  ASSERT_GT(sums, ring);
+  EXPECT_EQ(accumulating.host_bytes - one.host_bytes, sums - ring);
 }
 
 // Three ranks: each pads every chunk to three equal shards and updates only its own (a third
@@ -446,33 +491,37 @@ TEST(ShardingTest, ARankThatFailsAfterTheLastGatherFailsTheStepOnEveryRank) {
 TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
   ScratchDir dir;
   const ShardedModel model;
-  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
-  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
-  ASSERT_TRUE(comms.ok());
-  auto finished = std::async(std::launch::async, [&] {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        auto device = MakeDevice(64 << 20);
-        EngineEnvironment env;
-        env.communicator = std::move((*comms)[size_t(r)]);
-        auto engine = Engine::Create(options, *device, model.specs, std::move(env));
-        ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-        // Chunk 0 only, twice (two micro-steps): its turn comes after chunks 2 and 1.
-        for (int micro = 0; micro < 2; ++micro) {
-          ASSERT_TRUE((*engine)->Acquire(0).ok());
-          ASSERT_TRUE((*engine)->GradsReady(0).ok());
-          (*engine)->Release(0);
-        }
-        EXPECT_EQ((*engine)->Step().get().status().code(), StatusCode::kFailedPrecondition);
-      });
+  // With one micro-step the journey waits earlier, for its ReduceRing slot's turn.
+  for (const int micro_steps : {2, 1}) {
+    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
+    const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
+    auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
+    ASSERT_TRUE(comms.ok());
+    auto finished = std::async(std::launch::async, [&] {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < 2; ++r) {
+        threads.emplace_back([&, r] {
+          auto device = MakeDevice(64 << 20);
+          EngineEnvironment env;
+          env.communicator = std::move((*comms)[size_t(r)]);
+          auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+          ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+          // Chunk 0 only, in every micro-step: its turn comes after chunks 2 and 1.
+          for (int micro = 0; micro < micro_steps; ++micro) {
+            ASSERT_TRUE((*engine)->Acquire(0).ok());
+            ASSERT_TRUE((*engine)->GradsReady(0).ok());
+            (*engine)->Release(0);
+          }
+          EXPECT_EQ((*engine)->Step().get().status().code(), StatusCode::kFailedPrecondition);
+        });
+      }
+      for (std::thread& thread : threads) thread.join();
+    });
+    if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+      std::fprintf(stderr,
+                   "deadlock: destroying an engine waits for a reduce-scatter never queued\n");
+      std::_Exit(1);
     }
-    for (std::thread& thread : threads) thread.join();
-  });
-  if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
-    std::fprintf(stderr,
-                 "deadlock: destroying an engine waits for a reduce-scatter never queued\n");
-    std::_Exit(1);
   }
 }
 

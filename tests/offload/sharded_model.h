@@ -54,10 +54,11 @@ using GradFn = std::function<float(int step, int micro, size_t p, size_t i)>;
 /// One training step's forward and backward as a trainer drives them: forward over every chunk,
 /// backward in reverse writing `grad`'s gradients, for each micro-step. `swap_last_two`:
 /// backward declares the last two chunks' gradients in the other order (as autograd hooks may).
+/// `micro_steps`: the options' gradient_accumulation_steps (ShardedOptions': 2).
 inline Status ForwardBackward(Engine& engine, int step, const GradFn& grad,
-                              bool swap_last_two = false) {
+                              bool swap_last_two = false, int micro_steps = 2) {
   const ChunkLayout& layout = engine.layout();
-  const int gas = 2;
+  const int gas = micro_steps;
   std::vector<size_t> backward;
   for (size_t c = engine.chunk_count(); c-- > 0;) backward.push_back(c);
   if (swap_last_two) {
@@ -90,8 +91,8 @@ inline Status ForwardBackward(Engine& engine, int step, const GradFn& grad,
 
 /// ForwardBackward, then Step().
 inline Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad,
-                                    bool swap_last_two = false) {
-  STRATA_RETURN_IF_ERROR(ForwardBackward(engine, step, grad, swap_last_two));
+                                    bool swap_last_two = false, int micro_steps = 2) {
+  STRATA_RETURN_IF_ERROR(ForwardBackward(engine, step, grad, swap_last_two, micro_steps));
   return engine.Step().get();
 }
 

@@ -1,0 +1,39 @@
+#include "reduce_ring.h"
+
+namespace strata::offload {
+
+Status ReduceRing::Initialize(size_t slots, size_t slot_numel) {
+  for (size_t i = 0; i < slots; ++i) {
+    Slot& slot = slots_.emplace_back();
+    STRATA_ASSIGN_OR_RETURN(slot.buffer, AlignedBuffer::Allocate(slot_numel * sizeof(float)));
+    slot.turn = i;
+  }
+  return Status();
+}
+
+Awaitable<void> ReduceRing::WaitTurn(uint64_t number) {
+  return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, void()>(
+      [this, number](auto handler) {
+        auto resume = internal::PostingCallback(std::move(handler));
+        if (slots_[number % slots_.size()].turn == number) {
+          resume();
+        } else {
+          waiting_.emplace(number, std::move(resume));
+        }
+      },
+      boost::asio::use_awaitable);
+}
+
+void ReduceRing::Release(uint64_t number) {
+  if (++releases_[number] < 2) return;
+  releases_.erase(number);
+  const uint64_t next = number + slots_.size();
+  slots_[number % slots_.size()].turn = next;
+  if (auto it = waiting_.find(next); it != waiting_.end()) {
+    auto resume = std::move(it->second);
+    waiting_.erase(it);
+    resume();
+  }
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,64 @@
+// ReduceRing: the fp32 buffers a sharded step reduce-scatters gradients from, when each step
+// reduces each chunk once (gradient_accumulation_steps 1). A chunk's fp32 gradients live only
+// from their widening to the end of their reduce-scatter, so a few buffers, taken in the order
+// the reduce-scatters are enqueued, replace one as large as every chunk: host memory for the
+// gradients falls from the working gradients plus the fp32 sum of every chunk (6 bytes a
+// parameter with bf16) to the working gradients plus this rank's fp32 shard.
+//
+// Reduce-scatter number p reads slot p mod N. It is the slot's to write once number p - N is
+// done with it twice over: its collective completed (it read the slot) and its writer finished
+// (it wrote the slot). Turns go strictly by number, never by which writer comes first: the
+// communicator runs the collectives in number order, and a later number holding the slot that
+// an earlier one waits for would wait on that earlier one forever.
+//
+// Threads: Claim on the trainer thread (under the step pipeline's mutex, where reduce-scatters
+// are enqueued); WaitTurn and Release on the loop thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/event_loop.h"
+#include "strata/core/status.h"
+
+namespace strata::offload {
+
+class ReduceRing {
+ public:
+  /// `slots` buffers of `slot_numel` floats (the largest trained chunk). The caller has reserved
+  /// them on the host budget.
+  Status Initialize(size_t slots, size_t slot_numel);
+  bool empty() const { return slots_.empty(); }
+
+  /// The next reduce-scatter's number: its place in enqueue order (trainer thread).
+  uint64_t Next() { return next_number_++; }
+  /// The slot reduce-scatter `number` reads, once its writer has filled it.
+  float* Input(uint64_t number) {
+    return reinterpret_cast<float*>(slots_[number % slots_.size()].buffer.data());
+  }
+
+  /// Completes when reduce-scatter `number` may write its slot.
+  Awaitable<void> WaitTurn(uint64_t number);
+  /// One of the two ends of `number`'s use of its slot: its collective completed, or its
+  /// writer finished. After both, the slot is the next number's.
+  void Release(uint64_t number);
+
+ private:
+  struct Slot {
+    AlignedBuffer buffer;
+    uint64_t turn = 0;  // The number that may use it now (loop thread).
+  };
+  std::vector<Slot> slots_;
+  uint64_t next_number_ = 0;  // Trainer thread.
+  // Loop thread: releases counted per number (a failed communicator may complete a collective
+  // before its writer's turn has come), and the writers waiting for their turn.
+  std::map<uint64_t, int> releases_;
+  std::map<uint64_t, std::function<void()>> waiting_;
+};
+
+}  // namespace strata::offload
