@@ -127,7 +127,8 @@ struct Chunk {
   // what the communicator's thread waits on before a collective reads the chunk's buffers (reset
   // by the trainer thread at the chunk's last GradsReady, opened by the loop); the semaphores
   // are released on the loop when a collective is done, with its status.
-  ThreadSignal grads_summed;   // grads_sum holds this rank's gradients: reduce-scatter them.
+  // grads_sum (or the chunk's ReduceRing slot) holds this rank's gradients: reduce-scatter them.
+  ThreadSignal grads_summed;
   ThreadSignal shard_updated;  // param_copy holds the shard's new parameters: all-gather them.
   std::optional<LoopSemaphore> grads_reduced;
   // Reducing from the ReduceRing (reduce_ring.h): released on the loop with reduce_number once

@@ -258,8 +258,9 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     constexpr size_t kSlots = 2;
     const uint64_t total = kSlots * AlignUp(max_trained_numel() * sizeof(float), kHostAlignment);
     STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
-        total,
-        "the " + std::to_string(kSlots) + " buffers gradients are reduced across ranks from"));
+        total, "the " + std::to_string(kSlots) +
+                   " buffers gradients are reduced across ranks from (set host.pinned_memory_bytes "
+                   "higher, or lower placement.chunk_bytes)"));
     static_reservations_.emplace_back(&host_budget_, total);
     STRATA_RETURN_IF_ERROR(reduce_ring_.Initialize(kSlots, max_trained_numel()));
   }

@@ -3,7 +3,9 @@
 // from their widening to the end of their reduce-scatter, so a few buffers, taken in the order
 // the reduce-scatters are enqueued, replace one as large as every chunk: host memory for the
 // gradients falls from the working gradients plus the fp32 sum of every chunk (6 bytes a
-// parameter with bf16) to the working gradients plus this rank's fp32 shard.
+// parameter with bf16) to the working gradients, this rank's fp32 shard and the few buffers.
+// The price: a chunk's widening waits for the reduce-scatter two before it, not for backward
+// alone (widening is far quicker than the link).
 //
 // Reduce-scatter number p reads slot p mod N. It is the slot's to write once number p - N is
 // done with it twice over: its collective completed (it read the slot) and its writer finished
@@ -11,7 +13,7 @@
 // communicator runs the collectives in number order, and a later number holding the slot that
 // an earlier one waits for would wait on that earlier one forever.
 //
-// Threads: Claim on the trainer thread (under the step pipeline's mutex, where reduce-scatters
+// Threads: Next on the trainer thread (under the step pipeline's mutex, where reduce-scatters
 // are enqueued); WaitTurn and Release on the loop thread.
 #pragma once
 
@@ -33,7 +35,6 @@ class ReduceRing {
   /// `slots` buffers of `slot_numel` floats (the largest trained chunk). The caller has reserved
   /// them on the host budget.
   Status Initialize(size_t slots, size_t slot_numel);
-  bool empty() const { return slots_.empty(); }
 
   /// The next reduce-scatter's number: its place in enqueue order (trainer thread).
   uint64_t Next() { return next_number_++; }

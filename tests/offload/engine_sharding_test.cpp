@@ -50,12 +50,13 @@ struct RankResult {
 };
 
 /// Trains `ranks` sharded engines for `steps` steps, each on a thread of its own; rank r writes
-/// Grad(r, ...) scaled by `scale`.
+/// Grad(r, ...) scaled by `scale`. Rank `reordering_rank` declares gradients in `reordered`.
 std::vector<RankResult> TrainSharded(
     int ranks, const EngineOptions& options, int steps, float scale = 1.0f,
-    std::function<EngineEnvironment(int)> environment = {}, int swapping_rank = -1,
+    std::function<EngineEnvironment(int)> environment = {}, int reordering_rank = -1,
     std::function<void(int, testing::WrappedDevice&)> on_device = {},
-    uint64_t device_bytes = 64 << 20) {
+    uint64_t device_bytes = 64 << 20,
+    testing::DeclareOrder reordered = testing::DeclareOrder::kLastTwoSwapped) {
   const ShardedModel model;
   auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
   EXPECT_TRUE(comms.ok());
@@ -92,7 +93,8 @@ std::vector<RankResult> TrainSharded(
         auto report = TrainStep(
             **engine, step,
             [&](int s, int m, size_t p, size_t i) { return Grad(r, s, m, p, i, scale); },
-            r == swapping_rank, options.optimizer.gradient_accumulation_steps);
+            r == reordering_rank ? reordered : testing::DeclareOrder::kBackward,
+            options.optimizer.gradient_accumulation_steps);
         result.status = report.status();
         if (report.ok()) result.reports.push_back(*report);
       }
@@ -126,7 +128,7 @@ std::vector<std::vector<float>> TrainReference(int ranks, const EngineOptions& o
           for (int r = 0; r < ranks; ++r) sum += Grad(r, s, m, p, i, scale);
           return sum / float(ranks);
         },
-        /*swap_last_two=*/false, options.optimizer.gradient_accumulation_steps);
+        testing::DeclareOrder::kBackward, options.optimizer.gradient_accumulation_steps);
     EXPECT_TRUE(report.ok()) << report.status().ToString();
     if (!report.ok()) return {};
     reports->push_back(*report);
@@ -196,15 +198,19 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
 // declares gradients in: a rank whose last two chunks come the other way round (chunks of the
 // same size, so nothing but the order tells them apart) still reduces each chunk with its peers'
 // same chunk.
-// With one micro-step, the swapped chunk's landing also waits for its reduce-scatter to be
-// queued before it takes a ReduceRing slot.
+// With one micro-step, a chunk declared early also waits for its reduce-scatter to be queued
+// before it takes a ReduceRing slot; declared in forward order, every reduce-scatter is queued
+// at the last declaration, and all but two wait for a slot's turn.
 TEST(ShardingTest, RanksThatDeclareGradientsInAnotherOrderStillReduceTheSameChunks) {
   ScratchDir dir;
-  for (const int micro_steps : {2, 1}) {
-    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
+  for (const auto& [micro_steps, order] : {std::pair{2, testing::DeclareOrder::kLastTwoSwapped},
+                                           std::pair{1, testing::DeclareOrder::kLastTwoSwapped},
+                                           std::pair{1, testing::DeclareOrder::kForward}}) {
+    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps, order " + std::to_string(int(order)));
     const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
     constexpr int kSteps = 2;
-    std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, 1.0f, {}, /*swapping_rank=*/1);
+    std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, 1.0f, {},
+                                                 /*reordering_rank=*/1, {}, 64 << 20, order);
     std::vector<StepReport> reference_reports;
     const auto reference = TrainReference(2, options, kSteps, &reference_reports);
     ASSERT_FALSE(reference.empty());
@@ -417,9 +423,18 @@ TEST(ShardingTest, StageThreeAcquireAfterAFailedStepIsRefused) {
 
 // Gradient clipping uses the global norm of the mean gradient, all-reduced across ranks; the
 // step clips on every rank alike.
+void ExpectClippingUsesTheGlobalNorm(int micro_steps);
+
 TEST(ShardingTest, ClippingUsesTheGlobalNormOfTheMeanGradient) {
+  for (const int micro_steps : {2, 1}) {
+    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
+    ExpectClippingUsesTheGlobalNorm(micro_steps);
+  }
+}
+
+void ExpectClippingUsesTheGlobalNorm(int micro_steps) {
   ScratchDir dir;
-  EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  EngineOptions options = OptionsFor({"", Tier::kNvme, 2, micro_steps}, dir.path());
   options.optimizer.gradient_clipping = 0.5;
   constexpr int kSteps = 2;
   constexpr float kScale = 8.0f;  // Norms well above 0.5: every step clips.
@@ -442,9 +457,18 @@ TEST(ShardingTest, ClippingUsesTheGlobalNormOfTheMeanGradient) {
 
 // A rank whose NVMe fails mid-step fails the step on every rank, at once and naming the cause,
 // rather than leaving the others waiting; the step cannot be retried with several ranks.
+void ExpectAFailingRankFailsTheStepEverywhere(int micro_steps);
+
 TEST(ShardingTest, AFailingRankFailsTheStepOnEveryRank) {
+  for (const int micro_steps : {2, 1}) {
+    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
+    ExpectAFailingRankFailsTheStepEverywhere(micro_steps);
+  }
+}
+
+void ExpectAFailingRankFailsTheStepEverywhere(int micro_steps) {
   ScratchDir dir;
-  const EngineOptions options = ShardedOptions(Tier::kNvme, dir.path());
+  const EngineOptions options = OptionsFor({"", Tier::kNvme, 2, micro_steps}, dir.path());
   auto plan = std::make_shared<nvme::FaultPlan>();
   // Its reads of the states fail: every update of the first step.
   plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
@@ -470,19 +494,22 @@ TEST(ShardingTest, AFailingRankFailsTheStepOnEveryRank) {
 // rather than the others reporting success and then waiting for it in the next step.
 TEST(ShardingTest, ARankThatFailsAfterTheLastGatherFailsTheStepOnEveryRank) {
   ScratchDir dir;
-  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
-  std::vector<RankResult> ranks =
-      TrainSharded(2, options, 2, 1.0f, {}, -1, [](int rank, testing::WrappedDevice& device) {
-        if (rank == 1) device.FailCopiesToDevice(0, 1 << 20);
-      });
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    EXPECT_FALSE(ranks[r].status.ok()) << "rank " << r;
-    EXPECT_TRUE(ranks[r].reports.empty()) << "rank " << r << " reported a step";
+  for (const int micro_steps : {2, 1}) {
+    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
+    const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
+    std::vector<RankResult> ranks =
+        TrainSharded(2, options, 2, 1.0f, {}, -1, [](int rank, testing::WrappedDevice& device) {
+          if (rank == 1) device.FailCopiesToDevice(0, 1 << 20);
+        });
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      EXPECT_FALSE(ranks[r].status.ok()) << "rank " << r;
+      EXPECT_TRUE(ranks[r].reports.empty()) << "rank " << r << " reported a step";
+    }
+    EXPECT_NE(ranks[0].status.message().find("the step failed on rank 1 of 2"), std::string::npos)
+        << ranks[0].status.message();
+    EXPECT_NE(ranks[1].status.message().find("injected failure"), std::string::npos)
+        << ranks[1].status.message();
   }
-  EXPECT_NE(ranks[0].status.message().find("the step failed on rank 1 of 2"), std::string::npos)
-      << ranks[0].status.message();
-  EXPECT_NE(ranks[1].status.message().find("injected failure"), std::string::npos)
-      << ranks[1].status.message();
 }
 
 // A trainer that declares a chunk's gradients before its turn (backward's order) and then gives

@@ -2,6 +2,7 @@
 // gradients (exact in fp32 in any summation order), a trainer's step and the options.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -51,17 +52,25 @@ inline float Grad(int rank, int step, int micro, size_t p, size_t i, float scale
 
 using GradFn = std::function<float(int step, int micro, size_t p, size_t i)>;
 
+/// The order a trainer's backward declares chunks' gradients in.
+enum class DeclareOrder {
+  kBackward,        // The last chunk first: the engine's reduce order.
+  kLastTwoSwapped,  // The last two chunks with gradients the other way round (as autograd
+                    // hooks may).
+  kForward,         // The first chunk first: no chunk's reduce can start before the last.
+};
+
 /// One training step's forward and backward as a trainer drives them: forward over every chunk,
-/// backward in reverse writing `grad`'s gradients, for each micro-step. `swap_last_two`:
-/// backward declares the last two chunks' gradients in the other order (as autograd hooks may).
-/// `micro_steps`: the options' gradient_accumulation_steps (ShardedOptions': 2).
+/// backward writing `grad`'s gradients in `order`, for each micro-step. `micro_steps`: the
+/// options' gradient_accumulation_steps (ShardedOptions': 2).
 inline Status ForwardBackward(Engine& engine, int step, const GradFn& grad,
-                              bool swap_last_two = false, int micro_steps = 2) {
+                              DeclareOrder order = DeclareOrder::kBackward, int micro_steps = 2) {
   const ChunkLayout& layout = engine.layout();
   const int gas = micro_steps;
   std::vector<size_t> backward;
   for (size_t c = engine.chunk_count(); c-- > 0;) backward.push_back(c);
-  if (swap_last_two) {
+  if (order == DeclareOrder::kForward) std::reverse(backward.begin(), backward.end());
+  if (order == DeclareOrder::kLastTwoSwapped) {
     // The first two chunks backward reaches that have gradients (the last is frozen).
     size_t first = 0;
     while (layout.chunk(backward[first]).frozen) ++first;
@@ -91,8 +100,9 @@ inline Status ForwardBackward(Engine& engine, int step, const GradFn& grad,
 
 /// ForwardBackward, then Step().
 inline Result<StepReport> TrainStep(Engine& engine, int step, const GradFn& grad,
-                                    bool swap_last_two = false, int micro_steps = 2) {
-  STRATA_RETURN_IF_ERROR(ForwardBackward(engine, step, grad, swap_last_two, micro_steps));
+                                    DeclareOrder order = DeclareOrder::kBackward,
+                                    int micro_steps = 2) {
+  STRATA_RETURN_IF_ERROR(ForwardBackward(engine, step, grad, order, micro_steps));
   return engine.Step().get();
 }
 
