@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -404,6 +405,56 @@ Status CpuOptimizer::Fill(void* data, DType dtype, size_t numel, float value) {
     impl_->ForEachRange(numel,
                         [&](size_t begin, size_t end) { std::fill(out + begin, out + end, bits); });
   }
+  return Status::Ok();
+}
+
+namespace {
+
+Status CheckQuantizeBuffers(const char* what, const void* values, DType dtype, size_t numel,
+                            const void* quantized) {
+  if (values == nullptr || quantized == nullptr) {
+    return InvalidArgument(std::string(what) + ": a buffer is null but numel is " +
+                           std::to_string(numel));
+  }
+  if (reinterpret_cast<uintptr_t>(values) % DTypeSize(dtype) != 0 ||
+      reinterpret_cast<uintptr_t>(quantized) % sizeof(float) != 0) {
+    return InvalidArgument(std::string(what) +
+                           ": values must be aligned to their element size and the quantized "
+                           "bytes to 4");
+  }
+  return Status::Ok();
+}
+
+size_t QuantBlocks(size_t numel) { return (numel + kQuantBlockElements - 1) / kQuantBlockElements; }
+
+}  // namespace
+
+static_assert(internal::kQuantBlockElements == kQuantBlockElements);
+
+Status CpuOptimizer::QuantizeInt8(const void* in, DType dtype, size_t numel, std::byte* out) {
+  if (numel == 0) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(CheckQuantizeBuffers("quantize", in, dtype, numel, out));
+  const internal::QuantizeKernel kernel = impl_->kernels->quantize[static_cast<int>(dtype)];
+  auto* scales = reinterpret_cast<float*>(out);
+  auto* values = reinterpret_cast<signed char*>(out + QuantBlocks(numel) * sizeof(float));
+  std::memset(values + numel, 0, QuantizedBytes(numel) - QuantBlocks(numel) * 4 - numel);
+  // Ranges are kBlockElements-aligned, so each holds whole quantization blocks.
+  impl_->ForEachRange(numel, [&](size_t begin, size_t end) {
+    kernel(in, numel, begin / kQuantBlockElements, QuantBlocks(end), scales, values);
+  });
+  return Status::Ok();
+}
+
+Status CpuOptimizer::DequantizeInt8(const std::byte* in, size_t numel, void* out, DType dtype) {
+  if (numel == 0) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(CheckQuantizeBuffers("dequantize", out, dtype, numel, in));
+  const internal::DequantizeKernel kernel = impl_->kernels->dequantize[static_cast<int>(dtype)];
+  const auto* scales = reinterpret_cast<const float*>(in);
+  const auto* values =
+      reinterpret_cast<const signed char*>(in + QuantBlocks(numel) * sizeof(float));
+  impl_->ForEachRange(numel, [&](size_t begin, size_t end) {
+    kernel(values, scales, numel, begin / kQuantBlockElements, QuantBlocks(end), out);
+  });
   return Status::Ok();
 }
 

@@ -87,11 +87,27 @@ using StepKernel = void (*)(const KernelArgs& args, size_t begin, size_t end);
 /// square is exact in double). Inf or NaN inputs make the result non-finite.
 using SumOfSquaresKernel = double (*)(const void* grads, size_t begin, size_t end);
 
+/// Blockwise int8 quantization (strata/cpu_adam/quantize.h): blocks [first_block, end_block) of
+/// `numel` elements of `in` (the last block may be short). Each block's scale is its largest
+/// magnitude / 127, and each value is round-to-nearest-even(x * (127 / largest)); a block of
+/// zeros has scale 0 and values 0.
+using QuantizeKernel = void (*)(const void* in, size_t numel, size_t first_block, size_t end_block,
+                                float* scales, signed char* values);
+/// The inverse: out = value * scale, in the element type of the table entry (rounded to nearest
+/// even for the 16-bit types). A single multiplication, so every instruction set agrees.
+using DequantizeKernel = void (*)(const signed char* values, const float* scales, size_t numel,
+                                  size_t first_block, size_t end_block, void* out);
+
+/// Elements per quantization block.
+constexpr size_t kQuantBlockElements = 256;
+
 /// Every kernel of one instruction set.
 struct KernelTable {
   const char* name;
   StepKernel step[kNumUpdateKinds][kNumElemTypes][kNumStateTypes][kNumCopyTypes];
   SumOfSquaresKernel sum_of_squares[kNumElemTypes];
+  QuantizeKernel quantize[kNumElemTypes];
+  DequantizeKernel dequantize[kNumElemTypes];
 };
 
 /// Defined in kernels_scalar.cpp: plain C++ that reads like the formulas; the reference.

@@ -82,6 +82,27 @@ void StreamHalfPair(uint16_t* p, Half low, Half high) {
 }
 void StoreFence() { _mm_sfence(); }
 
+// Blockwise int8 quantization.
+Vec Abs(Vec x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+float MaxLanes(Vec x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+// Rounds to nearest even (the default MXCSR mode) and saturates into kLanes signed bytes.
+void StoreInt8(signed char* p, Vec x) {
+  const __m256i words = _mm256_cvtps_epi32(x);
+  const __m128i shorts =
+      _mm_packs_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(shorts, shorts));
+}
+Vec LoadInt8(const signed char* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
 // Squares are summed in double: each square of an fp32 value is exact there.
 struct SquareSums {
   __m256d low, high;

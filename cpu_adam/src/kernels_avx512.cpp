@@ -86,6 +86,19 @@ void StreamHalfPair(uint16_t* p, Half low, Half high) {
 }
 void StoreFence() { _mm_sfence(); }
 
+// Blockwise int8 quantization.
+Vec Abs(Vec x) { return _mm512_abs_ps(x); }
+Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+float MaxLanes(Vec x) { return _mm512_reduce_max_ps(x); }
+// Rounds to nearest even (the default MXCSR mode) and saturates into kLanes signed bytes.
+void StoreInt8(signed char* p, Vec x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
+}
+Vec LoadInt8(const signed char* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
 // Squares are summed in double: each square of an fp32 value is exact there.
 struct SquareSums {
   __m512d low, high;

@@ -4,6 +4,7 @@
 // without AVX2. It is compiled with -ffp-contract=off so that `a * b + c` is two roundings, as
 // written, whatever flags the build adds. Arithmetic is fp32, as torch.optim's fp32 kernels;
 // the per-step scalars (Coefficients) were computed in double by the driver.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -112,6 +113,38 @@ double SumOfSquaresFor(const void* grads, size_t begin, size_t end) {
     sum += g * g;
   }
   return sum;
+}
+
+template <int kElem>
+void QuantizeFor(const void* in, size_t numel, size_t first_block, size_t end_block, float* scales,
+                 signed char* values) {
+  for (size_t b = first_block; b < end_block; ++b) {
+    const size_t begin = b * kQuantBlockElements;
+    const size_t end = std::min(begin + kQuantBlockElements, numel);
+    float largest = 0.0f;
+    for (size_t i = begin; i < end; ++i) {
+      largest = std::max(largest, std::fabs(LoadElement<kElem>(in, i)));
+    }
+    scales[b] = largest / 127.0f;
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    for (size_t i = begin; i < end; ++i) {
+      // Default rounding: to nearest even, as the SIMD conversions.
+      const float q = std::nearbyint(LoadElement<kElem>(in, i) * inverse);
+      values[i] = static_cast<signed char>(std::clamp(q, -128.0f, 127.0f));
+    }
+  }
+}
+
+template <int kElem>
+void DequantizeFor(const signed char* values, const float* scales, size_t numel, size_t first_block,
+                   size_t end_block, void* out) {
+  for (size_t b = first_block; b < end_block; ++b) {
+    const size_t begin = b * kQuantBlockElements;
+    const size_t end = std::min(begin + kQuantBlockElements, numel);
+    for (size_t i = begin; i < end; ++i) {
+      StoreElement<kElem>(out, i, static_cast<float>(values[i]) * scales[b]);
+    }
+  }
 }
 
 #include "kernel_table.inc"

@@ -11,6 +11,7 @@
 #include <simde/x86/avx512.h>
 #include <simde/x86/f16c.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -95,4 +96,48 @@ inline simde__m512d _mm512_cvtps_pd(simde__m256 floats) {
   F64x8 out;
   for (int i = 0; i < 8; ++i) out.lane[i] = in.lane[i];
   return BitCast<simde__m512d>(out);
+}
+
+// --- Blockwise int8 quantization ---
+
+// Horizontal maximum (a sequence intrinsic; NaN lanes follow VMAXPS: the second operand wins).
+inline float _mm512_reduce_max_ps(simde__m512 floats) {
+  using namespace strata_avx512_emulation;
+  const auto in = BitCast<F32x16>(floats);
+  float top = in.lane[0];
+  for (int i = 1; i < 16; ++i) top = top > in.lane[i] ? top : in.lane[i];
+  return top;
+}
+
+// VCVTPS2DQ zmm, zmm (the default rounding: to nearest even; out of range: 0x80000000)
+inline simde__m512i _mm512_cvtps_epi32(simde__m512 floats) {
+  using namespace strata_avx512_emulation;
+  const auto in = BitCast<F32x16>(floats);
+  U32x16 out;
+  for (int i = 0; i < 16; ++i) {
+    const float r = std::nearbyint(in.lane[i]);
+    out.lane[i] = (r >= -2147483648.0f && r < 2147483648.0f)
+                      ? static_cast<uint32_t>(static_cast<int32_t>(r))
+                      : 0x80000000u;
+  }
+  return BitCast<simde__m512i>(out);
+}
+
+// VPMOVSXBD zmm, xmm
+inline simde__m512i _mm512_cvtepi8_epi32(simde__m128i bytes) {
+  using namespace strata_avx512_emulation;
+  int8_t in[16];
+  std::memcpy(in, &bytes, sizeof(in));
+  U32x16 out;
+  for (int i = 0; i < 16; ++i) out.lane[i] = static_cast<uint32_t>(static_cast<int32_t>(in[i]));
+  return BitCast<simde__m512i>(out);
+}
+
+// VCVTDQ2PS zmm, zmm (exact for the small integers the kernels convert)
+inline simde__m512 _mm512_cvtepi32_ps(simde__m512i words) {
+  using namespace strata_avx512_emulation;
+  const auto in = BitCast<U32x16>(words);
+  F32x16 out;
+  for (int i = 0; i < 16; ++i) out.lane[i] = static_cast<float>(static_cast<int32_t>(in.lane[i]));
+  return BitCast<simde__m512>(out);
 }

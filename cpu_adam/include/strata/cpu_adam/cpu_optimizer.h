@@ -47,6 +47,18 @@ namespace strata::cpu_adam {
 /// reduction. A multiple of 64, so with 64-byte aligned arrays no two threads share a cache line.
 inline constexpr size_t kBlockElements = size_t{64} * 1024;
 
+/// Blockwise int8 quantization (ZeRO++'s quantized weights, CpuOptimizer::QuantizeInt8): values
+/// in blocks of this many elements share one fp32 scale.
+inline constexpr size_t kQuantBlockElements = 256;
+static_assert(kBlockElements % kQuantBlockElements == 0);
+
+/// Bytes of `numel` values quantized: one fp32 scale per block of kQuantBlockElements (the
+/// largest magnitude / 127), then one signed byte per value, rounded up to 4 bytes.
+constexpr size_t QuantizedBytes(size_t numel) {
+  const size_t blocks = (numel + kQuantBlockElements - 1) / kQuantBlockElements;
+  return blocks * sizeof(float) + (numel + 3) / 4 * 4;
+}
+
 /// AdamW (Loshchilov & Hutter), as torch.optim.AdamW: weight decay is decoupled from the
 /// gradient, p <- p * (1 - lr * weight_decay), before the Adam update. Defaults are torch's.
 struct AdamWHyperParams {
@@ -215,6 +227,15 @@ class CpuOptimizer {
   /// partitioning as Step, so that pages are first touched by the threads that will update them.
   /// Use it to zero new optimizer states, or to apply Adagrad's initial_accumulator_value.
   Status Fill(void* data, DType dtype, size_t numel, float value);
+
+  /// Quantizes `numel` values of `dtype` into QuantizedBytes(numel) bytes at `out` (4-byte
+  /// aligned): each block's values become round(x * 127 / largest magnitude) in [-127, 127].
+  /// The relative error of a value is at most 1/254 of its block's largest. InvalidArgument for
+  /// a null or misaligned buffer.
+  Status QuantizeInt8(const void* in, DType dtype, size_t numel, std::byte* out);
+  /// The inverse, into `numel` values of `dtype`: value * scale, one multiplication rounded to
+  /// `dtype`, so every SIMD level and every rank gets the same bits from the same bytes.
+  Status DequantizeInt8(const std::byte* in, size_t numel, void* out, DType dtype);
 
   /// Calls `body(begin, end)` for the contiguous, kBlockElements-aligned element ranges that
   /// Step would give its threads, in the arena; returns when all calls have returned. Small
