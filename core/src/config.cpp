@@ -524,6 +524,7 @@ Status VisitStrataFields(O& o, Visitor& v) {
   STRATA_RETURN_IF_ERROR(v.Field("prefetch_depth", o.placement.prefetch_depth));
   STRATA_RETURN_IF_ERROR(
       v.Field("collective_timeout_seconds", o.placement.collective_timeout_seconds));
+  STRATA_RETURN_IF_ERROR(v.Field("quantized_weights", o.placement.quantized_weights));
   return Status::Ok();
 }
 
@@ -745,6 +746,9 @@ Status ReadDeepSpeedZero(ObjectReader& top, EngineOptions* o) {
       }
     }
     if (stage == 3) {
+      // ZeRO++: only stage 3's gathers are quantized; at other stages DeepSpeed ignores it.
+      STRATA_RETURN_IF_ERROR(
+          ReadBool(zero, "zero_quantized_weights", &placement.quantized_weights));
       STRATA_ASSIGN_OR_RETURN(ObjectReader op, zero.Child("offload_param"));
       STRATA_RETURN_IF_ERROR(ReadOffloadCommon(op, &param_offload));
       STRATA_RETURN_IF_ERROR(ReadInt(op, "buffer_count", &o->host.param_buffer_count, 1, kIntMax));

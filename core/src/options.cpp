@@ -238,6 +238,14 @@ Status ValidatePlacement(const PlacementOptions& o) {
     return Bad("placement.collective_timeout_seconds", std::to_string(o.collective_timeout_seconds),
                "a number of seconds > 0, e.g. 600");
   }
+  if (o.quantized_weights && o.zero_stage != 3) {
+    return InvalidArgument(
+        "placement.quantized_weights quantizes the parameter all-gathers of ZeRO stage 3, but "
+        "placement.zero_stage is " +
+        std::to_string(o.zero_stage) +
+        "; set it to 3 or turn quantized_weights off (DeepSpeed: "
+        "zero_optimization.zero_quantized_weights, zero_optimization.stage)");
+  }
   return Status::Ok();
 }
 

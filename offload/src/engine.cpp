@@ -245,7 +245,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
                   [](const Chunk& c) { return c.params_sharded; })) {
     const size_t slots = size_t(std::max(0, place.prefetch_depth)) + 1;
     const size_t bytes = max_trained_numel() * wsize;
-    const uint64_t total = slots * AlignUp(bytes, kHostAlignment);
+    const uint64_t total =
+        slots * (AlignUp(bytes, kHostAlignment) + param_gather_.SlotExtraBytes());
     STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
         total, "the " + std::to_string(slots) +
                    " buffers stage 3 gathers parameters into (placement.prefetch_depth + 1)"));

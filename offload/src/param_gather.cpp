@@ -1,14 +1,41 @@
 #include "param_gather.h"
 
+#include <algorithm>
 #include <string>
 
 #include "engine_impl.h"
 
 namespace strata::offload {
 
+bool ParamGather::quantized() const { return engine_.options_.placement.quantized_weights; }
+
+size_t ParamGather::QuantizedShardBytes(size_t shard_numel) {
+  return cpu_adam::QuantizedBytes(shard_numel);  // A whole number of 4-byte words.
+}
+
+size_t ParamGather::LargestQuantizedShardBytes() const {
+  size_t shard_numel = 0;
+  for (const Chunk& c : engine_.chunks_) {
+    if (c.params_sharded) shard_numel = std::max(shard_numel, c.shard.numel());
+  }
+  return QuantizedShardBytes(shard_numel);
+}
+
+size_t ParamGather::SlotExtraBytes() const {
+  if (!quantized()) return 0;
+  const size_t one = LargestQuantizedShardBytes();
+  return AlignUp(one, kHostAlignment) + AlignUp(one * size_t(engine_.ranks()), kHostAlignment);
+}
+
 Status ParamGather::Initialize(size_t slots, size_t slot_bytes) {
   for (size_t i = 0; i < slots; ++i) {
     Slot& slot = slots_.emplace_back();
+    if (quantized()) {
+      const size_t one = LargestQuantizedShardBytes();
+      STRATA_ASSIGN_OR_RETURN(slot.quantized_shard, AlignedBuffer::Allocate(one));
+      STRATA_ASSIGN_OR_RETURN(slot.quantized_shards,
+                              AlignedBuffer::Allocate(one * size_t(engine_.ranks())));
+    }
     STRATA_ASSIGN_OR_RETURN(slot.buffer, AlignedBuffer::Allocate(slot_bytes));
     if (engine_.device_.CanPin()) {
       STRATA_ASSIGN_OR_RETURN(slot.pinned,
@@ -46,11 +73,43 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
   slot.chunk = chunk;
   slot.gathered.Reset();
   slot.in_flight = true;
-  e.m_.collective_of(CollectiveKind::kAllGather)
-      .Increment(double(c.working_bytes(e.working_size())));
-  e.environment_.communicator->AllGather(c.host_params.data(), slot.buffer.data(), c.shard.numel(),
-                                         e.working_dtype(), /*ready=*/{},
-                                         [&slot](Status status) { slot.gathered.Open(status); });
+  auto done = [&slot](Status status) { slot.gathered.Open(status); };
+  if (!quantized()) {
+    e.m_.collective_of(CollectiveKind::kAllGather)
+        .Increment(double(c.working_bytes(e.working_size())));
+    e.environment_.communicator->AllGather(c.host_params.data(), slot.buffer.data(),
+                                           c.shard.numel(), e.working_dtype(), /*ready=*/{},
+                                           std::move(done));
+    return;
+  }
+  // The shard changes only between steps, when no gather runs (Discard), so it is quantized
+  // here, on the trainer thread, before the gather reads it.
+  Status quantized = e.optimizer_->QuantizeInt8(c.host_params.data(), e.working_dtype(),
+                                                c.shard.numel(), slot.quantized_shard.data());
+  // A failure here would leave this rank out of a collective the others make: it still takes
+  // part, with whatever the buffer holds, and the Take that waits for it fails.
+  const size_t bytes = QuantizedShardBytes(c.shard.numel());
+  e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(e.ranks())));
+  // Moved as 32-bit words: an all-gather copies bits and does no arithmetic on them.
+  e.environment_.communicator->AllGather(
+      slot.quantized_shard.data(), slot.quantized_shards.data(), bytes / sizeof(float),
+      DType::kFp32, /*ready=*/{}, [quantized, done](Status status) {
+        done(quantized.ok() ? std::move(status)
+                            : quantized.WithContext("quantizing this rank's shard"));
+      });
+}
+
+Status ParamGather::Dequantize(Slot& slot, size_t chunk) {
+  Engine::Impl& e = engine_;
+  const Chunk& c = e.chunks_[chunk];
+  const size_t shard = c.shard.numel();
+  const size_t bytes = QuantizedShardBytes(shard);
+  for (int r = 0; r < e.ranks(); ++r) {
+    STRATA_RETURN_IF_ERROR(e.optimizer_->DequantizeInt8(
+        slot.quantized_shards.data() + size_t(r) * bytes, shard,
+        slot.buffer.data() + size_t(r) * shard * e.working_size(), e.working_dtype()));
+  }
+  return Status();
 }
 
 Result<const std::byte*> ParamGather::Take(size_t chunk, std::span<const size_t> upcoming) {
@@ -83,6 +142,7 @@ Result<const std::byte*> ParamGather::Take(size_t chunk, std::span<const size_t>
     gathered = slot->gathered.Wait();
   }
   slot->in_flight = false;
+  if (gathered.ok() && quantized()) gathered = Dequantize(*slot, chunk);
   if (!gathered.ok()) {
     slot->taken = false;
     slot->chunk.reset();

@@ -9,6 +9,10 @@
 // free slots go (prefetch). A gather made for an Acquire that never came (the trainer held the
 // chunk, or left the order) is thrown away when a step or a Load changes the parameters.
 //
+// With placement.quantized_weights (ZeRO++'s qwZ), each rank quantizes its shard to blockwise
+// int8 (CpuOptimizer::QuantizeInt8) before the gather and every rank dequantizes all the shards
+// it received when the trainer takes them: the same bytes give every rank the same parameters.
+//
 // Threads: the trainer thread makes every call; the communicator's thread opens a slot's signal
 // when its gather is done.
 #pragma once
@@ -30,9 +34,13 @@ class ParamGather {
  public:
   explicit ParamGather(Engine::Impl& engine) : engine_(engine) {}
 
-  /// `slots` host buffers of `slot_bytes` each (the largest trained chunk's working parameters).
-  /// The caller has reserved them on the host budget.
+  /// `slots` host buffers of `slot_bytes` each (the largest trained chunk's working parameters)
+  /// and, for quantized gathers, SlotExtraBytes beside each. The caller has reserved them on
+  /// the host budget.
   Status Initialize(size_t slots, size_t slot_bytes);
+  /// Host bytes a slot takes besides its parameters: the quantized shard it sends and the
+  /// ranks' quantized shards it receives (0 without placement.quantized_weights).
+  size_t SlotExtraBytes() const;
 
   /// The whole of `chunk`'s working parameters, blocking until they are gathered: its gather
   /// was prefetched, or is enqueued now; then the gathers of `upcoming` (the chunks expected
@@ -52,7 +60,10 @@ class ParamGather {
  private:
   struct Slot {
     AlignedBuffer buffer;
-    PinnedHostRegion pinned;      // For the copy to the device; unpinned before it is freed.
+    PinnedHostRegion pinned;  // For the copy to the device; unpinned before it is freed.
+    // Quantized gathers: this rank's shard quantized, and every rank's as gathered.
+    AlignedBuffer quantized_shard;
+    AlignedBuffer quantized_shards;
     std::optional<size_t> chunk;  // What it holds or is gathering; empty when free.
     bool taken = false;           // Between Take and Return.
     bool in_flight = false;       // A gather was enqueued into it and not waited for since.
@@ -63,6 +74,12 @@ class ParamGather {
   Slot* FreeSlot();
   /// Enqueues the all-gather of `chunk` into `slot`, after the slot's previous one is done.
   void Enqueue(Slot& slot, size_t chunk);
+  bool quantized() const;
+  /// Bytes of one rank's quantized shard of a chunk whose shards have `shard_numel` elements.
+  static size_t QuantizedShardBytes(size_t shard_numel);
+  size_t LargestQuantizedShardBytes() const;
+  /// Dequantizes what a quantized gather of `chunk` received into the slot's parameters.
+  Status Dequantize(Slot& slot, size_t chunk);
   static void WaitIdle(Slot& slot);
 
   Engine::Impl& engine_;

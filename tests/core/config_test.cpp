@@ -250,6 +250,10 @@ TEST(OptionsTest, ValidateNamesFieldValueAndReason) {
       {"collective timeout 0",
        [](EngineOptions& o) { o.placement.collective_timeout_seconds = 0; },
        {"placement.collective_timeout_seconds is 0"}},
+      {"quantized weights without stage 3",
+       [](EngineOptions& o) { o.placement.quantized_weights = true; },
+       {"placement.quantized_weights quantizes the parameter all-gathers of ZeRO stage 3",
+        "placement.zero_stage is 2", "zero_optimization.zero_quantized_weights"}},
       {"host device budget 0",
        [](EngineOptions& o) { o.device.host_device_memory_bytes = 0; },
        {"device.host_device_memory_bytes is 0"}},
@@ -375,7 +379,8 @@ EngineOptions NonDefaultOptions() {
                  .pipeline_write = true,
                  .chunk_bytes = 128 * kMiB,
                  .prefetch_depth = 4,
-                 .collective_timeout_seconds = 90.5};
+                 .collective_timeout_seconds = 90.5,
+                 .quantized_weights = true};
   return o;
 }
 
@@ -899,6 +904,24 @@ TEST(DeepSpeedConfigTest, AutoWorksForAnyMappedKey) {
   EXPECT_EQ(loaded->auto_resolved, expected);
   // Stage 0 does not use offload_optimizer, so DeepSpeed ignores it and so does Strata.
   EXPECT_EQ(loaded->ignored_keys, std::vector<std::string>{"zero_optimization.offload_optimizer"});
+}
+
+// ZeRO++'s quantized weights act on stage 3's gathers only: read there, and elsewhere ignored
+// with the warning, as DeepSpeed ignores it.
+TEST(DeepSpeedConfigTest, ZeroQuantizedWeightsIsReadAtStageThree) {
+  Result<LoadedConfig> loaded = ParseDeepSpeed(
+      R"({"zero_optimization": {"stage": 3, "zero_quantized_weights": true,
+          "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_TRUE(loaded->options.placement.quantized_weights);
+  EXPECT_TRUE(loaded->ignored_keys.empty());
+  loaded = ParseDeepSpeed(R"({"zero_optimization": {"stage": 2, "zero_quantized_weights": true}})");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_FALSE(loaded->options.placement.quantized_weights);
+  EXPECT_EQ(loaded->ignored_keys,
+            std::vector<std::string>{"zero_optimization.zero_quantized_weights"});
+  loaded = ParseDeepSpeed(R"({"zero_optimization": {"stage": 3, "zero_quantized_weights": 1}})");
+  EXPECT_FALSE(loaded.ok());
 }
 
 TEST(DeepSpeedConfigTest, AbsentKeysMeanWhatTheyMeanInDeepSpeed) {

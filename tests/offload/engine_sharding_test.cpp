@@ -4,6 +4,7 @@
 // in any order: with two ranks the sharded trajectory must equal the reference bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "engine_test_support.h"
 #include "sharded_model.h"
 #include "strata/core/aligned_buffer.h"
+#include "strata/cpu_adam/cpu_optimizer.h"
 #include "strata/nvme/fault_injection.h"
 #include "strata/offload/local_communicator.h"
 #include "support/scratch_dir.h"
@@ -296,6 +298,48 @@ TEST(ShardingTest, EachStageMovesTheBytesZeroPredicts) {
       const uint64_t gathers = stage == 3 ? 2 * kMicroSteps : 1;
       EXPECT_EQ(ranks[r].counters.all_gather_bytes, kSteps * gathers * psi) << "rank " << r;
     }
+  }
+}
+
+// ZeRO++'s quantized weights: stage 3 gathers each shard as blockwise int8. The trainer's
+// gradients here do not depend on the parameters, so the master weights follow the unquantized
+// run exactly; what the trainer reads (gathered) is their dequantized form — the same on every
+// rank, within half a quantization step of the exact values — and the gathers move about a
+// quarter of fp32's bytes.
+TEST(ShardingTest, StageThreeQuantizedWeightsGatherInt8AndEveryRankSeesTheSame) {
+  ScratchDir dir;
+  constexpr int kSteps = 2;
+  const EngineOptions exact_options = Stage3Options(Tier::kHost, dir.path());
+  EngineOptions options = exact_options;
+  options.placement.quantized_weights = true;
+  std::vector<RankResult> exact = TrainSharded(2, exact_options, kSteps);
+  std::vector<RankResult> ranks = TrainSharded(2, options, kSteps);
+  ASSERT_TRUE(exact[0].status.ok()) << exact[0].status.ToString();
+  const ShardedModel model;
+  float largest = 0.0f;
+  for (const auto& values : exact[0].params) {
+    for (float v : values) largest = std::max(largest, std::fabs(v));
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, ranks[0].params)) << "rank " << r;
+    const double diff = testing::MaxAbsDiff(ranks[r].params, exact[0].params);
+    EXPECT_GT(diff, 0.0) << "nothing was quantized";
+    EXPECT_LE(diff, largest / 254.0 * 1.0001) << "rank " << r;
+    // The frozen parameter (p5) stays whole on every rank: never gathered, never quantized.
+    EXPECT_EQ(ranks[r].params.back(), model.values.back());
+    // Each gather of a chunk moves every rank's quantized shard instead of its fp32 values.
+    uint64_t exact_bytes = 0, quantized_bytes = 0;
+    for (size_t numel : ranks[r].trained_chunk_numels) {
+      exact_bytes += numel * sizeof(float);
+      quantized_bytes += 2 * cpu_adam::QuantizedBytes(numel / 2);
+    }
+    ASSERT_GT(exact[r].counters.all_gather_bytes, 0u);
+    EXPECT_EQ(ranks[r].counters.all_gather_bytes * exact_bytes,
+              exact[r].counters.all_gather_bytes * quantized_bytes)
+        << "rank " << r;
+    EXPECT_LT(double(ranks[r].counters.all_gather_bytes),
+              0.27 * double(exact[r].counters.all_gather_bytes));
   }
 }
 

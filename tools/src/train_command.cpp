@@ -51,7 +51,7 @@ struct TrainFlags {
   int64_t delayed_update_from = -1;
   double lr = std::numeric_limits<double>::quiet_NaN();
   double collective_timeout = std::numeric_limits<double>::quiet_NaN();
-  bool json = false, delayed_update = false;
+  bool json = false, delayed_update = false, zero_quantized_weights = false;
 };
 
 /// A scratch directory for NVMe swap, removed when the command ends.
@@ -115,6 +115,7 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
     STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
   }
   if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
+  if (f.zero_quantized_weights) o.placement.quantized_weights = true;
   // Several ranks shard the optimizer states (ZeRO stages 1 and 2), which keeps the working
   // parameters on each rank's device, or the parameters too (stage 3), each rank keeping its
   // shard in host memory: those are their defaults there.
@@ -293,12 +294,16 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
                   {"device_to_host_bytes", t.moved.device_to_host_bytes},
                   {"host_to_device_bytes", t.moved.host_to_device_bytes},
                   {"nvme_read_bytes", t.moved.nvme_read_bytes},
-                  {"nvme_write_bytes", t.moved.nvme_write_bytes}};
+                  {"nvme_write_bytes", t.moved.nvme_write_bytes},
+                  // This rank's share of the collectives (ZeRO's Ψ per step: divide by steps).
+                  {"reduce_scatter_bytes", t.moved.reduce_scatter_bytes},
+                  {"all_gather_bytes", t.moved.all_gather_bytes}};
   j["validation_loss"] = s.validation_loss;
   j["unigram_entropy"] = s.unigram_entropy;
   j["ranks"] = {
       {"world_size", s.ranks},
       {"zero_stage", o.placement.zero_stage},
+      {"quantized_weights", o.placement.quantized_weights},
       {"peak_bytes",
        {{"device", s.peak_bytes[0]}, {"host", s.peak_bytes[1]}, {"nvme", s.peak_bytes[2]}}}};
   return j;
@@ -692,6 +697,9 @@ int RunTrain(const std::vector<std::string>& args) {
                "under mpirun or srun: 1 or 2 shards the optimizer states across the ranks, 3 "
                "the parameters too (each rank keeps its shard in host memory) (default: the "
                "config's, else 2); --batch is per rank");
+  flags.AddBool("zero-quantized-weights", &f.zero_quantized_weights,
+                "ZeRO++: stage 3 gathers parameters as blockwise int8, about half of bf16's "
+                "bytes (zero_optimization.zero_quantized_weights)");
   flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
   flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
   flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");
