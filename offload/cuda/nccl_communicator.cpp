@@ -191,6 +191,35 @@ class NcclCommunicator final : public Communicator {
             });
   }
 
+  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
+                CollectiveDone done) override {
+    const size_t block = count * DTypeSize(dtype);
+    const size_t bytes = block * size_t(size_);
+    Enqueue(
+        "all-to-all of " + std::to_string(count) + " elements per rank", std::move(ready),
+        std::move(done), [=, this]() -> Status {
+          const bool staged = !OnDevice(send, device_) || !OnDevice(recv, device_);
+          STRATA_RETURN_IF_ERROR(ReserveScratch(staged ? 2 * bytes : 0));
+          STRATA_ASSIGN_OR_RETURN(std::byte * in, Stage(const_cast<void*>(send), bytes, 0, true));
+          STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(recv, bytes, bytes, false));
+          // NCCL's all-to-all: one send and one receive per peer, in a group. A nonblocking
+          // communicator reports the group's launch at ncclGroupEnd; the group is ended
+          // whatever happened inside it.
+          ncclResult_t launched = ncclGroupStart();
+          for (int r = 0; r < size_ && (launched == ncclSuccess || launched == ncclInProgress);
+               ++r) {
+            launched = ncclSend(in + size_t(r) * block, count, NcclType(dtype), r, comm_, stream_);
+            if (launched == ncclSuccess || launched == ncclInProgress) {
+              launched =
+                  ncclRecv(out + size_t(r) * block, count, NcclType(dtype), r, comm_, stream_);
+            }
+          }
+          const ncclResult_t ended = ncclGroupEnd();
+          const bool inside_ok = launched == ncclSuccess || launched == ncclInProgress;
+          return Finish(inside_ok ? ended : launched, out, recv, bytes);
+        });
+  }
+
   void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
                         CollectiveDone done) override {
     const size_t bytes = values.size() * sizeof(double);

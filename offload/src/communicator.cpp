@@ -25,6 +25,10 @@ class SingleRankCommunicator final : public Communicator {
                  CollectiveReady ready, CollectiveDone done) override {
     Run(ready, done, [=] { std::memmove(recv, send, send_count * DTypeSize(dtype)); });
   }
+  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
+                CollectiveDone done) override {
+    Run(ready, done, [=] { std::memmove(recv, send, count * DTypeSize(dtype)); });
+  }
   void AllReduceScalars(std::span<double> /*values*/, ReduceOp /*op*/, CollectiveReady ready,
                         CollectiveDone done) override {
     Run(ready, done, [] {});

@@ -22,20 +22,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Kind : int { kAllReduce, kReduceScatter, kAllGather, kScalars };
+enum class Kind : int { kAllReduce, kReduceScatter, kAllGather, kAllToAll, kScalars };
 
 const char* KindName(Kind kind) {
   switch (kind) {
     case Kind::kAllReduce: return "all-reduce";
     case Kind::kReduceScatter: return "reduce-scatter";
     case Kind::kAllGather: return "all-gather";
+    case Kind::kAllToAll: return "all-to-all";
     case Kind::kScalars: return "all-reduce of step scalars";
   }
   return "collective";
 }
 
 /// One rank's part in a collective. `count`: the elements of an all-reduce, per rank of a
-/// reduce-scatter's output and an all-gather's input.
+/// reduce-scatter's output, an all-gather's input and an all-to-all's blocks.
 struct Contribution {
   Kind kind = Kind::kAllReduce;
   DType dtype = DType::kFp32;
@@ -47,13 +48,13 @@ struct Contribution {
   std::string Describe() const {
     std::string text = std::string(KindName(kind)) + " of " + std::to_string(count) + " ";
     text += kind == Kind::kScalars ? std::string("doubles") : std::string(DTypeName(dtype));
-    if (kind != Kind::kAllGather) text += op == ReduceOp::kSum ? " (sum)" : " (max)";
+    if (reduces()) text += op == ReduceOp::kSum ? " (sum)" : " (max)";
     return text;
   }
+  bool reduces() const { return kind != Kind::kAllGather && kind != Kind::kAllToAll; }
   bool Matches(const Contribution& other) const {
     return kind == other.kind && count == other.count &&
-           (kind == Kind::kScalars || dtype == other.dtype) &&
-           (kind == Kind::kAllGather || op == other.op);
+           (kind == Kind::kScalars || dtype == other.dtype) && (!reduces() || op == other.op);
   }
 };
 
@@ -101,10 +102,14 @@ void Store(void* data, DType dtype, size_t i, double value) {
 void Compute(const std::vector<std::optional<Contribution>>& parts, int rank, std::byte* out) {
   const Contribution& mine = *parts[size_t(rank)];
   const int size = int(parts.size());
-  if (mine.kind == Kind::kAllGather) {
+  if (mine.kind == Kind::kAllGather || mine.kind == Kind::kAllToAll) {
+    // An all-to-all takes this rank's block of every rank's send buffer.
     const size_t bytes = mine.count * DTypeSize(mine.dtype);
-    for (int r = 0; r < size; ++r)
-      std::memcpy(out + size_t(r) * bytes, parts[size_t(r)]->send, bytes);
+    const size_t from = mine.kind == Kind::kAllToAll ? size_t(rank) * bytes : 0;
+    for (int r = 0; r < size; ++r) {
+      std::memcpy(out + size_t(r) * bytes,
+                  static_cast<const std::byte*>(parts[size_t(r)]->send) + from, bytes);
+    }
     return;
   }
   // The first input element of this rank's output in every rank's send buffer.
@@ -139,7 +144,7 @@ void Compute(const std::vector<std::optional<Contribution>>& parts, int rank, st
 size_t OutputBytes(const Contribution& part, int size) {
   if (part.kind == Kind::kScalars) return part.count * sizeof(double);
   const size_t per_rank = part.count * DTypeSize(part.dtype);
-  return part.kind == Kind::kAllGather ? per_rank * size_t(size) : per_rank;
+  return part.reduces() ? per_rank : per_rank * size_t(size);
 }
 
 class LocalCommunicator final : public Communicator {
@@ -177,6 +182,11 @@ class LocalCommunicator final : public Communicator {
   void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                  CollectiveReady ready, CollectiveDone done) override {
     Enqueue({Kind::kAllGather, dtype, ReduceOp::kSum, send_count, send, recv}, std::move(ready),
+            std::move(done));
+  }
+  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
+                CollectiveDone done) override {
+    Enqueue({Kind::kAllToAll, dtype, ReduceOp::kSum, count, send, recv}, std::move(ready),
             std::move(done));
   }
   void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,

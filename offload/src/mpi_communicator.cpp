@@ -317,6 +317,15 @@ class MpiCommunicator final : public Communicator {
             });
   }
 
+  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
+                CollectiveDone done) override {
+    Enqueue("all-to-all of " + std::to_string(count) + " elements per rank", count * size_t(size()),
+            std::move(ready), std::move(done), [=](MPI_Comm comm, MPI_Request* request) {
+              return MPI_Ialltoall(send, int(count), Types().Type(dtype), recv, int(count),
+                                   Types().Type(dtype), comm, request);
+            });
+  }
+
   void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
                         CollectiveDone done) override {
     // MPI works on a copy the job owns, copied back on success: a collective that times out

@@ -86,6 +86,30 @@ inline void ExpectAllGatherPutsEveryRanksShardInRankOrder(Communicator& comm) {
   }
 }
 
+/// Rank r's block b goes to rank b as its block r, bit for bit (quantized gradients travel as
+/// raw words: a NaN pattern included).
+inline void ExpectAllToAllSendsEachRankItsBlockOfEveryRank(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  constexpr size_t kBlock = 257;
+  auto word = [](int from, int to, size_t i) {
+    return uint32_t(from) << 24 | uint32_t(to) << 16 | uint32_t(i);
+  };
+  std::vector<uint32_t> send(kBlock * size_t(n)), recv(kBlock * size_t(n), 0);
+  for (int to = 0; to < n; ++to) {
+    for (size_t i = 0; i < kBlock; ++i) send[size_t(to) * kBlock + i] = word(r, to, i);
+  }
+  send[0] = 0x7FC00001u;  // A quiet NaN with a payload, to rank 0 from every rank.
+  ASSERT_TRUE(RunOne([&](CollectiveDone done) {
+                comm.AllToAll(send.data(), recv.data(), kBlock, DType::kFp32, {}, std::move(done));
+              }).ok());
+  for (int from = 0; from < n; ++from) {
+    for (size_t i = 0; i < kBlock; ++i) {
+      const uint32_t expected = r == 0 && i == 0 ? 0x7FC00001u : word(from, r, i);
+      ASSERT_EQ(recv[size_t(from) * kBlock + i], expected) << "from " << from << " element " << i;
+    }
+  }
+}
+
 /// The enqueueing call returns at once; collectives run in the order enqueued, each once its
 /// input is ready, and report in that order.
 inline void ExpectCollectivesRunInOrderEachAfterItsInputIsReady(Communicator& comm) {

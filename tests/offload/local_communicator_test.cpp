@@ -50,6 +50,19 @@ TEST(LocalCommunicatorTest, AllGatherPutsEveryRanksShardInRankOrder) {
   OnEveryRank(Group(4), testing::ExpectAllGatherPutsEveryRanksShardInRankOrder);
 }
 
+TEST(LocalCommunicatorTest, AllToAllSendsEachRankItsBlockOfEveryRank) {
+  OnEveryRank(Group(3), testing::ExpectAllToAllSendsEachRankItsBlockOfEveryRank);
+}
+
+// The single rank's collectives are copies (or nothing), done before the call returns.
+TEST(SingleRankCommunicatorTest, CollectivesLeaveOrCopyTheData) {
+  auto comm = CreateSingleRankCommunicator();
+  testing::ExpectAllReduceSumsAndMaxesInEveryDtype(*comm);
+  testing::ExpectReduceScatterLeavesEachRankItsShardOfTheSum(*comm);
+  testing::ExpectAllGatherPutsEveryRanksShardInRankOrder(*comm);
+  testing::ExpectAllToAllSendsEachRankItsBlockOfEveryRank(*comm);
+}
+
 TEST(LocalCommunicatorTest, CollectivesRunInOrderEachAfterItsInputIsReady) {
   OnEveryRank(Group(2), testing::ExpectCollectivesRunInOrderEachAfterItsInputIsReady);
 }

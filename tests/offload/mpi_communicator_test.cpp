@@ -60,6 +60,12 @@ TEST(MpiCommunicatorTest, AllGatherPutsEveryRanksShardInRankOrder) {
   testing::ExpectAllGatherPutsEveryRanksShardInRankOrder(*comm);
 }
 
+TEST(MpiCommunicatorTest, AllToAllSendsEachRankItsBlockOfEveryRank) {
+  auto comm = Create();
+  ASSERT_NE(comm, nullptr);
+  testing::ExpectAllToAllSendsEachRankItsBlockOfEveryRank(*comm);
+}
+
 TEST(MpiCommunicatorTest, CollectivesRunInOrderEachAfterItsInputIsReady) {
   auto comm = Create();
   ASSERT_NE(comm, nullptr);

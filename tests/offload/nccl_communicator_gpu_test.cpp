@@ -52,6 +52,11 @@ TEST(NcclCommunicatorTest, HostBuffersGoThroughTheDevice) {
                                 std::move(done));
               }).ok());
   EXPECT_EQ(gathered, data);
+  std::vector<float> exchanged(4, 0.0f);
+  ASSERT_TRUE(Wait([&](CollectiveDone done) {
+                comm->AllToAll(data.data(), exchanged.data(), 4, DType::kFp32, {}, std::move(done));
+              }).ok());
+  EXPECT_EQ(exchanged, data);
   std::vector<double> scalars = {2.5, -1.0};
   ASSERT_TRUE(comm->AllReduceNow(scalars, ReduceOp::kMax).ok());
   EXPECT_EQ(scalars, (std::vector<double>{2.5, -1.0}));

@@ -64,6 +64,12 @@ class Communicator {
   virtual void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                          CollectiveReady ready, CollectiveDone done) = 0;
 
+  /// Block r of `send` (`count` elements each, size() blocks) to rank r, which receives it as
+  /// block `rank()` of its `recv`: every rank's blocks for this rank, in rank order. ZeRO++'s
+  /// quantized gradients travel so (each rank reduces what it receives). `send` and `recv` must
+  /// not overlap. Moves bits: no arithmetic.
+  virtual void AllToAll(const void* send, void* recv, size_t count, DType dtype,
+                        CollectiveReady ready, CollectiveDone done) = 0;
   /// Element-wise `op` of a step's scalars over all ranks, in place: gradient norms, overflow
   /// counts (in double, whatever the training dtype).
   virtual void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
