@@ -525,6 +525,7 @@ Status VisitStrataFields(O& o, Visitor& v) {
   STRATA_RETURN_IF_ERROR(
       v.Field("collective_timeout_seconds", o.placement.collective_timeout_seconds));
   STRATA_RETURN_IF_ERROR(v.Field("quantized_weights", o.placement.quantized_weights));
+  STRATA_RETURN_IF_ERROR(v.Field("quantized_gradients", o.placement.quantized_gradients));
   return Status::Ok();
 }
 
@@ -749,6 +750,8 @@ Status ReadDeepSpeedZero(ObjectReader& top, EngineOptions* o) {
       // ZeRO++: only stage 3's gathers are quantized; at other stages DeepSpeed ignores it.
       STRATA_RETURN_IF_ERROR(
           ReadBool(zero, "zero_quantized_weights", &placement.quantized_weights));
+      STRATA_RETURN_IF_ERROR(
+          ReadBool(zero, "zero_quantized_gradients", &placement.quantized_gradients));
       STRATA_ASSIGN_OR_RETURN(ObjectReader op, zero.Child("offload_param"));
       STRATA_RETURN_IF_ERROR(ReadOffloadCommon(op, &param_offload));
       STRATA_RETURN_IF_ERROR(ReadInt(op, "buffer_count", &o->host.param_buffer_count, 1, kIntMax));

@@ -246,6 +246,14 @@ Status ValidatePlacement(const PlacementOptions& o) {
         "; set it to 3 or turn quantized_weights off (DeepSpeed: "
         "zero_optimization.zero_quantized_weights, zero_optimization.stage)");
   }
+  if (o.quantized_gradients && o.zero_stage != 3) {
+    return InvalidArgument(
+        "placement.quantized_gradients quantizes the gradient reduction of ZeRO stage 3 (as "
+        "DeepSpeed's ZeRO++), but placement.zero_stage is " +
+        std::to_string(o.zero_stage) +
+        "; set it to 3 or turn quantized_gradients off (DeepSpeed: "
+        "zero_optimization.zero_quantized_gradients, zero_optimization.stage)");
+  }
   return Status::Ok();
 }
 

@@ -257,13 +257,21 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     // Two: one chunk's gradients are widened while the one before is reduced, and the widening
     // is far quicker than the link.
     constexpr size_t kSlots = 2;
-    const uint64_t total = kSlots * AlignUp(max_trained_numel() * sizeof(float), kHostAlignment);
+    // Quantized gradients: every rank's partition of the largest chunk, sent and received.
+    size_t shard_numel = 0;
+    for (const Chunk& c : chunks_) {
+      if (!c.frozen()) shard_numel = std::max(shard_numel, c.shard.numel());
+    }
+    const size_t quantized =
+        quantizes_gradients() ? QuantizedPartitionBytes(shard_numel) * size_t(ranks()) : 0;
+    const uint64_t total = kSlots * (AlignUp(max_trained_numel() * sizeof(float), kHostAlignment) +
+                                     2 * AlignUp(quantized, kHostAlignment));
     STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
         total, "the " + std::to_string(kSlots) +
                    " buffers gradients are reduced across ranks from (set host.pinned_memory_bytes "
                    "higher, or lower placement.chunk_bytes)"));
     static_reservations_.emplace_back(&host_budget_, total);
-    STRATA_RETURN_IF_ERROR(reduce_ring_.Initialize(kSlots, max_trained_numel()));
+    STRATA_RETURN_IF_ERROR(reduce_ring_.Initialize(kSlots, max_trained_numel(), quantized));
   }
   SpillStatesToNvme();
   for (size_t i = 0; i < n_chunks; ++i) {

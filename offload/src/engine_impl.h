@@ -161,10 +161,18 @@ class Engine::Impl {
   /// ZeRO stage 3 across several ranks: Acquire gathers trained chunks' parameters
   /// (ParamGather), so every rank's Acquire calls are collectives.
   bool gathers_params() const { return sharded() && options_.placement.zero_stage == 3; }
-  /// Several ranks reduce each chunk once a step, without accumulating micro-steps: its fp32
-  /// gradients need to exist only until they are reduced (ReduceRing), not all step long.
+  /// Several ranks reduce through the ReduceRing: without accumulating micro-steps (a chunk's
+  /// fp32 gradients need to exist only until they are reduced, not all step long), and with
+  /// quantized gradients (what the all-to-all sends and receives).
   bool reduces_from_ring() const {
-    return sharded() && options_.optimizer.gradient_accumulation_steps == 1;
+    return sharded() &&
+           (options_.optimizer.gradient_accumulation_steps == 1 || quantizes_gradients());
+  }
+  /// ZeRO++'s quantized gradients: reduced by an all-to-all of blockwise int8 partitions.
+  bool quantizes_gradients() const { return sharded() && options_.placement.quantized_gradients; }
+  /// Bytes one rank's partition of a chunk with `shard_numel`-element shards takes quantized.
+  static size_t QuantizedPartitionBytes(size_t shard_numel) {
+    return cpu_adam::QuantizedBytes(shard_numel);
   }
   /// Unavailable naming what is not built for several ranks (stage 0, stage 3's shards
   /// anywhere but host memory, offloaded parameters with stages 1 and 2, device-kept states,

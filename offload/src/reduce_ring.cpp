@@ -2,10 +2,14 @@
 
 namespace strata::offload {
 
-Status ReduceRing::Initialize(size_t slots, size_t slot_numel) {
+Status ReduceRing::Initialize(size_t slots, size_t slot_numel, size_t quantized_bytes) {
   for (size_t i = 0; i < slots; ++i) {
     Slot& slot = slots_.emplace_back();
     STRATA_ASSIGN_OR_RETURN(slot.buffer, AlignedBuffer::Allocate(slot_numel * sizeof(float)));
+    if (quantized_bytes > 0) {
+      STRATA_ASSIGN_OR_RETURN(slot.sent, AlignedBuffer::Allocate(quantized_bytes));
+      STRATA_ASSIGN_OR_RETURN(slot.received, AlignedBuffer::Allocate(quantized_bytes));
+    }
     slot.turn = i;
   }
   return Status();

@@ -13,6 +13,11 @@
 // communicator runs the collectives in number order, and a later number holding the slot that
 // an earlier one waits for would wait on that earlier one forever.
 //
+// With ZeRO++'s quantized gradients each slot also holds what the all-to-all sends (this
+// rank's gradients quantized, partition by partition) and receives; its reader is then the
+// journey that sums what was received, not the collective, and it releases the slot's second
+// end once it has.
+//
 // Threads: Next on the trainer thread (under the step pipeline's mutex, where reduce-scatters
 // are enqueued); WaitTurn and Release on the loop thread.
 #pragma once
@@ -32,28 +37,32 @@ namespace strata::offload {
 
 class ReduceRing {
  public:
-  /// `slots` buffers of `slot_numel` floats (the largest trained chunk). The caller has reserved
-  /// them on the host budget.
-  Status Initialize(size_t slots, size_t slot_numel);
+  /// `slots` buffers of `slot_numel` floats (the largest trained chunk), and for quantized
+  /// gradients two of `quantized_bytes` each. The caller has reserved them on the host budget.
+  Status Initialize(size_t slots, size_t slot_numel, size_t quantized_bytes);
 
   /// The next reduce-scatter's number: its place in enqueue order (trainer thread).
   uint64_t Next() { return next_number_++; }
   /// The slot reduce-scatter `number` reads, once its writer has filled it.
-  float* Input(uint64_t number) {
-    return reinterpret_cast<float*>(slots_[number % slots_.size()].buffer.data());
-  }
+  float* Input(uint64_t number) { return reinterpret_cast<float*>(SlotOf(number).buffer.data()); }
+  /// Quantized gradients: what number's all-to-all sends and receives.
+  std::byte* Sent(uint64_t number) { return SlotOf(number).sent.data(); }
+  std::byte* Received(uint64_t number) { return SlotOf(number).received.data(); }
 
   /// Completes when reduce-scatter `number` may write its slot.
   Awaitable<void> WaitTurn(uint64_t number);
-  /// One of the two ends of `number`'s use of its slot: its collective completed, or its
-  /// writer finished. After both, the slot is the next number's.
+  /// One of the two ends of `number`'s use of its slot: its writer finished, or its reader (the
+  /// collective, or for quantized gradients the sum of what it received). After both, the slot
+  /// is the next number's.
   void Release(uint64_t number);
 
  private:
   struct Slot {
     AlignedBuffer buffer;
+    AlignedBuffer sent, received;
     uint64_t turn = 0;  // The number that may use it now (loop thread).
   };
+  Slot& SlotOf(uint64_t number) { return slots_[number % slots_.size()]; }
   std::vector<Slot> slots_;
   uint64_t next_number_ = 0;  // Trainer thread.
   // Loop thread: releases counted per number (a failed communicator may complete a collective

@@ -52,30 +52,42 @@ void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   reduce_order_.push_back(chunk);
-  e.m_.collective_of(CollectiveKind::kReduceScatter)
-      .Increment(double(c.numel * DTypeSize(DType::kFp32)));
   const bool ring = e.reduces_from_ring();
+  const bool quantized = e.quantizes_gradients();
   const uint64_t number = ring ? e.reduce_ring_.Next() : 0;
-  const void* input =
-      ring ? static_cast<const void*>(e.reduce_ring_.Input(number)) : c.grads_sum.data();
   if (ring) {
-    // The journey widens the gradients into the slot when its turn comes (ReduceGrads).
+    // The journey fills the slot when its turn comes (FillReduceSlot).
     boost::asio::post(e.loop_.executor(), [&c, number] {
       c.reduce_number = number;
       c.reduce_queued->Release();
     });
   }
-  e.environment_.communicator->ReduceScatter(
-      input, c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
-      [&c] { return c.grads_summed.Wait(); },
-      [&e, &c, ring, number](Status status) {
-        boost::asio::post(e.loop_.executor(), [&e, &c, ring, number, status = std::move(status)] {
-          // Done reading the slot, whatever its outcome.
-          if (ring) e.reduce_ring_.Release(number);
-          c.reduce_status = status;
-          c.grads_reduced->Release();
-        });
-      });
+  auto ready = [&c] { return c.grads_summed.Wait(); };
+  auto done = [&e, &c, ring, quantized, number](Status status) {
+    boost::asio::post(e.loop_.executor(),
+                      [&e, &c, ring, quantized, number, status = std::move(status)] {
+                        // Done reading the slot, whatever its outcome (quantized: the journey reads
+                        // what was received, and releases it then).
+                        if (ring && !quantized) e.reduce_ring_.Release(number);
+                        c.reduce_status = status;
+                        c.grads_reduced->Release();
+                      });
+  };
+  Communicator& comm = *e.environment_.communicator;
+  if (quantized) {
+    // Each rank's partition of this rank's gradients, quantized, to that rank.
+    const size_t bytes = Engine::Impl::QuantizedPartitionBytes(c.shard.numel());
+    e.m_.collective_of(CollectiveKind::kReduceScatter).Increment(double(bytes * size_t(e.ranks())));
+    comm.AllToAll(e.reduce_ring_.Sent(number), e.reduce_ring_.Received(number),
+                  bytes / sizeof(float), DType::kFp32, std::move(ready), std::move(done));
+    return;
+  }
+  e.m_.collective_of(CollectiveKind::kReduceScatter)
+      .Increment(double(c.numel * DTypeSize(DType::kFp32)));
+  const void* input =
+      ring ? static_cast<const void*>(e.reduce_ring_.Input(number)) : c.grads_sum.data();
+  comm.ReduceScatter(input, c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
+                     std::move(ready), std::move(done));
 }
 
 void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
@@ -167,16 +179,63 @@ void StepPipeline::DeliverAgreedStep() {
   DeliverStep(std::move(result), completed);
 }
 
-Awaitable<void> StepPipeline::WidenIntoRing(Chunk& c) {
+namespace {
+
+/// Partition r of `gradients` (fp32, ranks × shard_numel) quantized into block r of `sent`.
+Status QuantizePartitions(cpu_adam::CpuOptimizer& optimizer, const float* gradients,
+                          size_t shard_numel, int ranks, std::byte* sent) {
+  const size_t bytes = Engine::Impl::QuantizedPartitionBytes(shard_numel);
+  for (int r = 0; r < ranks; ++r) {
+    STRATA_RETURN_IF_ERROR(optimizer.QuantizeInt8(gradients + size_t(r) * shard_numel, DType::kFp32,
+                                                  shard_numel, sent + size_t(r) * bytes));
+  }
+  return Status();
+}
+
+/// shard[i] = the sum over ranks, in rank order and fp32, of element i of each rank's block of
+/// `received` dequantized (into `scratch`, ranks × shard_numel floats).
+Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte* received,
+                             size_t shard_numel, int ranks, float* scratch, float* shard) {
+  const size_t bytes = Engine::Impl::QuantizedPartitionBytes(shard_numel);
+  for (int r = 0; r < ranks; ++r) {
+    STRATA_RETURN_IF_ERROR(optimizer.DequantizeInt8(received + size_t(r) * bytes, shard_numel,
+                                                    scratch + size_t(r) * shard_numel,
+                                                    DType::kFp32));
+  }
+  optimizer.ParallelFor(shard_numel, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      float sum = scratch[i];
+      for (int r = 1; r < ranks; ++r) sum += scratch[size_t(r) * shard_numel + i];
+      shard[i] = sum;
+    }
+  });
+  return Status();
+}
+
+}  // namespace
+
+Awaitable<void> StepPipeline::FillReduceSlot(Chunk& c) {
   Engine::Impl& e = engine_;
   co_await c.reduce_queued->Acquire();
   // Never queued: Cancel ended the step, and released grads_reduced with its status.
   if (c.reduce_number == Chunk::kNeverQueued) co_return;
   const uint64_t number = c.reduce_number;
   co_await e.reduce_ring_.WaitTurn(number);
-  float* slot = e.reduce_ring_.Input(number);
-  auto widen = [&] { WidenGrads(slot, c.grads_landing.data(), c.numel); };
-  co_await AwaitJob(e.jobs_, widen, &e.jobs_in_flight_);
+  auto fill = [&]() -> Status {
+    float* widened = e.reduce_ring_.Input(number);
+    const float* gradients = widened;
+    if (gas_ == 1) {
+      WidenGrads(widened, c.grads_landing.data(), c.numel);
+    } else {
+      gradients = reinterpret_cast<const float*>(c.grads_sum.data());
+    }
+    if (!e.quantizes_gradients()) return Status();
+    return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),
+                              e.reduce_ring_.Sent(number));
+  };
+  Status filled = co_await AwaitJob(e.jobs_, fill, &e.jobs_in_flight_);
+  // The collective runs whatever happened here (see ReduceGrads); this rank's step fails.
+  if (!filled.ok() && c.land_status.ok()) c.land_status = filled;
   c.grads_summed.Open(Status());
   e.reduce_ring_.Release(number);  // Written: the slot is the next number's once read.
 }
@@ -189,11 +248,25 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
   // A failed input would fail the collective on this rank only, and MPI peers would wait for it
   // until their timeout.
   if (e.reduces_from_ring()) {
-    co_await WidenIntoRing(c);
+    co_await FillReduceSlot(c);
   } else {
     c.grads_summed.Open(Status());  // grads_sum holds them.
   }
   co_await c.grads_reduced->Acquire();
+  if (e.quantizes_gradients() && c.reduce_number != Chunk::kNeverQueued) {
+    // This rank's shard: the sum of every rank's partition it received.
+    const uint64_t number = c.reduce_number;
+    if (c.reduce_status.ok()) {
+      auto sum = [&] {
+        return SumReceivedPartitions(*e.optimizer_, e.reduce_ring_.Received(number),
+                                     c.shard.numel(), e.ranks(), e.reduce_ring_.Input(number),
+                                     reinterpret_cast<float*>(c.grads_shard.data()));
+      };
+      Status summed = co_await AwaitJob(e.jobs_, sum, &e.jobs_in_flight_);
+      if (!summed.ok() && c.land_status.ok()) c.land_status = summed;
+    }
+    e.reduce_ring_.Release(number);  // Read: the slot is the next number's.
+  }
   if (!c.reduce_status.ok()) {
     c.land_status = c.reduce_status.WithContext("reducing the gradients across ranks");
     co_return;

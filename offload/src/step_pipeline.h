@@ -218,9 +218,10 @@ class StepPipeline {
   void EnqueueStepCollectives(const std::vector<size_t>& order);
   /// Opens grads_summed, waits for the reduce-scatter and measures this rank's shard.
   Awaitable<void> ReduceGrads(size_t chunk);
-  /// Without accumulation: once the chunk's reduce-scatter is queued and its ReduceRing slot
-  /// is free, widens the landed gradients into it and opens grads_summed.
-  Awaitable<void> WidenIntoRing(Chunk& c);
+  /// Once the chunk's reduce-scatter is queued and its ReduceRing slot is free: widens the
+  /// landed gradients into it (without accumulation), quantizes them into what the all-to-all
+  /// sends (quantized gradients), and opens grads_summed.
+  Awaitable<void> FillReduceSlot(Chunk& c);
   /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
   Awaitable<void> GatherParams(size_t chunk);
   /// With the ranks whose step failed (from the outcome all-reduce, or its own failure):

@@ -250,6 +250,10 @@ TEST(OptionsTest, ValidateNamesFieldValueAndReason) {
       {"collective timeout 0",
        [](EngineOptions& o) { o.placement.collective_timeout_seconds = 0; },
        {"placement.collective_timeout_seconds is 0"}},
+      {"quantized gradients without stage 3",
+       [](EngineOptions& o) { o.placement.quantized_gradients = true; },
+       {"placement.quantized_gradients quantizes the gradient reduction of ZeRO stage 3",
+        "zero_optimization.zero_quantized_gradients"}},
       {"quantized weights without stage 3",
        [](EngineOptions& o) { o.placement.quantized_weights = true; },
        {"placement.quantized_weights quantizes the parameter all-gathers of ZeRO stage 3",
@@ -380,7 +384,8 @@ EngineOptions NonDefaultOptions() {
                  .chunk_bytes = 128 * kMiB,
                  .prefetch_depth = 4,
                  .collective_timeout_seconds = 90.5,
-                 .quantized_weights = true};
+                 .quantized_weights = true,
+                 .quantized_gradients = true};
   return o;
 }
 
@@ -911,9 +916,11 @@ TEST(DeepSpeedConfigTest, AutoWorksForAnyMappedKey) {
 TEST(DeepSpeedConfigTest, ZeroQuantizedWeightsIsReadAtStageThree) {
   Result<LoadedConfig> loaded = ParseDeepSpeed(
       R"({"zero_optimization": {"stage": 3, "zero_quantized_weights": true,
+          "zero_quantized_gradients": true,
           "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})");
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_TRUE(loaded->options.placement.quantized_weights);
+  EXPECT_TRUE(loaded->options.placement.quantized_gradients);
   EXPECT_TRUE(loaded->ignored_keys.empty());
   loaded = ParseDeepSpeed(R"({"zero_optimization": {"stage": 2, "zero_quantized_weights": true}})");
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();

@@ -154,6 +154,22 @@ def main():
     print(f"stage 3 with quantized weights: all-gather bytes x{ratio:.3f}, losses within "
           f"{worst_q:.2e} of exact gathers over 20 steps")
 
+    # And its quantized gradients, with the weights quantized too: the reduction moves a quarter
+    # of fp32's bytes (an all-to-all of int8 partitions, summed in fp32 where they arrive).
+    code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3",
+                                                    "--zero-quantized-weights",
+                                                    "--zero-quantized-gradients"])
+    assert code == 0, f"stage 3 with quantized gradients failed ({code}):\n{err}"
+    both = json.loads(out)
+    assert both["ranks"]["quantized_gradients"] is True, both["ranks"]
+    ratio_g = both["summary"]["reduce_scatter_bytes"] / stage3["summary"]["reduce_scatter_bytes"]
+    assert 0.25 < ratio_g < 0.26, ratio_g
+    g = [s["loss"] for s in both["steps"]]
+    worst_g = max(abs(x - y) for x, y in zip(g, c))
+    assert 0 < worst_g < 0.05, f"quantized losses differ by {worst_g}: {g} vs {c}"
+    print(f"stage 3 with quantized weights and gradients: gradient bytes x{ratio_g:.3f}, losses "
+          f"within {worst_g:.2e} of exact collectives over 20 steps")
+
     # An uneven split: three ranks (chunks padded to three shards), stage 3 with the states on
     # NVMe, against one rank with the whole batch.
     three = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "3"]

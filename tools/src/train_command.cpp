@@ -51,7 +51,8 @@ struct TrainFlags {
   int64_t delayed_update_from = -1;
   double lr = std::numeric_limits<double>::quiet_NaN();
   double collective_timeout = std::numeric_limits<double>::quiet_NaN();
-  bool json = false, delayed_update = false, zero_quantized_weights = false;
+  bool json = false, delayed_update = false, zero_quantized_weights = false,
+       zero_quantized_gradients = false;
 };
 
 /// A scratch directory for NVMe swap, removed when the command ends.
@@ -116,6 +117,7 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   }
   if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
   if (f.zero_quantized_weights) o.placement.quantized_weights = true;
+  if (f.zero_quantized_gradients) o.placement.quantized_gradients = true;
   // Several ranks shard the optimizer states (ZeRO stages 1 and 2), which keeps the working
   // parameters on each rank's device, or the parameters too (stage 3), each rank keeping its
   // shard in host memory: those are their defaults there.
@@ -304,6 +306,7 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
       {"world_size", s.ranks},
       {"zero_stage", o.placement.zero_stage},
       {"quantized_weights", o.placement.quantized_weights},
+      {"quantized_gradients", o.placement.quantized_gradients},
       {"peak_bytes",
        {{"device", s.peak_bytes[0]}, {"host", s.peak_bytes[1]}, {"nvme", s.peak_bytes[2]}}}};
   return j;
@@ -700,6 +703,9 @@ int RunTrain(const std::vector<std::string>& args) {
   flags.AddBool("zero-quantized-weights", &f.zero_quantized_weights,
                 "ZeRO++: stage 3 gathers parameters as blockwise int8, about half of bf16's "
                 "bytes (zero_optimization.zero_quantized_weights)");
+  flags.AddBool("zero-quantized-gradients", &f.zero_quantized_gradients,
+                "ZeRO++: stage 3 reduces gradients as blockwise int8, a quarter of fp32's bytes "
+                "(zero_optimization.zero_quantized_gradients)");
   flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
   flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
   flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");

@@ -249,6 +249,11 @@ struct PlacementOptions {
   /// forward and backward compute with the dequantized values; master weights and the update
   /// stay exact. Needs zero_stage 3. DeepSpeed: zero_optimization.zero_quantized_weights.
   bool quantized_weights = false;
+  /// ZeRO++'s quantized gradients (qgZ): with stage 3 across several ranks, gradients are
+  /// reduced by sending each rank its part of every rank's gradients as blockwise int8 (an
+  /// all-to-all, a quarter of fp32's bytes) and summing them there in fp32. Needs zero_stage 3.
+  /// DeepSpeed: zero_optimization.zero_quantized_gradients.
+  bool quantized_gradients = false;
 
   friend bool operator==(const PlacementOptions&, const PlacementOptions&) = default;
 };
