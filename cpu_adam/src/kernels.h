@@ -89,8 +89,10 @@ using SumOfSquaresKernel = double (*)(const void* grads, size_t begin, size_t en
 
 /// Blockwise int8 quantization (strata/cpu_adam/quantize.h): blocks [first_block, end_block) of
 /// `numel` elements of `in` (the last block may be short). Each block's scale is its largest
-/// magnitude / 127, and each value is round-to-nearest-even(x * (127 / largest)); a block of
-/// zeros has scale 0 and values 0.
+/// magnitude / 127, and each value is round-to-nearest-even(x * (127 / largest)). A block
+/// holding a NaN or an infinity gets a NaN scale and values 0, so that all of it comes back NaN
+/// (an fp16 overflow stays visible after a quantized reduction); a block whose largest
+/// magnitude is below kQuantFlushBelow (zeros, say) gets scale 0 and values 0.
 using QuantizeKernel = void (*)(const void* in, size_t numel, size_t first_block, size_t end_block,
                                 float* scales, signed char* values);
 /// The inverse: out = value * scale, in the element type of the table entry (rounded to nearest
@@ -100,6 +102,8 @@ using DequantizeKernel = void (*)(const signed char* values, const float* scales
 
 /// Elements per quantization block.
 constexpr size_t kQuantBlockElements = 256;
+/// Blocks smaller than this in magnitude are flushed to zeros: 127 / largest must not overflow.
+constexpr float kQuantFlushBelow = 0x1p-100f;
 
 /// Every kernel of one instruction set.
 struct KernelTable {

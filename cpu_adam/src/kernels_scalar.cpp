@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "kernels.h"
@@ -122,11 +123,19 @@ void QuantizeFor(const void* in, size_t numel, size_t first_block, size_t end_bl
     const size_t begin = b * kQuantBlockElements;
     const size_t end = std::min(begin + kQuantBlockElements, numel);
     float largest = 0.0f;
+    bool finite = true;
     for (size_t i = begin; i < end; ++i) {
-      largest = std::max(largest, std::fabs(LoadElement<kElem>(in, i)));
+      const float x = LoadElement<kElem>(in, i);
+      finite = finite && std::isfinite(x);
+      largest = std::max(largest, std::fabs(x));
+    }
+    if (!finite || largest < kQuantFlushBelow) {
+      scales[b] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      std::fill(values + begin, values + end, static_cast<signed char>(0));
+      continue;
     }
     scales[b] = largest / 127.0f;
-    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    const float inverse = 127.0f / largest;
     for (size_t i = begin; i < end; ++i) {
       // Default rounding: to nearest even, as the SIMD conversions.
       const float q = std::nearbyint(LoadElement<kElem>(in, i) * inverse);

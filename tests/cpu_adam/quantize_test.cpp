@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -135,6 +136,46 @@ TEST(QuantizeTest, ABlockOfZerosAndExactMultiplesComeBackExactly) {
     const GuardedArray out = Dequantize(*optimizer, bytes, DType::kFp32, n);
     for (size_t i = 0; i < n; ++i) {
       ASSERT_EQ(out.Get(i), in.Get(i)) << SimdLevelName(level) << " element " << i;
+    }
+  }
+}
+
+// A NaN or an infinity anywhere in a block makes the whole block come back NaN, whichever lane
+// it sits in and whatever follows it (VMAXPS alone would drop it): an fp16 overflow summed
+// through a quantized reduction still skips the step. A block too small for its inverse scale
+// to be finite comes back zeros. Every level writes the same bytes for them.
+TEST(QuantizeTest, NonFiniteBlocksComeBackNaNAndTinyBlocksZeros) {
+  auto scalar = CpuOptimizer::Create({.threads = 1, .simd = SimdLevel::kScalar});
+  ASSERT_TRUE(scalar.ok());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (SimdLevel level : SupportedLevels()) {
+    auto optimizer = CpuOptimizer::Create({.threads = 1, .simd = level});
+    ASSERT_TRUE(optimizer.ok());
+    for (DType dtype : kDtypes) {
+      SCOPED_TRACE(std::string(SimdLevelName(level)) + " " + std::string(DTypeName(dtype)));
+      const size_t n = 4 * kQuantBlockElements + 9;
+      GuardedArray in(dtype, n, 0);
+      for (size_t i = 0; i < n; ++i) in.Set(i, 1.0f + float(i % 7));
+      in.Set(3, nan);                        // Block 0: a NaN, then finite lanes.
+      in.Set(kQuantBlockElements + 5, inf);  // Block 1: an infinity, then a NaN in its lane.
+      in.Set(kQuantBlockElements + 5 + 16, nan);
+      in.Set(2 * kQuantBlockElements + 7, -inf);  // Block 2: a negative infinity alone.
+      for (size_t i = 3 * kQuantBlockElements; i < 4 * kQuantBlockElements; ++i) {
+        in.Set(i, dtype == DType::kFp32 ? 1e-37f : 0.0f);  // Block 3: tiny (or zeros).
+      }
+      in.Set(n - 1, nan);  // The short last block: a NaN in its tail.
+      const std::vector<std::byte> bytes = Quantize(*optimizer, in);
+      ASSERT_EQ(bytes, Quantize(*scalar, in));
+      const GuardedArray out = Dequantize(*optimizer, bytes, dtype, n);
+      for (size_t i = 0; i < n; ++i) {
+        const size_t block = i / kQuantBlockElements;
+        if (block == 3) {
+          ASSERT_EQ(out.Get(i), 0.0f) << "element " << i;
+        } else {
+          ASSERT_TRUE(std::isnan(out.Get(i))) << "element " << i << " is " << out.Get(i);
+        }
+      }
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -52,13 +53,15 @@ struct RankResult {
 };
 
 /// Trains `ranks` sharded engines for `steps` steps, each on a thread of its own; rank r writes
-/// Grad(r, ...) scaled by `scale`. Rank `reordering_rank` declares gradients in `reordered`.
+/// Grad(r, ...) scaled by `scale`, or `grad(r, ...)` when given. Rank `reordering_rank`
+/// declares gradients in `reordered`.
 std::vector<RankResult> TrainSharded(
     int ranks, const EngineOptions& options, int steps, float scale = 1.0f,
     std::function<EngineEnvironment(int)> environment = {}, int reordering_rank = -1,
     std::function<void(int, testing::WrappedDevice&)> on_device = {},
     uint64_t device_bytes = 64 << 20,
-    testing::DeclareOrder reordered = testing::DeclareOrder::kLastTwoSwapped) {
+    testing::DeclareOrder reordered = testing::DeclareOrder::kLastTwoSwapped,
+    std::function<float(int rank, int step, int micro, size_t p, size_t i)> grad = {}) {
   const ShardedModel model;
   auto comms = CreateLocalCommunicators({.size = ranks, .timeout_seconds = 30});
   EXPECT_TRUE(comms.ok());
@@ -94,7 +97,9 @@ std::vector<RankResult> TrainSharded(
       for (int step = 0; step < steps && result.status.ok(); ++step) {
         auto report = TrainStep(
             **engine, step,
-            [&](int s, int m, size_t p, size_t i) { return Grad(r, s, m, p, i, scale); },
+            [&](int s, int m, size_t p, size_t i) {
+              return grad ? grad(r, s, m, p, i) : Grad(r, s, m, p, i, scale);
+            },
             r == reordering_rank ? reordered : testing::DeclareOrder::kBackward,
             options.optimizer.gradient_accumulation_steps);
         result.status = report.status();
@@ -381,6 +386,30 @@ TEST(ShardingTest, StageThreeQuantizedGradientsReduceInt8AndFollowTheMeanGradien
                 exact[r].counters.reduce_scatter_bytes * quantized_bytes);
       EXPECT_LT(double(ranks[r].counters.reduce_scatter_bytes),
                 0.27 * double(exact[r].counters.reduce_scatter_bytes));
+    }
+  }
+}
+
+// Quantizing must not hide a non-finite gradient: one NaN among finite gradients reaches the
+// shard with the quantized reduction as with the exact one (so fp16's overflow check sees it),
+// rather than coming back as finite garbage: the parameter it steps becomes NaN on both paths.
+TEST(ShardingTest, QuantizedGradientsKeepANonFiniteGradientVisible) {
+  ScratchDir dir;
+  auto grad = [](int r, int s, int m, size_t p, size_t i) {
+    return r == 0 && p == 0 && i == 3 ? std::numeric_limits<float>::quiet_NaN()
+                                      : Grad(r, s, m, p, i);
+  };
+  for (const bool quantized : {false, true}) {
+    SCOPED_TRACE(quantized ? "quantized" : "exact");
+    EngineOptions options = OptionsFor({"", Tier::kHost, 3, 1}, dir.path());
+    options.placement.quantized_gradients = quantized;
+    const std::vector<RankResult> ranks = TrainSharded(2, options, 1, 1.0f, {}, -1, {}, 64 << 20,
+                                                       testing::DeclareOrder::kBackward, grad);
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+      EXPECT_TRUE(std::isnan(ranks[r].params[0][3]))
+          << "rank " << r << ": parameter 0 element 3 is " << ranks[r].params[0][3];
+      EXPECT_TRUE(std::isfinite(ranks[r].params[2][0])) << "rank " << r;  // Another chunk.
     }
   }
 }

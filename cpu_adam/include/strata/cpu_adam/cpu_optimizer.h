@@ -230,8 +230,10 @@ class CpuOptimizer {
 
   /// Quantizes `numel` values of `dtype` into QuantizedBytes(numel) bytes at `out` (4-byte
   /// aligned): each block's values become round(x * 127 / largest magnitude) in [-127, 127].
-  /// The relative error of a value is at most 1/254 of its block's largest. InvalidArgument for
-  /// a null or misaligned buffer.
+  /// The error of a value is at most 1/254 of its block's largest. A block holding a NaN or an
+  /// infinity comes back all NaN (overflow checks after a quantized reduction still see it); a
+  /// block below 2^-100 in magnitude comes back zeros. InvalidArgument for a null or misaligned
+  /// buffer.
   Status QuantizeInt8(const void* in, DType dtype, size_t numel, std::byte* out);
   /// The inverse, into `numel` values of `dtype`: value * scale, one multiplication rounded to
   /// `dtype`, so every SIMD level and every rank gets the same bits from the same bytes.
