@@ -238,22 +238,19 @@ Status ValidatePlacement(const PlacementOptions& o) {
     return Bad("placement.collective_timeout_seconds", std::to_string(o.collective_timeout_seconds),
                "a number of seconds > 0, e.g. 600");
   }
-  if (o.quantized_weights && o.zero_stage != 3) {
-    return InvalidArgument(
-        "placement.quantized_weights quantizes the parameter all-gathers of ZeRO stage 3, but "
-        "placement.zero_stage is " +
-        std::to_string(o.zero_stage) +
-        "; set it to 3 or turn quantized_weights off (DeepSpeed: "
-        "zero_optimization.zero_quantized_weights, zero_optimization.stage)");
-  }
-  if (o.quantized_gradients && o.zero_stage != 3) {
-    return InvalidArgument(
-        "placement.quantized_gradients quantizes the gradient reduction of ZeRO stage 3 (as "
-        "DeepSpeed's ZeRO++), but placement.zero_stage is " +
-        std::to_string(o.zero_stage) +
-        "; set it to 3 or turn quantized_gradients off (DeepSpeed: "
-        "zero_optimization.zero_quantized_gradients, zero_optimization.stage)");
-  }
+  // ZeRO++ quantizes stage 3's collectives, as DeepSpeed's does.
+  auto needs_stage_3 = [&](bool on, const std::string& name, const std::string& what) {
+    if (!on || o.zero_stage == 3) return Status::Ok();
+    return InvalidArgument("placement." + name + " quantizes " + what +
+                           " of ZeRO stage 3 (ZeRO++), but placement.zero_stage is " +
+                           std::to_string(o.zero_stage) + "; set it to 3 or turn " + name +
+                           " off (DeepSpeed: zero_optimization.zero_" + name +
+                           ", zero_optimization.stage)");
+  };
+  STRATA_RETURN_IF_ERROR(
+      needs_stage_3(o.quantized_weights, "quantized_weights", "the parameter all-gathers"));
+  STRATA_RETURN_IF_ERROR(
+      needs_stage_3(o.quantized_gradients, "quantized_gradients", "the gradient reduction"));
   return Status::Ok();
 }
 
