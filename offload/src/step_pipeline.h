@@ -61,7 +61,9 @@
 //   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed),
 //                                 chunk by chunk in one order (the last chunk first), whatever
 //                                 order the trainer declares them in; without accumulation
-//                                 from a ReduceRing slot instead of grads_sum (reduce_ring.h)
+//                                 from a ReduceRing slot instead of grads_sum (reduce_ring.h);
+//                                 with quantized gradients an all-to-all of int8 partitions
+//                                 that each rank sums into grads_shard instead
 //   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
 //                                 all-gather param_copy, chunk by chunk in that order
 //                                                  (ready: shard_updated; not with stage 3)
