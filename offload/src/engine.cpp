@@ -258,12 +258,10 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     // is far quicker than the link.
     constexpr size_t kSlots = 2;
     // Quantized gradients: every rank's partition of the largest chunk, sent and received.
-    size_t shard_numel = 0;
-    for (const Chunk& c : chunks_) {
-      if (!c.frozen()) shard_numel = std::max(shard_numel, c.shard.numel());
-    }
     const size_t quantized =
-        quantizes_gradients() ? QuantizedPartitionBytes(shard_numel) * size_t(ranks()) : 0;
+        quantizes_gradients()
+            ? cpu_adam::QuantizedBytes(max_trained_shard_numel()) * size_t(ranks())
+            : 0;
     const uint64_t total = kSlots * (AlignUp(max_trained_numel() * sizeof(float), kHostAlignment) +
                                      2 * AlignUp(quantized, kHostAlignment));
     STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
@@ -688,6 +686,12 @@ size_t Engine::Impl::max_state_bytes() const {
   size_t bytes = 0;
   for (const Chunk& c : chunks_) bytes = std::max(bytes, c.state_bytes());
   return bytes;
+}
+
+size_t Engine::Impl::max_trained_shard_numel() const {
+  size_t numel = 0;
+  for (const Chunk& c : chunks_) numel = c.frozen() ? numel : std::max(numel, c.shard.numel());
+  return numel;
 }
 
 size_t Engine::Impl::max_trained_numel() const {

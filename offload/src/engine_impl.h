@@ -170,10 +170,9 @@ class Engine::Impl {
   }
   /// ZeRO++'s quantized gradients: reduced by an all-to-all of blockwise int8 partitions.
   bool quantizes_gradients() const { return sharded() && options_.placement.quantized_gradients; }
-  /// Bytes one rank's partition of a chunk with `shard_numel`-element shards takes quantized.
-  static size_t QuantizedPartitionBytes(size_t shard_numel) {
-    return cpu_adam::QuantizedBytes(shard_numel);
-  }
+  /// Elements of this rank's shard of the largest trained chunk (every rank's is as large):
+  /// what a quantized collective's per-rank buffers hold.
+  size_t max_trained_shard_numel() const;
   /// Unavailable naming what is not built for several ranks (stage 0, stage 3's shards
   /// anywhere but host memory, offloaded parameters with stages 1 and 2, device-kept states,
   /// the delayed update); OK for one rank.

@@ -9,21 +9,9 @@ namespace strata::offload {
 
 bool ParamGather::quantized() const { return engine_.options_.placement.quantized_weights; }
 
-size_t ParamGather::QuantizedShardBytes(size_t shard_numel) {
-  return cpu_adam::QuantizedBytes(shard_numel);  // A whole number of 4-byte words.
-}
-
-size_t ParamGather::LargestQuantizedShardBytes() const {
-  size_t shard_numel = 0;
-  for (const Chunk& c : engine_.chunks_) {
-    if (c.params_sharded) shard_numel = std::max(shard_numel, c.shard.numel());
-  }
-  return QuantizedShardBytes(shard_numel);
-}
-
 size_t ParamGather::SlotExtraBytes() const {
   if (!quantized()) return 0;
-  const size_t one = LargestQuantizedShardBytes();
+  const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel());
   return AlignUp(one, kHostAlignment) + AlignUp(one * size_t(engine_.ranks()), kHostAlignment);
 }
 
@@ -31,7 +19,7 @@ Status ParamGather::Initialize(size_t slots, size_t slot_bytes) {
   for (size_t i = 0; i < slots; ++i) {
     Slot& slot = slots_.emplace_back();
     if (quantized()) {
-      const size_t one = LargestQuantizedShardBytes();
+      const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel());
       STRATA_ASSIGN_OR_RETURN(slot.quantized_shard, AlignedBuffer::Allocate(one));
       STRATA_ASSIGN_OR_RETURN(slot.quantized_shards,
                               AlignedBuffer::Allocate(one * size_t(engine_.ranks())));
@@ -88,7 +76,7 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
                                                 c.shard.numel(), slot.quantized_shard.data());
   // A failure here would leave this rank out of a collective the others make: it still takes
   // part, with whatever the buffer holds, and the Take that waits for it fails.
-  const size_t bytes = QuantizedShardBytes(c.shard.numel());
+  const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel());
   e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(e.ranks())));
   // Moved as 32-bit words: an all-gather copies bits and does no arithmetic on them.
   e.environment_.communicator->AllGather(
@@ -103,7 +91,7 @@ Status ParamGather::Dequantize(Slot& slot, size_t chunk) {
   Engine::Impl& e = engine_;
   const Chunk& c = e.chunks_[chunk];
   const size_t shard = c.shard.numel();
-  const size_t bytes = QuantizedShardBytes(shard);
+  const size_t bytes = cpu_adam::QuantizedBytes(shard);
   for (int r = 0; r < e.ranks(); ++r) {
     STRATA_RETURN_IF_ERROR(e.optimizer_->DequantizeInt8(
         slot.quantized_shards.data() + size_t(r) * bytes, shard,

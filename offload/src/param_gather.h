@@ -75,9 +75,6 @@ class ParamGather {
   /// Enqueues the all-gather of `chunk` into `slot`, after the slot's previous one is done.
   void Enqueue(Slot& slot, size_t chunk);
   bool quantized() const;
-  /// Bytes of one rank's quantized shard of a chunk whose shards have `shard_numel` elements.
-  static size_t QuantizedShardBytes(size_t shard_numel);
-  size_t LargestQuantizedShardBytes() const;
   /// Dequantizes what a quantized gather of `chunk` received into the slot's parameters.
   Status Dequantize(Slot& slot, size_t chunk);
   static void WaitIdle(Slot& slot);

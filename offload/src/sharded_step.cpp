@@ -76,7 +76,7 @@ void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Communicator& comm = *e.environment_.communicator;
   if (quantized) {
     // Each rank's partition of this rank's gradients, quantized, to that rank.
-    const size_t bytes = Engine::Impl::QuantizedPartitionBytes(c.shard.numel());
+    const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel());
     e.m_.collective_of(CollectiveKind::kReduceScatter).Increment(double(bytes * size_t(e.ranks())));
     comm.AllToAll(e.reduce_ring_.Sent(number), e.reduce_ring_.Received(number),
                   bytes / sizeof(float), DType::kFp32, std::move(ready), std::move(done));
@@ -184,7 +184,7 @@ namespace {
 /// Partition r of `gradients` (fp32, ranks × shard_numel) quantized into block r of `sent`.
 Status QuantizePartitions(cpu_adam::CpuOptimizer& optimizer, const float* gradients,
                           size_t shard_numel, int ranks, std::byte* sent) {
-  const size_t bytes = Engine::Impl::QuantizedPartitionBytes(shard_numel);
+  const size_t bytes = cpu_adam::QuantizedBytes(shard_numel);
   for (int r = 0; r < ranks; ++r) {
     STRATA_RETURN_IF_ERROR(optimizer.QuantizeInt8(gradients + size_t(r) * shard_numel, DType::kFp32,
                                                   shard_numel, sent + size_t(r) * bytes));
@@ -196,7 +196,7 @@ Status QuantizePartitions(cpu_adam::CpuOptimizer& optimizer, const float* gradie
 /// `received` dequantized (into `scratch`, ranks × shard_numel floats).
 Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte* received,
                              size_t shard_numel, int ranks, float* scratch, float* shard) {
-  const size_t bytes = Engine::Impl::QuantizedPartitionBytes(shard_numel);
+  const size_t bytes = cpu_adam::QuantizedBytes(shard_numel);
   for (int r = 0; r < ranks; ++r) {
     STRATA_RETURN_IF_ERROR(optimizer.DequantizeInt8(received + size_t(r) * bytes, shard_numel,
                                                     scratch + size_t(r) * shard_numel,
