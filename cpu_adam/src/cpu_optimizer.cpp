@@ -411,7 +411,11 @@ Status CpuOptimizer::Fill(void* data, DType dtype, size_t numel, float value) {
 namespace {
 
 Status CheckQuantizeBuffers(const char* what, const void* values, DType dtype, size_t numel,
-                            const void* quantized) {
+                            int bits, const void* quantized) {
+  if (!IsQuantBits(bits)) {
+    return InvalidArgument(std::string(what) + ": " + std::to_string(bits) +
+                           " bits; blockwise quantization writes 8 or 4");
+  }
   if (values == nullptr || quantized == nullptr) {
     return InvalidArgument(std::string(what) + ": a buffer is null but numel is " +
                            std::to_string(numel));
@@ -431,29 +435,32 @@ size_t QuantBlocks(size_t numel) { return (numel + kQuantBlockElements - 1) / kQ
 
 static_assert(internal::kQuantBlockElements == kQuantBlockElements);
 
-Status CpuOptimizer::QuantizeInt8(const void* in, DType dtype, size_t numel, std::byte* out) {
-  if (numel == 0) return Status::Ok();
-  STRATA_RETURN_IF_ERROR(CheckQuantizeBuffers("quantize", in, dtype, numel, out));
+Status CpuOptimizer::Quantize(const void* in, DType dtype, size_t numel, int bits, std::byte* out) {
+  if (numel == 0 && IsQuantBits(bits)) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(CheckQuantizeBuffers("quantize", in, dtype, numel, bits, out));
   const internal::QuantizeKernel kernel = impl_->kernels->quantize[static_cast<int>(dtype)];
   auto* scales = reinterpret_cast<float*>(out);
-  auto* values = reinterpret_cast<signed char*>(out + QuantBlocks(numel) * sizeof(float));
-  std::memset(values + numel, 0, QuantizedBytes(numel) - QuantBlocks(numel) * 4 - numel);
-  // Ranges are kBlockElements-aligned, so each holds whole quantization blocks.
+  auto* values = reinterpret_cast<unsigned char*>(out + QuantBlocks(numel) * sizeof(float));
+  // The kernels write (numel * bits + 7) / 8 bytes; the padding to 4 is zeros.
+  const size_t written = (numel * size_t(bits) + 7) / 8;
+  std::memset(values + written, 0, QuantizedBytes(numel, bits) - QuantBlocks(numel) * 4 - written);
+  // Ranges are kBlockElements-aligned, so each holds whole quantization blocks (and whole bytes).
   impl_->ForEachRange(numel, [&](size_t begin, size_t end) {
-    kernel(in, numel, begin / kQuantBlockElements, QuantBlocks(end), scales, values);
+    kernel(in, numel, begin / kQuantBlockElements, QuantBlocks(end), bits, scales, values);
   });
   return Status::Ok();
 }
 
-Status CpuOptimizer::DequantizeInt8(const std::byte* in, size_t numel, void* out, DType dtype) {
-  if (numel == 0) return Status::Ok();
-  STRATA_RETURN_IF_ERROR(CheckQuantizeBuffers("dequantize", out, dtype, numel, in));
+Status CpuOptimizer::Dequantize(const std::byte* in, int bits, size_t numel, void* out,
+                                DType dtype) {
+  if (numel == 0 && IsQuantBits(bits)) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(CheckQuantizeBuffers("dequantize", out, dtype, numel, bits, in));
   const internal::DequantizeKernel kernel = impl_->kernels->dequantize[static_cast<int>(dtype)];
   const auto* scales = reinterpret_cast<const float*>(in);
   const auto* values =
-      reinterpret_cast<const signed char*>(in + QuantBlocks(numel) * sizeof(float));
+      reinterpret_cast<const unsigned char*>(in + QuantBlocks(numel) * sizeof(float));
   impl_->ForEachRange(numel, [&](size_t begin, size_t end) {
-    kernel(values, scales, numel, begin / kQuantBlockElements, QuantBlocks(end), out);
+    kernel(values, bits, scales, numel, begin / kQuantBlockElements, QuantBlocks(end), out);
   });
   return Status::Ok();
 }

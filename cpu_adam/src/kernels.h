@@ -87,18 +87,20 @@ using StepKernel = void (*)(const KernelArgs& args, size_t begin, size_t end);
 /// square is exact in double). Inf or NaN inputs make the result non-finite.
 using SumOfSquaresKernel = double (*)(const void* grads, size_t begin, size_t end);
 
-/// Blockwise int8 quantization (strata/cpu_adam/quantize.h): blocks [first_block, end_block) of
-/// `numel` elements of `in` (the last block may be short). Each block's scale is its largest
-/// magnitude / 127, and each value is round-to-nearest-even(x * (127 / largest)). A block
-/// holding a NaN or an infinity gets a NaN scale and values 0, so that all of it comes back NaN
-/// (an fp16 overflow stays visible after a quantized reduction); a block whose largest
+/// Blockwise quantization to int8 or int4 (CpuOptimizer::Quantize): blocks [first_block,
+/// end_block) of `numel` elements of `in` (the last block may be short). Each block's scale is its
+/// largest magnitude / L, L = 127 for 8 bits and 7 for 4, and each value is
+/// round-to-nearest-even(x * (L / largest)). Values are one signed byte each at `values`, or, for
+/// 4 bits, two a byte (quant_pack.inc), so block b starts at byte b * kQuantBlockElements * bits /
+/// 8. A block holding a NaN or an infinity gets a NaN scale and values 0, so that all of it comes
+/// back NaN (an fp16 overflow stays visible after a quantized reduction); a block whose largest
 /// magnitude is below kQuantFlushBelow (zeros, say) gets scale 0 and values 0.
 using QuantizeKernel = void (*)(const void* in, size_t numel, size_t first_block, size_t end_block,
-                                float* scales, signed char* values);
+                                int bits, float* scales, unsigned char* values);
 /// The inverse: out = value * scale, in the element type of the table entry (rounded to nearest
 /// even for the 16-bit types). A single multiplication, so every instruction set agrees.
-using DequantizeKernel = void (*)(const signed char* values, const float* scales, size_t numel,
-                                  size_t first_block, size_t end_block, void* out);
+using DequantizeKernel = void (*)(const unsigned char* values, int bits, const float* scales,
+                                  size_t numel, size_t first_block, size_t end_block, void* out);
 
 /// Elements per quantization block.
 constexpr size_t kQuantBlockElements = 256;

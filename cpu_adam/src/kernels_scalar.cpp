@@ -116,12 +116,18 @@ double SumOfSquaresFor(const void* grads, size_t begin, size_t end) {
   return sum;
 }
 
+#include "quant_pack.inc"
+
 template <int kElem>
-void QuantizeFor(const void* in, size_t numel, size_t first_block, size_t end_block, float* scales,
-                 signed char* values) {
+void QuantizeFor(const void* in, size_t numel, size_t first_block, size_t end_block, int bits,
+                 float* scales, unsigned char* values) {
+  const float levels = QuantLevels(bits);
   for (size_t b = first_block; b < end_block; ++b) {
     const size_t begin = b * kQuantBlockElements;
     const size_t end = std::min(begin + kQuantBlockElements, numel);
+    // 8 bits are written in place; 4 bits one a byte here, then packed.
+    signed char staged[kQuantBlockElements];
+    signed char* out = bits == 8 ? reinterpret_cast<signed char*>(values) + begin : staged;
     float largest = 0.0f;
     bool finite = true;
     for (size_t i = begin; i < end; ++i) {
@@ -131,27 +137,34 @@ void QuantizeFor(const void* in, size_t numel, size_t first_block, size_t end_bl
     }
     if (!finite || largest < kQuantFlushBelow) {
       scales[b] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-      std::fill(values + begin, values + end, static_cast<signed char>(0));
-      continue;
+      std::fill(out, out + (end - begin), static_cast<signed char>(0));
+    } else {
+      scales[b] = largest / levels;
+      const float inverse = levels / largest;
+      for (size_t i = begin; i < end; ++i) {
+        // Default rounding: to nearest even, as the SIMD conversions.
+        const float q = std::nearbyint(LoadElement<kElem>(in, i) * inverse);
+        out[i - begin] = static_cast<signed char>(std::clamp(q, -128.0f, 127.0f));
+      }
     }
-    scales[b] = largest / 127.0f;
-    const float inverse = 127.0f / largest;
-    for (size_t i = begin; i < end; ++i) {
-      // Default rounding: to nearest even, as the SIMD conversions.
-      const float q = std::nearbyint(LoadElement<kElem>(in, i) * inverse);
-      values[i] = static_cast<signed char>(std::clamp(q, -128.0f, 127.0f));
-    }
+    if (bits == 4) PackInt4(staged, end - begin, values + begin / 2);
   }
 }
 
 template <int kElem>
-void DequantizeFor(const signed char* values, const float* scales, size_t numel, size_t first_block,
-                   size_t end_block, void* out) {
+void DequantizeFor(const unsigned char* values, int bits, const float* scales, size_t numel,
+                   size_t first_block, size_t end_block, void* out) {
   for (size_t b = first_block; b < end_block; ++b) {
     const size_t begin = b * kQuantBlockElements;
     const size_t end = std::min(begin + kQuantBlockElements, numel);
+    signed char staged[kQuantBlockElements];
+    const signed char* q = reinterpret_cast<const signed char*>(values) + begin;
+    if (bits == 4) {
+      UnpackInt4(values + begin / 2, end - begin, staged);
+      q = staged;
+    }
     for (size_t i = begin; i < end; ++i) {
-      StoreElement<kElem>(out, i, static_cast<float>(values[i]) * scales[b]);
+      StoreElement<kElem>(out, i, static_cast<float>(q[i - begin]) * scales[b]);
     }
   }
 }

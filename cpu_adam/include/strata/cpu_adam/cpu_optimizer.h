@@ -47,16 +47,21 @@ namespace strata::cpu_adam {
 /// reduction. A multiple of 64, so with 64-byte aligned arrays no two threads share a cache line.
 inline constexpr size_t kBlockElements = size_t{64} * 1024;
 
-/// Blockwise int8 quantization (ZeRO++'s quantized weights, CpuOptimizer::QuantizeInt8): values
-/// in blocks of this many elements share one fp32 scale.
+/// Blockwise quantization (ZeRO++'s quantized weights and gradients, CpuOptimizer::Quantize):
+/// values in blocks of this many elements share one fp32 scale.
 inline constexpr size_t kQuantBlockElements = 256;
 static_assert(kBlockElements % kQuantBlockElements == 0);
 
-/// Bytes of `numel` values quantized: one fp32 scale per block of kQuantBlockElements (the
-/// largest magnitude / 127), then one signed byte per value, rounded up to 4 bytes.
-constexpr size_t QuantizedBytes(size_t numel) {
+/// Whether `bits` is a width Quantize writes: 8 (int8) or 4 (int4, two values a byte).
+constexpr bool IsQuantBits(int bits) { return bits == 8 || bits == 4; }
+
+/// Bytes of `numel` values quantized to `bits` (IsQuantBits): one fp32 scale per block of
+/// kQuantBlockElements (the largest magnitude / 127, or / 7 for 4 bits), then the values, one a
+/// byte or two a byte, rounded up to 4 bytes.
+constexpr size_t QuantizedBytes(size_t numel, int bits = 8) {
   const size_t blocks = (numel + kQuantBlockElements - 1) / kQuantBlockElements;
-  return blocks * sizeof(float) + (numel + 3) / 4 * 4;
+  const size_t value_bytes = (numel * size_t(bits) + 7) / 8;
+  return blocks * sizeof(float) + (value_bytes + 3) / 4 * 4;
 }
 
 /// AdamW (Loshchilov & Hutter), as torch.optim.AdamW: weight decay is decoupled from the
@@ -228,16 +233,16 @@ class CpuOptimizer {
   /// Use it to zero new optimizer states, or to apply Adagrad's initial_accumulator_value.
   Status Fill(void* data, DType dtype, size_t numel, float value);
 
-  /// Quantizes `numel` values of `dtype` into QuantizedBytes(numel) bytes at `out` (4-byte
-  /// aligned): each block's values become round(x * 127 / largest magnitude) in [-127, 127].
-  /// The error of a value is at most 1/254 of its block's largest. A block holding a NaN or an
-  /// infinity comes back all NaN (overflow checks after a quantized reduction still see it); a
-  /// block below 2^-100 in magnitude comes back zeros. InvalidArgument for a null or misaligned
-  /// buffer.
-  Status QuantizeInt8(const void* in, DType dtype, size_t numel, std::byte* out);
+  /// Quantizes `numel` values of `dtype` into QuantizedBytes(numel, bits) bytes at `out` (4-byte
+  /// aligned): each block's values become round(x * L / largest magnitude) in [-L, L], L = 127
+  /// for 8 bits and 7 for 4. The error of a value is at most 1/(2L) of its block's largest. A
+  /// block holding a NaN or an infinity comes back all NaN (overflow checks after a quantized
+  /// reduction still see it); a block below 2^-100 in magnitude comes back zeros.
+  /// InvalidArgument for a null or misaligned buffer, or bits other than 8 and 4.
+  Status Quantize(const void* in, DType dtype, size_t numel, int bits, std::byte* out);
   /// The inverse, into `numel` values of `dtype`: value * scale, one multiplication rounded to
   /// `dtype`, so every SIMD level and every rank gets the same bits from the same bytes.
-  Status DequantizeInt8(const std::byte* in, size_t numel, void* out, DType dtype);
+  Status Dequantize(const std::byte* in, int bits, size_t numel, void* out, DType dtype);
 
   /// Calls `body(begin, end)` for the contiguous, kBlockElements-aligned element ranges that
   /// Step would give its threads, in the arena; returns when all calls have returned. Small
