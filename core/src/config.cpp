@@ -526,6 +526,7 @@ Status VisitStrataFields(O& o, Visitor& v) {
       v.Field("collective_timeout_seconds", o.placement.collective_timeout_seconds));
   STRATA_RETURN_IF_ERROR(v.Field("quantized_weights", o.placement.quantized_weights));
   STRATA_RETURN_IF_ERROR(v.Field("quantized_gradients", o.placement.quantized_gradients));
+  STRATA_RETURN_IF_ERROR(v.Field("quantized_gradient_bits", o.placement.quantized_gradient_bits));
   return Status::Ok();
 }
 

@@ -251,6 +251,10 @@ Status ValidatePlacement(const PlacementOptions& o) {
       needs_stage_3(o.quantized_weights, "quantized_weights", "the parameter all-gathers"));
   STRATA_RETURN_IF_ERROR(
       needs_stage_3(o.quantized_gradients, "quantized_gradients", "the gradient reduction"));
+  if (o.quantized_gradient_bits != 8 && o.quantized_gradient_bits != 4) {
+    return Bad("placement.quantized_gradient_bits", std::to_string(o.quantized_gradient_bits),
+               "8 (int8) or 4 (int4)");
+  }
   return Status::Ok();
 }
 

@@ -260,7 +260,8 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     // Quantized gradients: every rank's partition of the largest chunk, sent and received.
     const size_t quantized =
         quantizes_gradients()
-            ? cpu_adam::QuantizedBytes(max_trained_shard_numel()) * size_t(ranks())
+            ? cpu_adam::QuantizedBytes(max_trained_shard_numel(), gradient_quant_bits()) *
+                  size_t(ranks())
             : 0;
     const uint64_t total = kSlots * (AlignUp(max_trained_numel() * sizeof(float), kHostAlignment) +
                                      2 * AlignUp(quantized, kHostAlignment));

@@ -168,8 +168,11 @@ class Engine::Impl {
     return sharded() &&
            (options_.optimizer.gradient_accumulation_steps == 1 || quantizes_gradients());
   }
-  /// ZeRO++'s quantized gradients: reduced by an all-to-all of blockwise int8 partitions.
+  /// ZeRO++'s quantized gradients: reduced by an all-to-all of blockwise int8 or int4
+  /// partitions.
   bool quantizes_gradients() const { return sharded() && options_.placement.quantized_gradients; }
+  /// Their width, 8 or 4 (cpu_adam::IsQuantBits).
+  int gradient_quant_bits() const { return options_.placement.quantized_gradient_bits; }
   /// Elements of this rank's shard of the largest trained chunk (every rank's is as large):
   /// what a quantized collective's per-rank buffers hold.
   size_t max_trained_shard_numel() const;

@@ -11,7 +11,7 @@ bool ParamGather::quantized() const { return engine_.options_.placement.quantize
 
 size_t ParamGather::SlotExtraBytes() const {
   if (!quantized()) return 0;
-  const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel());
+  const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel(), kWeightBits);
   return AlignUp(one, kHostAlignment) + AlignUp(one * size_t(engine_.ranks()), kHostAlignment);
 }
 
@@ -19,7 +19,7 @@ Status ParamGather::Initialize(size_t slots, size_t slot_bytes) {
   for (size_t i = 0; i < slots; ++i) {
     Slot& slot = slots_.emplace_back();
     if (quantized()) {
-      const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel());
+      const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel(), kWeightBits);
       STRATA_ASSIGN_OR_RETURN(slot.quantized_shard, AlignedBuffer::Allocate(one));
       STRATA_ASSIGN_OR_RETURN(slot.quantized_shards,
                               AlignedBuffer::Allocate(one * size_t(engine_.ranks())));
@@ -72,11 +72,12 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
   }
   // The shard changes only between steps, when no gather runs (Discard), so it is quantized
   // here, on the trainer thread, before the gather reads it.
-  Status quantized = e.optimizer_->QuantizeInt8(c.host_params.data(), e.working_dtype(),
-                                                c.shard.numel(), slot.quantized_shard.data());
+  Status quantized =
+      e.optimizer_->Quantize(c.host_params.data(), e.working_dtype(), c.shard.numel(), kWeightBits,
+                             slot.quantized_shard.data());
   // A failure here would leave this rank out of a collective the others make: it still takes
   // part, with whatever the buffer holds, and the Take that waits for it fails.
-  const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel());
+  const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel(), kWeightBits);
   e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(e.ranks())));
   // Moved as 32-bit words: an all-gather copies bits and does no arithmetic on them.
   e.environment_.communicator->AllGather(
@@ -91,10 +92,10 @@ Status ParamGather::Dequantize(Slot& slot, size_t chunk) {
   Engine::Impl& e = engine_;
   const Chunk& c = e.chunks_[chunk];
   const size_t shard = c.shard.numel();
-  const size_t bytes = cpu_adam::QuantizedBytes(shard);
+  const size_t bytes = cpu_adam::QuantizedBytes(shard, kWeightBits);
   for (int r = 0; r < e.ranks(); ++r) {
-    STRATA_RETURN_IF_ERROR(e.optimizer_->DequantizeInt8(
-        slot.quantized_shards.data() + size_t(r) * bytes, shard,
+    STRATA_RETURN_IF_ERROR(e.optimizer_->Dequantize(
+        slot.quantized_shards.data() + size_t(r) * bytes, kWeightBits, shard,
         slot.buffer.data() + size_t(r) * shard * e.working_size(), e.working_dtype()));
   }
   return Status();

@@ -10,7 +10,7 @@
 // chunk, or left the order) is thrown away when a step or a Load changes the parameters.
 //
 // With placement.quantized_weights (ZeRO++'s qwZ), each rank quantizes its shard to blockwise
-// int8 (CpuOptimizer::QuantizeInt8) before the gather and every rank dequantizes all the shards
+// int8 (CpuOptimizer::Quantize) before the gather and every rank dequantizes all the shards
 // it received when the trainer takes them: the same bytes give every rank the same parameters.
 //
 // Threads: the trainer thread makes every call; the communicator's thread opens a slot's signal
@@ -32,6 +32,9 @@ namespace strata::offload {
 
 class ParamGather {
  public:
+  /// Width of quantized weights: int8, as DeepSpeed's qwZ.
+  static constexpr int kWeightBits = 8;
+
   explicit ParamGather(Engine::Impl& engine) : engine_(engine) {}
 
   /// `slots` host buffers of `slot_bytes` each (the largest trained chunk's working parameters)

@@ -76,7 +76,7 @@ void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Communicator& comm = *e.environment_.communicator;
   if (quantized) {
     // Each rank's partition of this rank's gradients, quantized, to that rank.
-    const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel());
+    const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel(), e.gradient_quant_bits());
     e.m_.collective_of(CollectiveKind::kReduceScatter).Increment(double(bytes * size_t(e.ranks())));
     comm.AllToAll(e.reduce_ring_.Sent(number), e.reduce_ring_.Received(number),
                   bytes / sizeof(float), DType::kFp32, std::move(ready), std::move(done));
@@ -181,13 +181,14 @@ void StepPipeline::DeliverAgreedStep() {
 
 namespace {
 
-/// Partition r of `gradients` (fp32, ranks × shard_numel) quantized into block r of `sent`.
+/// Partition r of `gradients` (fp32, ranks × shard_numel) quantized to `bits` into block r of
+/// `sent`.
 Status QuantizePartitions(cpu_adam::CpuOptimizer& optimizer, const float* gradients,
-                          size_t shard_numel, int ranks, std::byte* sent) {
-  const size_t bytes = cpu_adam::QuantizedBytes(shard_numel);
+                          size_t shard_numel, int ranks, int bits, std::byte* sent) {
+  const size_t bytes = cpu_adam::QuantizedBytes(shard_numel, bits);
   for (int r = 0; r < ranks; ++r) {
-    STRATA_RETURN_IF_ERROR(optimizer.QuantizeInt8(gradients + size_t(r) * shard_numel, DType::kFp32,
-                                                  shard_numel, sent + size_t(r) * bytes));
+    STRATA_RETURN_IF_ERROR(optimizer.Quantize(gradients + size_t(r) * shard_numel, DType::kFp32,
+                                              shard_numel, bits, sent + size_t(r) * bytes));
   }
   return Status();
 }
@@ -195,12 +196,12 @@ Status QuantizePartitions(cpu_adam::CpuOptimizer& optimizer, const float* gradie
 /// shard[i] = the sum over ranks, in rank order and fp32, of element i of each rank's block of
 /// `received` dequantized (into `scratch`, ranks × shard_numel floats).
 Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte* received,
-                             size_t shard_numel, int ranks, float* scratch, float* shard) {
-  const size_t bytes = cpu_adam::QuantizedBytes(shard_numel);
+                             size_t shard_numel, int ranks, int bits, float* scratch,
+                             float* shard) {
+  const size_t bytes = cpu_adam::QuantizedBytes(shard_numel, bits);
   for (int r = 0; r < ranks; ++r) {
-    STRATA_RETURN_IF_ERROR(optimizer.DequantizeInt8(received + size_t(r) * bytes, shard_numel,
-                                                    scratch + size_t(r) * shard_numel,
-                                                    DType::kFp32));
+    STRATA_RETURN_IF_ERROR(optimizer.Dequantize(received + size_t(r) * bytes, bits, shard_numel,
+                                                scratch + size_t(r) * shard_numel, DType::kFp32));
   }
   optimizer.ParallelFor(shard_numel, [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
@@ -231,7 +232,7 @@ Awaitable<void> StepPipeline::FillReduceSlot(Chunk& c) {
     }
     if (!e.quantizes_gradients()) return Status();
     return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),
-                              e.reduce_ring_.Sent(number));
+                              e.gradient_quant_bits(), e.reduce_ring_.Sent(number));
   };
   Status filled = co_await AwaitJob(e.jobs_, fill, &e.jobs_in_flight_);
   // The collective runs whatever happened here (see ReduceGrads); this rank's step fails.
@@ -259,7 +260,8 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
     if (c.reduce_status.ok()) {
       auto sum = [&] {
         return SumReceivedPartitions(*e.optimizer_, e.reduce_ring_.Received(number),
-                                     c.shard.numel(), e.ranks(), e.reduce_ring_.Input(number),
+                                     c.shard.numel(), e.ranks(), e.gradient_quant_bits(),
+                                     e.reduce_ring_.Input(number),
                                      reinterpret_cast<float*>(c.grads_shard.data()));
       };
       Status summed = co_await AwaitJob(e.jobs_, sum, &e.jobs_in_flight_);

@@ -254,6 +254,9 @@ TEST(OptionsTest, ValidateNamesFieldValueAndReason) {
        [](EngineOptions& o) { o.placement.quantized_gradients = true; },
        {"placement.quantized_gradients quantizes the gradient reduction of ZeRO stage 3",
         "zero_optimization.zero_quantized_gradients"}},
+      {"quantized gradient width",
+       [](EngineOptions& o) { o.placement.quantized_gradient_bits = 16; },
+       {"placement.quantized_gradient_bits is 16", "8 (int8) or 4 (int4)"}},
       {"quantized weights without stage 3",
        [](EngineOptions& o) { o.placement.quantized_weights = true; },
        {"placement.quantized_weights quantizes the parameter all-gathers of ZeRO stage 3",
@@ -385,7 +388,8 @@ EngineOptions NonDefaultOptions() {
                  .prefetch_depth = 4,
                  .collective_timeout_seconds = 90.5,
                  .quantized_weights = true,
-                 .quantized_gradients = true};
+                 .quantized_gradients = true,
+                 .quantized_gradient_bits = 4};
   return o;
 }
 

@@ -326,6 +326,29 @@ TEST(CliTest, PlanPrintsTheClassicZeroTable) {
   EXPECT_EQ(RunCli("plan --params 1e9 --precision fp8").exit_code, 2);
 }
 
+// ZeRO++ shrinks ZeRO-3's collectives only: int8 gathers and int4 gradients, with the scales,
+// 2 x 1.015625 + 0.515625 bytes a parameter against fp16's 6.
+TEST(CliTest, PlanCountsZeroPlusPlusBytes) {
+  auto r = RunCli(
+      "plan --params 10e9 --gpus 8 --json --zero-quantized-weights --zero-quantized-gradients "
+      "--zero-quantized-gradient-bits 4",
+      /*merge_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["quantized_gradient_bits"], 4);
+  std::map<std::string, double> comm;
+  for (const auto& p : j["placements"]) comm[p["name"]] = p["comm_bytes_per_step"].get<double>();
+  EXPECT_DOUBLE_EQ(comm["ZeRO-3"], 10e9 * (2 * 1.015625 + 0.515625));
+  EXPECT_DOUBLE_EQ(comm["ZeRO-2"], 40e9);
+  r = RunCli("plan --params 10e9 --gpus 8 --zero-quantized-gradients");
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("gradients reduced as blockwise int8"), std::string::npos) << r.out;
+  r = RunCli("plan --params 1e9 --zero-quantized-gradient-bits 3");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("--zero-quantized-gradient-bits must be 8 or 4, got 3"), std::string::npos)
+      << r.out;
+}
+
 TEST(CliTest, PlanPicksTheFastestPlacementThatFits) {
   const std::string machine =
       "plan --params 1e9 --precision bf16 --h2d-gbps 20 --d2h-gbps 20 --nvme-read-gbps 4 "
@@ -667,6 +690,8 @@ TEST(CliTest, TrainBadInputIsOneLineAndNeverACrash) {
       {"train --model tiny --device-memory 4KiB", 1, "device memory budget"},
       {"train --model tiny --resume /nonexistent/ckpt", 1, "/nonexistent/ckpt"},
       {"train --data /nonexistent/corpus.txt", 1, "/nonexistent/corpus.txt"},
+      {"train --model tiny --zero-quantized-gradient-bits 3", 2,
+       "placement.quantized_gradient_bits is 3; it must be 8 (int8) or 4 (int4)"},
   };
   for (const Case& c : cases) {
     auto r = RunCli(c.args);

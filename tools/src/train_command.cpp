@@ -46,7 +46,8 @@ struct TrainFlags {
                       precision, checkpoint, resume, data = STRATA_CORPUS_PATH,
                       metrics_address = "127.0.0.1";
   int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
-          checkpoint_every = 0, metrics_port = -1, eval_every = 50, zero_stage = -1;
+          checkpoint_every = 0, metrics_port = -1, eval_every = 50, zero_stage = -1,
+          zero_quantized_gradient_bits = -1;
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
   int64_t delayed_update_from = -1;
   double lr = std::numeric_limits<double>::quiet_NaN();
@@ -118,6 +119,11 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
   if (f.zero_quantized_weights) o.placement.quantized_weights = true;
   if (f.zero_quantized_gradients) o.placement.quantized_gradients = true;
+  if (f.zero_quantized_gradient_bits != -1) {  // Validation refuses widths other than 8 and 4.
+    o.placement.quantized_gradient_bits =
+        int(std::clamp<int64_t>(f.zero_quantized_gradient_bits, std::numeric_limits<int>::min(),
+                                std::numeric_limits<int>::max()));
+  }
   // Several ranks shard the optimizer states (ZeRO stages 1 and 2), which keeps the working
   // parameters on each rank's device, or the parameters too (stage 3), each rank keeping its
   // shard in host memory: those are their defaults there.
@@ -307,6 +313,7 @@ ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
       {"zero_stage", o.placement.zero_stage},
       {"quantized_weights", o.placement.quantized_weights},
       {"quantized_gradients", o.placement.quantized_gradients},
+      {"quantized_gradient_bits", o.placement.quantized_gradient_bits},
       {"peak_bytes",
        {{"device", s.peak_bytes[0]}, {"host", s.peak_bytes[1]}, {"nvme", s.peak_bytes[2]}}}};
   return j;
@@ -704,8 +711,11 @@ int RunTrain(const std::vector<std::string>& args) {
                 "ZeRO++: stage 3 gathers parameters as blockwise int8, about half of bf16's "
                 "bytes (zero_optimization.zero_quantized_weights)");
   flags.AddBool("zero-quantized-gradients", &f.zero_quantized_gradients,
-                "ZeRO++: stage 3 reduces gradients as blockwise int8, a quarter of fp32's bytes "
-                "(zero_optimization.zero_quantized_gradients)");
+                "ZeRO++: stage 3 reduces gradients as blockwise integers, int8 a quarter of "
+                "fp32's bytes (zero_optimization.zero_quantized_gradients)");
+  flags.AddInt("zero-quantized-gradient-bits", &f.zero_quantized_gradient_bits,
+               "width of quantized gradients: 8 (default) or 4, DeepSpeed's qgZ width, an "
+               "eighth of fp32's bytes (placement.quantized_gradient_bits)");
   flags.AddInt("eval-every", &f.eval_every, "print the validation loss every K steps (default 50)");
   flags.AddString("data", &f.data, "FILE", "training text (default: the shipped corpus)");
   flags.AddBool("json", &f.json, "print one JSON document instead of progress and a table");

@@ -250,10 +250,14 @@ struct PlacementOptions {
   /// stay exact. Needs zero_stage 3. DeepSpeed: zero_optimization.zero_quantized_weights.
   bool quantized_weights = false;
   /// ZeRO++'s quantized gradients (qgZ): with stage 3 across several ranks, gradients are
-  /// reduced by sending each rank its part of every rank's gradients as blockwise int8 (an
-  /// all-to-all, a quarter of fp32's bytes) and summing them there in fp32. Needs zero_stage 3.
+  /// reduced by sending each rank its part of every rank's gradients as blockwise integers of
+  /// quantized_gradient_bits (an all-to-all) and summing them there in fp32. Needs zero_stage 3.
   /// DeepSpeed: zero_optimization.zero_quantized_gradients.
   bool quantized_gradients = false;
+  /// Width of quantized gradients: 8 (int8, 25% of fp32's bytes) or 4 (int4, 13%, with steps 18
+  /// times as coarse: DeepSpeed's qgZ width). Used only with quantized_gradients. Strata's own
+  /// key: DeepSpeed has none (its qgZ is always int4).
+  int quantized_gradient_bits = 8;
 
   friend bool operator==(const PlacementOptions&, const PlacementOptions&) = default;
 };
