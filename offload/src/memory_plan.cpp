@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "strata/cpu_adam/cpu_optimizer.h"
+
 namespace strata::offload {
 
 Status PlanInput::Validate() const {
@@ -10,6 +12,10 @@ Status PlanInput::Validate() const {
   }
   if (gpus < 1) return InvalidArgument("--gpus must be >= 1, got " + std::to_string(gpus));
   if (chunk_bytes == 0) return InvalidArgument("--chunk-size must be positive");
+  if (quantized_gradient_bits != 8 && quantized_gradient_bits != 4) {
+    return InvalidArgument("--zero-quantized-gradient-bits must be 8 or 4, got " +
+                           std::to_string(quantized_gradient_bits));
+  }
   return Status();
 }
 
@@ -28,12 +34,20 @@ std::vector<PlanRow> PlanMemory(const PlanInput& in) {
   const double w = DTypeSize(in.working_dtype);
   const double k = OptimizerBytesPerParam(in.optimizer, in.working_dtype);
 
+  // Bytes a parameter takes in ZeRO-3's gathers and in its gradient reduction: the working
+  // dtype's, or blockwise-quantized values and their share of a block's fp32 scale.
+  auto quantized = [](int bits) {
+    return bits / 8.0 + double(sizeof(float)) / double(cpu_adam::kQuantBlockElements);
+  };
+  const double gather_bytes = in.quantized_weights ? quantized(8) : w;
+  const double reduce_bytes = in.quantized_gradients ? quantized(in.quantized_gradient_bits) : w;
+
   auto zero = [&](int stage, const char* name) {
     PlanRow row{.name = name, .zero_stage = stage};
     row.device.params = stage >= 3 ? w * psi / n : w * psi;
     row.device.grads = stage >= 2 ? w * psi / n : w * psi;
     row.device.optimizer_states = stage >= 1 ? k * psi / n : k * psi;
-    row.comm_elements = stage >= 3 ? 3 * psi : 2 * psi;
+    row.comm_bytes = stage >= 3 ? 2 * psi * gather_bytes + psi * reduce_bytes : 2 * psi * w;
     return row;
   };
   // Optimizer states off the GPU: a GPU reduces its 1/N of the gradients and sends them to host

@@ -100,7 +100,7 @@ StepPrediction PredictStep(const PlanInput& in, const PlanRow& row, const Machin
     }
   }
   const double link =
-      n > 1 ? tally.Add("link", row.comm_elements * w, rates.link_bytes_per_second, "link") : 0.0;
+      n > 1 ? tally.Add("link", row.comm_bytes, rates.link_bytes_per_second, "link") : 0.0;
   p.forward_seconds = std::max({compute / 3, fetch / 2, link / 2});
   p.backward_seconds = std::max({2 * compute / 3, fetch / 2, link / 2});
 

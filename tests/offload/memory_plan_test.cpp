@@ -23,15 +23,39 @@ TEST(MemoryPlanTest, ReproducesTheZeroPaperAccounting) {
   EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.params, 20e9);
   EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.grads, 2.5e9);
   EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").device.optimizer_states, 15e9);
-  EXPECT_DOUBLE_EQ(Row(rows, "data parallel").comm_elements, 20e9);
-  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").comm_elements, 20e9);
-  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-3").comm_elements, 30e9);
+  // fp16: 2 bytes an element, 2 Psi and 3 Psi of them.
+  EXPECT_DOUBLE_EQ(Row(rows, "data parallel").comm_bytes, 40e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").comm_bytes, 40e9);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-3").comm_bytes, 60e9);
 
   const auto paper = PlanMemory({.params = 7.5e9, .gpus = 64});
   EXPECT_DOUBLE_EQ(Row(paper, "data parallel").device.total(), 120e9);
   EXPECT_DOUBLE_EQ(Row(paper, "ZeRO-1").device.total(), 31.40625e9);
   EXPECT_DOUBLE_EQ(Row(paper, "ZeRO-2").device.total(), 16.640625e9);
   EXPECT_DOUBLE_EQ(Row(paper, "ZeRO-3").device.total(), 1.875e9);
+}
+
+// ZeRO++: ZeRO-3's 2 Psi of gathers in int8 and its Psi of reduction in int8 or int4, each 256
+// values with a 4-byte scale; the ZeRO++ paper's qwZ + qgZ (without hpZ's backward gathers
+// within a node) move 1.5 Psi of bytes for fp16's 6, plus the scales. Other stages unchanged.
+TEST(MemoryPlanTest, ZeroPlusPlusQuantizesStageThreesCollectives) {
+  const double scale_share = 4.0 / 256;
+  PlanInput in{.params = 10e9, .gpus = 8};
+  in.quantized_weights = true;
+  EXPECT_DOUBLE_EQ(Row(PlanMemory(in), "ZeRO-3").comm_bytes,
+                   2 * 10e9 * (1 + scale_share) + 10e9 * 2);
+  in.quantized_gradients = true;
+  EXPECT_DOUBLE_EQ(Row(PlanMemory(in), "ZeRO-3").comm_bytes,
+                   2 * 10e9 * (1 + scale_share) + 10e9 * (1 + scale_share));
+  in.quantized_gradient_bits = 4;
+  const auto rows = PlanMemory(in);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-3").comm_bytes,
+                   2 * 10e9 * (1 + scale_share) + 10e9 * (0.5 + scale_share));
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-3, optimizer + params -> nvme").comm_bytes,
+                   Row(rows, "ZeRO-3").comm_bytes);
+  EXPECT_DOUBLE_EQ(Row(rows, "ZeRO-2").comm_bytes, 40e9);
+  in.quantized_gradient_bits = 2;
+  EXPECT_EQ(in.Validate().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(MemoryPlanTest, OffloadMovesStatesOffTheGpuAndKeepsTheTotal) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -147,6 +148,9 @@ nlohmann::ordered_json ToJson(const PlanInput& in, const std::vector<PlanRow>& r
   j["precision"] = DTypeName(in.working_dtype);
   j["optimizer"] = OptimizerTypeName(in.optimizer);
   j["optimizer_bytes_per_param"] = offload::OptimizerBytesPerParam(in.optimizer, in.working_dtype);
+  j["quantized_weights"] = in.quantized_weights;
+  j["quantized_gradients"] = in.quantized_gradients;
+  j["quantized_gradient_bits"] = in.quantized_gradient_bits;
   nlohmann::ordered_json placements = nlohmann::ordered_json::array();
   for (const PlanRow& r : rows) {
     placements.push_back({{"name", r.name},
@@ -157,8 +161,8 @@ nlohmann::ordered_json ToJson(const PlanInput& in, const std::vector<PlanRow>& r
                           {"device_bytes", bytes(r.device)},
                           {"host_bytes", bytes(r.host)},
                           {"nvme_bytes", bytes(r.nvme)},
-                          {"comm_elements_per_step", r.comm_elements},
-                          {"comm_bytes_per_step", r.comm_elements * DTypeSize(in.working_dtype)}});
+                          {"comm_elements_per_step", r.comm_bytes / DTypeSize(in.working_dtype)},
+                          {"comm_bytes_per_step", r.comm_bytes}});
   }
   j["placements"] = std::move(placements);
   return j;
@@ -287,12 +291,22 @@ void PrintTable(const PlanInput& in, const std::vector<PlanRow>& rows) {
   std::printf("  %-42s %8s %8s %8s %8s   %8s %8s   %s\n", "", "params", "grads", "optim", "GPU GB",
               "host GB", "nvme GB", "comm/step");
   for (const PlanRow& r : rows) {
-    const double psi_multiple = r.comm_elements / in.params;
-    std::printf("  %-42s %8s %8s %8s %8s   %8s %8s   %.0f Psi (%s GB)\n", r.name.c_str(),
+    // In the paper's unit: Psi elements of the working dtype.
+    const double psi_multiple = r.comm_bytes / DTypeSize(in.working_dtype) / in.params;
+    std::printf("  %-42s %8s %8s %8s %8s   %8s %8s   %.3g Psi (%s GB)\n", r.name.c_str(),
                 Gb(r.device.params).c_str(), Gb(r.device.grads).c_str(),
                 Gb(r.device.optimizer_states).c_str(), Gb(r.device.total()).c_str(),
                 Gb(r.host.total()).c_str(), Gb(r.nvme.total()).c_str(), psi_multiple,
-                Gb(r.comm_elements * DTypeSize(in.working_dtype)).c_str());
+                Gb(r.comm_bytes).c_str());
+  }
+  if (in.quantized_weights || in.quantized_gradients) {
+    std::string what;
+    if (in.quantized_weights) what = "parameters gathered as blockwise int8";
+    if (in.quantized_gradients) {
+      what += std::string(what.empty() ? "" : ", ") + "gradients reduced as blockwise int" +
+              std::to_string(in.quantized_gradient_bits);
+    }
+    std::printf("\nZeRO++ on ZeRO-3's collectives: %s.\n", what.c_str());
   }
   std::printf(
       "\nModel state only: activations, buffers and fragmentation come on top. "
@@ -318,6 +332,14 @@ int RunPlan(const std::vector<std::string>& args) {
   flags.AddString("precision", &precision, "DTYPE", "working dtype: fp16 (default), bf16, fp32");
   flags.AddString("optimizer", &optimizer, "NAME", "adamw (default), adam, adagrad or lion");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
+  bool quantized_weights = false, quantized_gradients = false;
+  int64_t quantized_gradient_bits = EngineOptions().placement.quantized_gradient_bits;
+  flags.AddBool("zero-quantized-weights", &quantized_weights,
+                "ZeRO++: ZeRO-3 gathers parameters as blockwise int8 (as strata train's flag)");
+  flags.AddBool("zero-quantized-gradients", &quantized_gradients,
+                "ZeRO++: ZeRO-3 reduces gradients as blockwise integers (as strata train's flag)");
+  flags.AddInt("zero-quantized-gradient-bits", &quantized_gradient_bits,
+               "their width: 8 (default) or 4");
   MachineFlags machine;
   flags.AddBytes("device-memory", &machine.device_memory,
                  "GPU memory per GPU for model state; with any of these flags, step times per "
@@ -391,6 +413,10 @@ int RunPlan(const std::vector<std::string>& args) {
   input.gradient_clipping = machine.gradient_clipping;
   input.speculative_updates = !machine.no_speculation;
   input.delayed_update = machine.delayed_update;
+  input.quantized_weights = quantized_weights;
+  input.quantized_gradients = quantized_gradients;
+  input.quantized_gradient_bits = int(std::clamp<int64_t>(
+      quantized_gradient_bits, std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
   if (machine.chunk_size > 0) input.chunk_bytes = machine.chunk_size;
   if (Status s = input.Validate(); !s.ok()) return Fail(kExitUsage, s.message(), command);
   if (Status s = ValidateMachine(machine); !s.ok()) return Fail(kExitUsage, s.message(), command);

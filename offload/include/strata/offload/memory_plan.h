@@ -16,7 +16,9 @@
 //
 // Communication per GPU per step, in elements of the working dtype: about 2 Psi for data
 // parallelism, ZeRO-1 and ZeRO-2 (a reduce-scatter and an all-gather, or an all-reduce), 3 Psi for
-// ZeRO-3 (parameters are all-gathered in forward and again in backward).
+// ZeRO-3 (parameters are all-gathered in forward and again in backward). ZeRO++ (Wang et al.
+// 2023) quantizes ZeRO-3's: its 2 Psi of gathers move blockwise int8 (qwZ) and its Psi of
+// gradient reduction blockwise int8 or int4 (qgZ), each block of 256 values with a 4-byte scale.
 #pragma once
 
 #include <optional>
@@ -47,6 +49,11 @@ struct PlanInput {
   /// Working bytes per chunk (placement.chunk_bytes): how many chunks the states on NVMe make,
   /// and so how far the engine's staging buffers read them ahead of backward (step_plan.h).
   uint64_t chunk_bytes = EngineOptions().placement.chunk_bytes;
+  /// ZeRO++ (placement.quantized_weights, quantized_gradients, quantized_gradient_bits): the
+  /// bytes of ZeRO-3's collectives.
+  bool quantized_weights = false;
+  bool quantized_gradients = false;
+  int quantized_gradient_bits = EngineOptions().placement.quantized_gradient_bits;
 
   Status Validate() const;
 };
@@ -65,10 +72,10 @@ struct PlanRow {
   int zero_stage = 0;  ///< 0 for plain data parallelism.
   Tier optimizer_states = Tier::kDevice;
   Tier params = Tier::kDevice;
-  StateBytes device;           ///< Per GPU.
-  StateBytes host;             ///< Per GPU's share of host memory.
-  StateBytes nvme;             ///< Per GPU's share of NVMe.
-  double comm_elements = 0.0;  ///< Per GPU per step, in working-dtype elements.
+  StateBytes device;        ///< Per GPU.
+  StateBytes host;          ///< Per GPU's share of host memory.
+  StateBytes nvme;          ///< Per GPU's share of NVMe.
+  double comm_bytes = 0.0;  ///< Sent per GPU per step by the collectives.
 };
 
 /// Bytes per parameter of the optimizer's state with fp32 master weights (K): Adam/AdamW 12,
