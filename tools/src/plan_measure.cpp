@@ -15,9 +15,9 @@
 namespace strata::tools {
 namespace {
 
-/// The rates of the engine's access pattern do not depend on the model's size: a small model
-/// is measured on this much state traffic per direction (short passes on a shared disk are
-/// noise), a large one on at most kMaxMeasuredParams of it.
+/// A small model is measured on this much state traffic per direction (short passes on a shared
+/// disk are noise), its own chunks' NVMe states round after round; a large one on at most
+/// kMaxMeasuredParams of it.
 constexpr double kMinMeasuredStateBytes = 256.0 * kMiB;
 constexpr double kMaxMeasuredParams = 32.0 * kMiB;
 
@@ -93,10 +93,12 @@ Result<offload::MachineRates> MeasureRates(const MeasureSettings& s) {
   o.working_dtype = s.working_dtype;
   const double chunk_params = double(s.chunk_bytes) / DTypeSize(s.working_dtype);
   const double chunk_state_bytes = double(offload::ChunkStateBytes(size_t(chunk_params)));
-  o.chunks =
-      int(std::clamp(std::ceil(std::max(std::min(s.params, kMaxMeasuredParams) / chunk_params,
-                                        kMinMeasuredStateBytes / chunk_state_bytes)),
-                     4.0, 1024.0));
+  const double model_chunks = std::ceil(std::min(s.params, kMaxMeasuredParams) / chunk_params);
+  o.chunks = int(std::clamp(
+      std::max(model_chunks, std::ceil(kMinMeasuredStateBytes / chunk_state_bytes)), 4.0, 1024.0));
+  // The model's own states are what the engine cycles through each step: on a drive whose cache
+  // holds a small model's (a virtual disk's, an SSD's), cycling through more is slower.
+  o.nvme_working_set_chunks = int(std::clamp(model_chunks, 1.0, double(o.chunks)));
   o.forward_ms = 0.0;
   o.backward_ms = 0.0;
   o.copy_gbps = 0.0;

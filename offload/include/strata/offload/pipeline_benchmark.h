@@ -54,6 +54,11 @@ struct PipelineBenchmarkOptions {
   /// host.optimizer_buffer_count: staging buffers for the states on NVMe; 0 = automatic. The
   /// NVMe reference runs with as many in flight.
   int state_buffers = 0;
+  /// TimeResourcesAlone's NVMe reference cycles through the states of this many chunks (0 or
+  /// more than there are: all of them), reading and then writing them round after round until
+  /// every NVMe chunk's worth has moved each way: a small model's own working set (which a
+  /// drive's or a virtual disk's cache may hold) timed over enough traffic to be steady.
+  int nvme_working_set_chunks = 0;
   /// Clip gradients to this global norm (OptimizerOptions::gradient_clipping); 0 = off. The
   /// synthetic model's gradients are zero, so this alone never clips: it measures a gated step
   /// whose verdict agrees with the speculation.
