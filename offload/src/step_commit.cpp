@@ -313,9 +313,13 @@ void StepPipeline::ApplyVerdict(const VerdictTotals& totals) {
   // Several ranks sum their gradients: the step takes their mean, as DeepSpeed and DDP do.
   const double scale = loss_scale() * engine_.ranks();
   step_.decided = true;
-  step_.skip = loss_scaler_.checks_overflow() && totals[1] > 0.0;
-  step_.grad_norm = step_.skip ? std::nan("") : std::sqrt(totals[0]) / scale;
-  const double clip = step_.skip ? 1.0 : ClipCoefficient(step_.grad_norm);
+  const bool finite = totals[1] == 0.0;
+  step_.skip = loss_scaler_.checks_overflow() && !finite;
+  // A non-finite gradient without a loss scaler still updates (nothing skips the step), but
+  // the norm says so, as torch's clip_grad_norm_ returns a non-finite one; there is no norm to
+  // clip by, so the gradients are applied as they are.
+  step_.grad_norm = finite ? std::sqrt(totals[0]) / scale : std::nan("");
+  const double clip = finite ? ClipCoefficient(step_.grad_norm) : 1.0;
   step_.clipped = clip < 1.0;
   step_.grad_scale = clip / scale;
   gate_.Open();

@@ -102,7 +102,9 @@ struct StepReport {
   /// Some chunks were updated ahead of the global norm (OptimizerOptions::speculative_updates)
   /// and the step clipped or overflowed, so those updates were redone or undone.
   bool rolled_back = false;
-  double grad_norm = 0.0;   ///< Global L2 norm of the (unscaled) gradients; NaN when skipped.
+  /// Global L2 norm of the (unscaled) gradients; NaN when skipped, or when a gradient was not
+  /// finite (without a loss scaler such a step still updates, unclipped).
+  double grad_norm = 0.0;
   double loss_scale = 1.0;  ///< The scale the next backward should use.
   double seconds = 0.0;     ///< From Step() to completion.
 };
