@@ -54,20 +54,30 @@ Status Communicator::AllReduceNow(std::span<double> values, ReduceOp op) {
   return result.get();
 }
 
-Status Communicator::AllGatherNow(std::span<const uint64_t> send, std::span<uint64_t> recv) {
-  if (recv.size() != send.size() * size_t(size())) {
-    return InvalidArgument("AllGatherNow of " + std::to_string(send.size()) + " words across " +
+Status Communicator::AllGatherBlocking(const void* send, void* recv, size_t send_count,
+                                       size_t recv_count, DType dtype) {
+  if (recv_count != send_count * size_t(size())) {
+    return InvalidArgument("AllGatherNow of " + std::to_string(send_count) + " elements across " +
                            std::to_string(size()) + " ranks needs room for " +
-                           std::to_string(send.size() * size_t(size())) + ", not " +
-                           std::to_string(recv.size()));
+                           std::to_string(send_count * size_t(size())) + ", not " +
+                           std::to_string(recv_count));
   }
   std::promise<Status> finished;
   std::future<Status> result = finished.get_future();
-  // A gather only moves elements: two fp32 "elements" per word carry its bits unchanged.
-  static_assert(sizeof(uint64_t) == 2 * sizeof(float));
-  AllGather(send.data(), recv.data(), 2 * send.size(), DType::kFp32, {},
+  AllGather(send, recv, send_count, dtype, {},
             [&finished](Status status) { finished.set_value(std::move(status)); });
   return result.get();
+}
+
+Status Communicator::AllGatherNow(std::span<const uint64_t> send, std::span<uint64_t> recv) {
+  // A gather only moves elements: two fp32 "elements" per word carry its bits unchanged.
+  static_assert(sizeof(uint64_t) == 2 * sizeof(float));
+  return AllGatherBlocking(send.data(), recv.data(), 2 * send.size(), 2 * recv.size(),
+                           DType::kFp32);
+}
+
+Status Communicator::AllGatherNow(std::span<const float> send, std::span<float> recv) {
+  return AllGatherBlocking(send.data(), recv.data(), send.size(), recv.size(), DType::kFp32);
 }
 
 namespace internal {

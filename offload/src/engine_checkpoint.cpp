@@ -15,6 +15,7 @@
 #include "checkpoint_manifest.h"
 #include "engine_impl.h"
 #include "rank_agreement.h"
+#include "state_batches.h"
 
 namespace strata::offload {
 using internal::ChunkFileName;
@@ -147,39 +148,35 @@ Status CheckHasState(const ChunkLayout& layout, const Chunk& c, size_t parameter
 
 }  // namespace
 
-Status Engine::Impl::CheckUnsharded(const std::string& operation) const {
-  if (!sharded()) return Status();
-  return Unavailable(operation + " with the optimizer states sharded across " +
-                     std::to_string(ranks()) +
-                     " ranks is not built yet (Save and Load are; see docs/offload.md)");
-}
-
-namespace {
-
-/// The indices of `items` grouped by the chunk of their parameter, chunks in order (checked
-/// parameters only).
-template <typename Item>
-std::map<size_t, std::vector<size_t>> ByChunk(const ChunkLayout& layout,
-                                              std::span<const Item> items) {
-  std::map<size_t, std::vector<size_t>> by_chunk;
-  for (size_t i = 0; i < items.size(); ++i) {
-    by_chunk[layout.location(items[i].parameter).chunk].push_back(i);
-  }
-  return by_chunk;
-}
-
-}  // namespace
-
-Status Engine::Impl::ReadParameterStates(std::span<const ParameterStateRead> reads) {
-  STRATA_RETURN_IF_ERROR(CheckUnsharded("reading a parameter's optimizer state"));
+Status Engine::Impl::CheckReads(std::span<const ParameterStateRead> reads) {
   for (const ParameterStateRead& r : reads) {
     STRATA_RETURN_IF_ERROR(CheckParameter(layout_, r.parameter, r.out.size()));
     const size_t chunk = layout_.location(r.parameter).chunk;
     STRATA_RETURN_IF_ERROR(pipeline_.CheckReadable(chunk, "reading a parameter's state"));
     STRATA_RETURN_IF_ERROR(CheckHasState(layout_, chunks_[chunk], r.parameter, r.state));
   }
+  return Status();
+}
+
+Status Engine::Impl::CheckWrites(std::span<const ParameterStateWrite> writes) {
+  for (const ParameterStateWrite& w : writes) {
+    STRATA_RETURN_IF_ERROR(CheckParameter(layout_, w.parameter, w.values.size()));
+    const size_t chunk = layout_.location(w.parameter).chunk;
+    STRATA_RETURN_IF_ERROR(CheckHasState(layout_, chunks_[chunk], w.parameter, w.state));
+  }
+  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("WriteParameterState"));
+  if (std::optional<size_t> held = residency_.FirstAcquired()) {
+    return FailedPrecondition("WriteParameterState while chunk " + std::to_string(*held) +
+                              " is acquired; Release every chunk first");
+  }
+  return pipeline_.FlushDelayedParameters();
+}
+
+Status Engine::Impl::ReadParameterStates(std::span<const ParameterStateRead> reads) {
+  if (sharded()) return ReadShardedParameterStates(reads);
+  STRATA_RETURN_IF_ERROR(CheckReads(reads));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
-  for (const auto& [chunk, indices] : ByChunk(layout_, reads)) {
+  for (const auto& [chunk, indices] : internal::ByChunk(layout_, reads)) {
     const Chunk& c = chunks_[chunk];
     STRATA_RETURN_IF_ERROR(ReadChunkStates(chunk, states.data()));
     for (size_t i : indices) {
@@ -194,18 +191,8 @@ Status Engine::Impl::ReadParameterStates(std::span<const ParameterStateRead> rea
 }
 
 Status Engine::Impl::WriteParameterStates(std::span<const ParameterStateWrite> writes) {
-  STRATA_RETURN_IF_ERROR(CheckUnsharded("writing a parameter's optimizer state"));
-  for (const ParameterStateWrite& w : writes) {
-    STRATA_RETURN_IF_ERROR(CheckParameter(layout_, w.parameter, w.values.size()));
-    const size_t chunk = layout_.location(w.parameter).chunk;
-    STRATA_RETURN_IF_ERROR(CheckHasState(layout_, chunks_[chunk], w.parameter, w.state));
-  }
-  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("WriteParameterState"));
-  if (std::optional<size_t> held = residency_.FirstAcquired()) {
-    return FailedPrecondition("WriteParameterState while chunk " + std::to_string(*held) +
-                              " is acquired; Release every chunk first");
-  }
-  STRATA_RETURN_IF_ERROR(pipeline_.FlushDelayedParameters());
+  if (sharded()) return WriteShardedParameterStates(writes);
+  STRATA_RETURN_IF_ERROR(CheckWrites(writes));
   // Fetches and read-ahead in flight finish once, before the first chunk's memory home is
   // written; nothing starts new ones until the switch at the end (as Load does). Switching per
   // chunk would restart the read-ahead of every NVMe chunk once per chunk written.
@@ -213,7 +200,7 @@ Status Engine::Impl::WriteParameterStates(std::span<const ParameterStateWrite> w
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer states, AlignedBuffer::Allocate(max_state_bytes()));
   std::vector<size_t> written;
   Status status;
-  for (const auto& [chunk, indices] : ByChunk(layout_, writes)) {
+  for (const auto& [chunk, indices] : internal::ByChunk(layout_, writes)) {
     const Chunk& c = chunks_[chunk];
     status = ReadChunkStates(chunk, states.data());
     if (!status.ok()) break;
@@ -241,16 +228,26 @@ Status Engine::Impl::WriteParameterStates(std::span<const ParameterStateWrite> w
 }
 
 Status Engine::Impl::SetStepCount(int64_t steps) {
-  STRATA_RETURN_IF_ERROR(CheckUnsharded("setting the step count"));
+  Status ready;
   if (steps < 0 || steps > internal::kMaxCheckpointCount) {
-    return InvalidArgument("step count " + std::to_string(steps) + " is outside [0, 2^53] (what " +
-                           "a checkpoint holds)");
+    ready = InvalidArgument("step count " + std::to_string(steps) + " is outside [0, 2^53] (what " +
+                            "a checkpoint holds)");
   }
-  STRATA_RETURN_IF_ERROR(pipeline_.CheckBetweenSteps("SetStepCount"));
-  if (std::optional<size_t> held = residency_.FirstAcquired()) {
-    return FailedPrecondition("SetStepCount while chunk " + std::to_string(*held) +
-                              " is acquired; Release every chunk first");
+  if (ready.ok()) ready = pipeline_.CheckBetweenSteps("SetStepCount");
+  if (ready.ok()) {
+    if (std::optional<size_t> held = residency_.FirstAcquired()) {
+      ready = FailedPrecondition("SetStepCount while chunk " + std::to_string(*held) +
+                                 " is acquired; Release every chunk first");
+    }
   }
+  if (sharded()) {
+    // Every rank's chunks count the same steps.
+    const std::string what = "setting the step count across ranks";
+    const uint64_t word = uint64_t(steps);
+    STRATA_RETURN_IF_ERROR(AgreeOnCall({&word, 1}, what));
+    ready = internal::AgreeAcrossRanks(*environment_.communicator, ready, what);
+  }
+  STRATA_RETURN_IF_ERROR(ready);
   // Frozen chunks take no steps (as Load leaves them).
   std::vector<int64_t> chunk_steps(chunks_.size(), steps);
   for (size_t i = 0; i < chunks_.size(); ++i) {

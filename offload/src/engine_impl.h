@@ -95,6 +95,20 @@ class Engine::Impl {
   Status ReadParameterStates(std::span<const ParameterStateRead> reads);
   Status WriteParameterStates(std::span<const ParameterStateWrite> writes);
   Status SetStepCount(int64_t steps);
+  /// What every read or write of a batch needs (the parameter, its size, its state; between
+  /// steps and with no chunk acquired for writes), checked before any is done.
+  Status CheckReads(std::span<const ParameterStateRead> reads);
+  Status CheckWrites(std::span<const ParameterStateWrite> writes);
+  /// Several ranks (sharded_state_access.cpp): collectives that every rank calls with the same
+  /// batch. Reads gather each chunk's shards; writes change each rank's shard and refresh the
+  /// working parameters from the gathered master. Chunk by chunk, every rank stops where one
+  /// fails, so all of them hold the same chunks written.
+  Status ReadShardedParameterStates(std::span<const ParameterStateRead> reads);
+  Status WriteShardedParameterStates(std::span<const ParameterStateWrite> writes);
+  /// InvalidArgument on every rank, naming the odd ones, unless every rank passed the same
+  /// `words` (a batch's parameters and states, a step count): state access across ranks is a
+  /// collective, and a rank asking for something else would wait in another one.
+  Status AgreeOnCall(std::span<const uint64_t> words, const std::string& what);
   /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)
   /// into `out`, which holds AlignUp(state_bytes, 4 KiB). Between steps only.
   Status ReadChunkStates(size_t chunk, std::byte* out);
@@ -180,8 +194,6 @@ class Engine::Impl {
   /// anywhere but host memory, offloaded parameters with stages 1 and 2, device-kept states,
   /// the delayed update); OK for one rank.
   Status CheckShardable() const;
-  /// Unavailable for `operation` (checkpoints, state access) on a sharded engine: not built yet.
-  Status CheckUnsharded(const std::string& operation) const;
   /// Elements of this rank's share of the largest chunk whose states are on NVMe (what state
   /// staging holds).
   size_t max_nvme_state_numel() const;

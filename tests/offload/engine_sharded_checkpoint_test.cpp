@@ -185,6 +185,135 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardedCheckpointTest,
                                            CheckpointCase{"stage3_states_nvme", Tier::kNvme, 3}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
+/// Every state of every parameter of ShardedModel (frozen ones: their values), read as one
+/// batch: what a state_dict reads.
+std::vector<std::vector<float>> ReadAllStates(Engine& engine, Status* status) {
+  const ShardedModel model;
+  std::vector<std::vector<float>> values;
+  std::vector<ParameterStateRead> reads;
+  for (size_t p = 0; p < model.specs.size(); ++p) {
+    for (const ParameterState state :
+         {ParameterState::kMaster, ParameterState::kExpAvg, ParameterState::kExpAvgSq}) {
+      if (model.specs[p].frozen && state != ParameterState::kMaster) continue;
+      values.emplace_back(model.values[p].size());
+    }
+  }
+  size_t k = 0;
+  for (size_t p = 0; p < model.specs.size(); ++p) {
+    for (const ParameterState state :
+         {ParameterState::kMaster, ParameterState::kExpAvg, ParameterState::kExpAvgSq}) {
+      if (model.specs[p].frozen && state != ParameterState::kMaster) continue;
+      reads.push_back({.parameter = p, .state = state, .out = values[k++]});
+    }
+  }
+  *status = engine.ReadParameterStates(reads);
+  return values;
+}
+
+/// New states for every parameter, derived from `states` (ReadAllStates' order): what a
+/// load_state_dict from another optimizer writes. Frozen values change too.
+Status WriteDerivedStates(Engine& engine, const std::vector<std::vector<float>>& states,
+                          std::vector<std::vector<float>>* written) {
+  const ShardedModel model;
+  *written = states;
+  std::vector<ParameterStateWrite> writes;
+  size_t k = 0;
+  for (size_t p = 0; p < model.specs.size(); ++p) {
+    for (const ParameterState state :
+         {ParameterState::kMaster, ParameterState::kExpAvg, ParameterState::kExpAvgSq}) {
+      if (model.specs[p].frozen && state != ParameterState::kMaster) continue;
+      std::vector<float>& values = (*written)[k++];
+      for (size_t i = 0; i < values.size(); ++i) {
+        values[i] = state == ParameterState::kExpAvgSq ? values[i] * 2.0f
+                                                       : values[i] * 0.5f + float(i % 3) / 256.0f;
+      }
+      writes.push_back({.parameter = p, .state = state, .values = values});
+    }
+  }
+  return engine.WriteParameterStates(writes);
+}
+
+// State access across ranks is a collective: every rank reads every parameter's whole states
+// (gathered from the shards), writes them (each rank its part, the working parameters rebuilt
+// from the gathered master) and sets the step count, and the ranks then train exactly as one
+// engine that read, wrote and set the same: a state_dict and a load_state_dict of a sharded
+// optimizer, as FSDP's full state dict.
+TEST_P(ShardedCheckpointTest, StateAccessAcrossRanksIsOneEnginesBitForBit) {
+  ScratchDir dir;
+  const EngineOptions options = GetParam().stage == 3
+                                    ? Stage3Options(GetParam().states, dir.path())
+                                    : ShardedOptions(GetParam().states, dir.path());
+  std::vector<std::vector<std::vector<float>>> read(2), reread(2);
+  std::vector<Parameters> after_write(2), trained(2);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    ASSERT_TRUE(TrainRank(engine, rank, 0, 2).ok());
+    Status status;
+    read[size_t(rank)] = ReadAllStates(engine, &status);
+    ASSERT_TRUE(status.ok()) << "rank " << rank << ": " << status.ToString();
+    std::vector<std::vector<float>> written;
+    status = WriteDerivedStates(engine, read[size_t(rank)], &written);
+    ASSERT_TRUE(status.ok()) << "rank " << rank << ": " << status.ToString();
+    ASSERT_TRUE(engine.SetStepCount(7).ok());
+    reread[size_t(rank)] = ReadAllStates(engine, &status);
+    ASSERT_TRUE(status.ok()) << "rank " << rank << ": " << status.ToString();
+    EXPECT_TRUE(testing::BitEqual(reread[size_t(rank)], written)) << "rank " << rank;
+    after_write[size_t(rank)] = WorkingParameters(engine);  // Rounded from the new masters.
+    ASSERT_TRUE(TrainRank(engine, rank, 2, 2).ok());
+    trained[size_t(rank)] = WorkingParameters(engine);
+  });
+  ASSERT_FALSE(trained[0].empty());
+  EXPECT_TRUE(testing::BitEqual(read[1], read[0]));
+
+  SingleEngine one(options);
+  ASSERT_TRUE(TrainMean(*one.engine, 2, 0, 2).ok());
+  Status status;
+  const auto expected = ReadAllStates(*one.engine, &status);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_TRUE(testing::BitEqual(read[0], expected))
+      << "differs by " << testing::MaxAbsDiff(read[0], expected);
+  std::vector<std::vector<float>> written;
+  ASSERT_TRUE(WriteDerivedStates(*one.engine, expected, &written).ok());
+  ASSERT_TRUE(one.engine->SetStepCount(7).ok());
+  const Parameters written_params = WorkingParameters(*one.engine);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(testing::BitEqual(after_write[r], written_params))
+        << "rank " << r << "'s working parameters differ by "
+        << testing::MaxAbsDiff(after_write[r], written_params);
+  }
+  ASSERT_TRUE(TrainMean(*one.engine, 2, 2, 2).ok());
+  const Parameters reference = WorkingParameters(*one.engine);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(testing::BitEqual(trained[r], reference))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(trained[r], reference);
+  }
+}
+
+// A rank asking for other states than the others (or another step count) would wait in a
+// collective they never make: every rank gets InvalidArgument naming it, and nothing changes.
+TEST(ShardedCheckpointTest, RanksAskingForDifferentStatesAreRefusedOnEveryRank) {
+  ScratchDir dir;
+  OnRanks(2, ShardedOptions(Tier::kHost, dir.path()), [&](int rank, Engine& engine) {
+    ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+    const Parameters before = WorkingParameters(engine);
+    std::vector<float> out(64);
+    const Status read = engine.ReadParameterState(
+        1, rank == 0 ? ParameterState::kExpAvg : ParameterState::kExpAvgSq, out);
+    EXPECT_EQ(read.code(), StatusCode::kInvalidArgument) << "rank " << rank;
+    EXPECT_NE(read.message().find("rank 1 of 2 asked for other parameters or states"),
+              std::string::npos)
+        << read.message();
+    const Status set = engine.SetStepCount(rank == 0 ? 5 : 6);
+    EXPECT_EQ(set.code(), StatusCode::kInvalidArgument) << "rank " << rank;
+    // A write that one rank cannot take (a wrong size) fails on both, before anything changed.
+    std::vector<float> values(rank == 0 ? 64 : 63, 1.0f);
+    const Status write = engine.WriteParameterState(1, ParameterState::kMaster, values);
+    EXPECT_FALSE(write.ok()) << "rank " << rank;
+    EXPECT_TRUE(testing::BitEqual(WorkingParameters(engine), before)) << "rank " << rank;
+    // The ranks still agree afterwards: training goes on.
+    EXPECT_TRUE(TrainRank(engine, rank, 1, 1).ok()) << "rank " << rank;
+  });
+}
+
 // Each rank's progress callback counts the files that rank writes: its shards, and the frozen
 // chunks whose turn is its (chunk i by rank i mod N), ending at (total, total).
 TEST(ShardedCheckpointTest, EachRanksProgressCountsTheFilesItWrites) {

@@ -83,6 +83,13 @@ class Communicator {
   /// words, in rank order; InvalidArgument otherwise), blocking as AllReduceNow: what a rank
   /// tells the others between steps (a checkpoint's file digests). The words travel as raw bits.
   Status AllGatherNow(std::span<const uint64_t> send, std::span<uint64_t> recv);
+  /// The same for fp32 values: each rank's shard of a chunk's state, between steps.
+  Status AllGatherNow(std::span<const float> send, std::span<float> recv);
+
+ private:
+  /// AllGather of `send_count` elements of `dtype` per rank, blocking.
+  Status AllGatherBlocking(const void* send, void* recv, size_t send_count, size_t recv_count,
+                           DType dtype);
 };
 
 /// The only rank: all-reduces leave the data as it is, reduce-scatter and all-gather copy.

@@ -268,7 +268,8 @@ class Engine {
   /// correction counts from) to `steps`, for every trained chunk (frozen ones take no steps):
   /// what load_state_dict restores from another optimizer's state (torch.optim keeps a "step"
   /// per parameter). Between steps, with no chunk acquired; InvalidArgument outside [0, 2^53]
-  /// (what a checkpoint holds); Unavailable with several ranks.
+  /// (what a checkpoint holds). With several ranks a collective: every rank passes the same
+  /// count (InvalidArgument on every rank otherwise).
   Status SetStepCount(int64_t steps);
 
   /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
@@ -300,6 +301,13 @@ class Engine {
   /// parameter (a state_dict) costs one pass over the states, not one per parameter. All are
   /// checked before any is read; outputs are filled chunk by chunk (an error leaves the earlier
   /// chunks' filled), so they should not overlap.
+  ///
+  /// With several ranks, every state call (these, the single-parameter ones, SetStepCount) is a
+  /// collective, as FSDP's full state_dict: every rank makes the same call with the same
+  /// parameters and states in the same order (InvalidArgument on every rank, before anything
+  /// is done, otherwise) and gets whole values, the shards gathered chunk by chunk; a write
+  /// changes each rank's shard and rebuilds the working parameters from the gathered master.
+  /// An error on one rank is every rank's, at the same chunk.
   Status ReadParameterStates(std::span<const ParameterStateRead> reads);
   /// WriteParameterState for many states at once, one read-modify-write per chunk (a
   /// load_state_dict). All are checked before any is written. Then chunk by chunk: an error
