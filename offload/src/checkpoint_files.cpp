@@ -608,6 +608,31 @@ Result<CheckpointFileSink> CheckpointWriter::CreateFile(std::string_view name) {
   return CheckpointFileSink(fd, std::move(path), std::move(hash), shared_);
 }
 
+Status CheckpointWriter::CheckFilesPresent(
+    std::span<const std::pair<std::string, uint64_t>> files) const {
+  for (const auto& [name, bytes] : files) {
+    const fs::path path = staging_ / name;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      return DataLoss("cannot commit checkpoint " + dir_.string() + ": " + name +
+                      ", which another rank wrote, is not in " + staging_.string() + " (" +
+                      std::strerror(errno) +
+                      "); the checkpoint directory must be on a file system every rank shares, "
+                      "at the same path");
+    }
+    if (uint64_t(st.st_size) != bytes) {
+      return DataLoss("cannot commit checkpoint " + dir_.string() + ": " + path.string() +
+                      " holds " + std::to_string(st.st_size) +
+                      " bytes, but the rank that wrote "
+                      "it wrote " +
+                      std::to_string(bytes) +
+                      "; the checkpoint directory must be on a file system every rank shares, "
+                      "at the same path");
+    }
+  }
+  return Status();
+}
+
 Status CheckpointWriter::Commit(const nlohmann::json& manifest, bool keep_previous) {
   if (staging_.empty()) return FailedPrecondition("Commit on a moved-from CheckpointWriter");
   if (committed_) {

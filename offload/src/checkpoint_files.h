@@ -178,6 +178,14 @@ class CheckpointWriter {
   /// FailedPrecondition after Commit.
   Result<CheckpointFileSink> CreateFile(std::string_view name);
 
+  /// DataLoss naming the first of `files` (name, expected size) that is not in the staging
+  /// directory with that size: what the writer that began a checkpoint checks of the files
+  /// other processes wrote through Join before it commits. A rank whose `dir` is not on the
+  /// same file system may still find a directory of the staging directory's name (a leftover
+  /// of an earlier run on its node) and write there; committing without its files would
+  /// replace a good checkpoint with one that cannot load.
+  Status CheckFilesPresent(std::span<const std::pair<std::string, uint64_t>> files) const;
+
   /// Writes `manifest` as manifest.json (2-space indent), makes it and the staging directory
   /// durable and puts the checkpoint at `dir`, replacing any previous checkpoint there
   /// atomically (see the file comment), then removes the previous one.

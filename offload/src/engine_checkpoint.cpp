@@ -421,9 +421,23 @@ Status Engine::Impl::SaveSharded(const std::filesystem::path& dir, uint64_t byte
   if (rank() == 0) {
     std::vector<internal::FileDigest> digests(gathered.size() / 2);
     for (size_t k = 0; k < digests.size(); ++k) digests[k] = {gathered[2 * k], gathered[2 * k + 1]};
+    // The other ranks' files must be where this rank commits: a rank that joined a directory
+    // of the same name on a file system this one does not see wrote elsewhere.
+    std::vector<std::pair<std::string, uint64_t>> theirs;
+    for (int r = 1; r < ranks(); ++r) {
+      for (size_t i = 0; i < chunks_.size(); ++i) {
+        if (chunks_[i].frozen() && FrozenChunkSaver(i) != r) continue;  // Not rank r's file.
+        theirs.emplace_back(
+            chunks_[i].frozen() ? ChunkFileName(i) : internal::ChunkShardFileName(i, r, ranks()),
+            digests[size_t(r) * chunks_.size() + i].bytes);
+      }
+    }
+    committed = writer->CheckFilesPresent(theirs);
     // The previous checkpoint goes after the ranks agree: removing a large one must not hold
     // them in the agreement until their collective timeout.
-    committed = writer->Commit(CheckpointManifest(digests), /*keep_previous=*/true);
+    if (committed.ok()) {
+      committed = writer->Commit(CheckpointManifest(digests), /*keep_previous=*/true);
+    }
   }
   STRATA_RETURN_IF_ERROR(internal::AgreeAcrossRanks(comm, committed, "committing the checkpoint"));
   if (rank() == 0) writer->RemovePrevious();

@@ -134,6 +134,18 @@ TEST(CheckpointFilesTest, JoinedWritersAddFilesToTheCheckpointTheFirstOneCommits
   ASSERT_TRUE(sink.ok());
   ASSERT_TRUE(sink->Append(Pattern(3000, 8)).ok());
   ASSERT_TRUE(sink->Finish().ok());
+  // Before committing, the owner checks the joined writers' files are where it commits.
+  const std::pair<std::string, uint64_t> present[] = {{"rank-1.bin", 5000}};
+  EXPECT_TRUE(owner->CheckFilesPresent(present).ok());
+  const std::pair<std::string, uint64_t> short_file[] = {{"rank-1.bin", 5001}};
+  const Status wrong_size = owner->CheckFilesPresent(short_file);
+  EXPECT_EQ(wrong_size.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(wrong_size, "holds 5000 bytes")) << wrong_size.message();
+  const std::pair<std::string, uint64_t> absent[] = {{"rank-2.bin", 10}};
+  const Status missing = owner->CheckFilesPresent(absent);
+  EXPECT_EQ(missing.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(missing, "rank-2.bin, which another rank wrote, is not in"))
+      << missing.message();
   ASSERT_TRUE(owner->Commit(manifest).ok());
   EXPECT_TRUE(fs::exists(dir / "rank-0.bin"));
   EXPECT_TRUE(fs::exists(dir / "rank-1.bin"));

@@ -3,6 +3,7 @@
 // run it came from. The gradients are small multiples of 2^-8 (sharded_model.h), so with one and
 // two ranks the continued run must equal an uninterrupted one bit for bit.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -404,6 +405,37 @@ TEST(ShardedCheckpointTest, ARankWhoseSaveFailsFailsItEverywhereAndKeepsThePrevi
   for (const auto& entry : fs::directory_iterator(dir.path())) {
     EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
   }
+  SingleEngine one(options);
+  const Status loaded = one.engine->Load(checkpoint);
+  ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  EXPECT_TRUE(testing::BitEqual(WorkingParameters(*one.engine), first_saved[0]));
+}
+
+// Ranks that do not share the checkpoint's file system: rank 1 finds a directory of the staging
+// directory's name where it looks (a leftover of an earlier run on its node, here a second path
+// it was given), joins it and writes its shards there. The first rank must not commit a
+// checkpoint without them, replacing a good one with one that cannot load: the save fails on
+// both ranks, naming a missing file, and the previous checkpoint stays.
+TEST(ShardedCheckpointTest, ShardsWrittenWhereTheFirstRankCannotSeeThemFailTheSave) {
+  ScratchDir dir;
+  const EngineOptions options = ShardedOptions(Tier::kHost, dir.path());
+  const fs::path checkpoint = dir.path() / "checkpoint";
+  const fs::path elsewhere = dir.path() / "node-1" / "checkpoint";
+  // The staging directory's name there: "<dir>.tmp-<pid>" of the first rank's process, this one.
+  fs::create_directories(fs::path(elsewhere.string() + ".tmp-" + std::to_string(::getpid())));
+  std::vector<Status> second_save(2);
+  std::vector<Parameters> first_saved(2);
+  OnRanks(2, options, [&](int rank, Engine& engine) {
+    ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+    ASSERT_TRUE(engine.Save(checkpoint).ok());
+    first_saved[size_t(rank)] = WorkingParameters(engine);
+    ASSERT_TRUE(TrainRank(engine, rank, 1, 1).ok());
+    second_save[size_t(rank)] = engine.Save(rank == 0 ? checkpoint : elsewhere);
+  });
+  for (size_t r = 0; r < 2; ++r) EXPECT_FALSE(second_save[r].ok()) << "rank " << r;
+  EXPECT_NE(second_save[0].message().find("chunk-000000.rank-00001-of-00002.bin"),
+            std::string::npos)
+      << second_save[0].message();
   SingleEngine one(options);
   const Status loaded = one.engine->Load(checkpoint);
   ASSERT_TRUE(loaded.ok()) << loaded.ToString();
