@@ -98,9 +98,11 @@ Status Engine::Impl::WriteShardedParameterStates(std::span<const ParameterStateW
   Result<ShardBuffers> buffers = AllocateShardBuffers(max_state_bytes(), layout_.max_chunk_numel());
   Status ready = CheckWrites(writes);
   if (ready.ok()) ready = buffers.status();
-  // As the single-rank path: in-flight fetches and read-ahead finish before memory homes change.
-  if (ready.ok()) ready = WaitForQuietMemory();
   STRATA_RETURN_IF_ERROR(internal::AgreeAcrossRanks(comm, ready, what));
+  // As the single-rank path: in-flight fetches and read-ahead finish before memory homes change.
+  // Only once every rank goes on: it throws away stage 3's gathers made ahead, which every rank
+  // must do alike or none (the next Acquires would gather out of step).
+  STRATA_RETURN_IF_ERROR(internal::AgreeAcrossRanks(comm, WaitForQuietMemory(), what));
   auto* states = reinterpret_cast<float*>(buffers->states.data());
   auto* whole_master = reinterpret_cast<float*>(buffers->whole.data());
   std::vector<size_t> written;
@@ -136,14 +138,16 @@ Status Engine::Impl::WriteShardedParameterStates(std::span<const ParameterStateW
       if (!outcome.ok()) break;
       master = whole_master;
     }
-    // NVMe-home state goes to the shadow extents, which only the switch below makes current.
-    Status wrote = WriteNvmeHome(chunk, buffers->states.data(), /*shadow=*/true);
-    if (wrote.ok()) {
-      wrote = WriteMemoryHome(chunk, buffers->states.data(), master);
-      written.push_back(chunk);
-      if (!wrote.ok()) {
-        wrote = wrote.WithContext("this chunk may be partly written; write its states again");
-      }
+    // NVMe-home state goes to the shadow extents, which only the switch below makes current;
+    // memory homes are written in place, so only once every rank's shadow write succeeded (a
+    // rank whose drive failed must not keep the old chunk while the others take the new).
+    outcome = internal::AgreeAcrossRanks(
+        comm, WriteNvmeHome(chunk, buffers->states.data(), /*shadow=*/true), context);
+    if (!outcome.ok()) break;
+    Status wrote = WriteMemoryHome(chunk, buffers->states.data(), master);
+    written.push_back(chunk);
+    if (!wrote.ok()) {
+      wrote = wrote.WithContext("this chunk may be partly written; write its states again");
     }
     outcome = internal::AgreeAcrossRanks(comm, wrote, context);
     if (!outcome.ok()) break;

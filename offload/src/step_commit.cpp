@@ -121,13 +121,13 @@ Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, b
     // step has got: it waits for the step too.
     step_done_.wait(lock, [this] { return StepDone() || (step_running_ && hyper_.delayed); });
   }
-  if (acquire && attempt_failed_ && engine_.gathers_params()) {
-    // The ranks whose own step succeeded committed it; the others did not: their shards and
-    // recorded orders differ, and so would the gathers.
-    return FailedPrecondition(operation +
-                              " after a failed step with zero_optimization.stage 3 "
-                              "across ranks: the ranks' parameters may differ; "
-                              "restart the ranks");
+  if (attempt_failed_ && engine_.sharded() && (!acquire || engine_.gathers_params())) {
+    // The ranks whose own step succeeded committed it; the others did not: their shards (and
+    // recorded orders) differ, and so would what a gather returns. A stage 1 or 2 Acquire reads
+    // only this rank's own copy.
+    return FailedPrecondition(operation + " after a failed step across ranks" +
+                              (acquire ? " with zero_optimization.stage 3" : "") +
+                              ": the ranks' parameters and states may differ; restart the ranks");
   }
   // The next step's forward: the device's parameters stay until it is done with the chunk.
   if (acquire && step_running_ && hyper_.delayed) return Status();

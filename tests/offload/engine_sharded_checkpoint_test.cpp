@@ -293,26 +293,118 @@ TEST_P(ShardedCheckpointTest, StateAccessAcrossRanksIsOneEnginesBitForBit) {
 // collective they never make: every rank gets InvalidArgument naming it, and nothing changes.
 TEST(ShardedCheckpointTest, RanksAskingForDifferentStatesAreRefusedOnEveryRank) {
   ScratchDir dir;
-  OnRanks(2, ShardedOptions(Tier::kHost, dir.path()), [&](int rank, Engine& engine) {
-    ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
-    const Parameters before = WorkingParameters(engine);
-    std::vector<float> out(64);
-    const Status read = engine.ReadParameterState(
-        1, rank == 0 ? ParameterState::kExpAvg : ParameterState::kExpAvgSq, out);
-    EXPECT_EQ(read.code(), StatusCode::kInvalidArgument) << "rank " << rank;
-    EXPECT_NE(read.message().find("rank 1 of 2 asked for other parameters or states"),
-              std::string::npos)
-        << read.message();
-    const Status set = engine.SetStepCount(rank == 0 ? 5 : 6);
-    EXPECT_EQ(set.code(), StatusCode::kInvalidArgument) << "rank " << rank;
-    // A write that one rank cannot take (a wrong size) fails on both, before anything changed.
-    std::vector<float> values(rank == 0 ? 64 : 63, 1.0f);
-    const Status write = engine.WriteParameterState(1, ParameterState::kMaster, values);
-    EXPECT_FALSE(write.ok()) << "rank " << rank;
-    EXPECT_TRUE(testing::BitEqual(WorkingParameters(engine), before)) << "rank " << rank;
-    // The ranks still agree afterwards: training goes on.
-    EXPECT_TRUE(TrainRank(engine, rank, 1, 1).ok()) << "rank " << rank;
-  });
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const EngineOptions options = stage == 3 ? Stage3Options(Tier::kHost, dir.path())
+                                             : ShardedOptions(Tier::kHost, dir.path());
+    OnRanks(2, options, [&](int rank, Engine& engine) {
+      ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+      const Parameters before = WorkingParameters(engine);
+      std::vector<float> out(64);
+      const Status read = engine.ReadParameterState(
+          1, rank == 0 ? ParameterState::kExpAvg : ParameterState::kExpAvgSq, out);
+      EXPECT_EQ(read.code(), StatusCode::kInvalidArgument) << "rank " << rank;
+      EXPECT_NE(read.message().find("rank 1 of 2 asked for other parameters or states"),
+                std::string::npos)
+          << read.message();
+      const Status set = engine.SetStepCount(rank == 0 ? 5 : 6);
+      EXPECT_EQ(set.code(), StatusCode::kInvalidArgument) << "rank " << rank;
+      // Stage 3: an Acquire leaves gathers of the chunks expected next in flight, which a write
+      // throws away; a write that fails must leave them on every rank or on none (review
+      // finding: the rank whose own checks passed threw them away, and the next Acquires
+      // gathered out of step).
+      ASSERT_TRUE(engine.Acquire(0).ok());
+      engine.Release(0);
+      // A write that one rank cannot take (a wrong size) fails on both, before anything changed.
+      std::vector<float> values(rank == 0 ? 64 : 63, 1.0f);
+      const Status write = engine.WriteParameterState(1, ParameterState::kMaster, values);
+      EXPECT_FALSE(write.ok()) << "rank " << rank;
+      EXPECT_TRUE(testing::BitEqual(WorkingParameters(engine), before)) << "rank " << rank;
+      // The ranks still agree afterwards: training goes on.
+      EXPECT_TRUE(TrainRank(engine, rank, 1, 1).ok()) << "rank " << rank;
+    });
+  }
+}
+
+// After a step that failed on one rank, the ranks whose own step succeeded committed it and the
+// others did not: a read gathering their shards would return a mix, so every rank refuses it
+// (review finding: it returned the mix).
+TEST(ShardedCheckpointTest, StatesAreNotReadAcrossRanksAfterAFailedStep) {
+  ScratchDir dir;
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  std::vector<Status> stepped(2), read(2);
+  OnRanks(
+      2, ShardedOptions(Tier::kNvme, dir.path()),
+      [&](int rank, Engine& engine) {
+        ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+        if (rank == 1) {
+          plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
+        }
+        stepped[size_t(rank)] = TrainRank(engine, rank, 1, 1);
+        if (rank == 1) plan->Clear();
+        ReadAllStates(engine, &read[size_t(rank)]);
+      },
+      [&](int rank) {
+        EngineEnvironment env;
+        if (rank == 1) {
+          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+          };
+        }
+        return env;
+      });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_FALSE(stepped[r].ok()) << "rank " << r;
+    EXPECT_EQ(read[r].code(), StatusCode::kFailedPrecondition) << "rank " << r << ": " << read[r].ToString();
+    EXPECT_NE(read[r].message().find("after a failed step across ranks"), std::string::npos)
+        << read[r].message();
+  }
+}
+
+// A rank whose NVMe writes fail while it writes states leaves that chunk as it was on every
+// rank (review finding: the other ranks had already rebuilt their working parameters from the
+// gathered new master and switched to the new states, so the ranks ran on different weights).
+TEST(ShardedCheckpointTest, AWriteThatFailsOnOneRanksNvmeLeavesEveryRankAsItWas) {
+  ScratchDir dir;
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  std::vector<std::vector<std::vector<float>>> before(2), after(2);
+  std::vector<Parameters> params_before(2), params_after(2);
+  std::vector<Status> wrote(2);
+  OnRanks(
+      2, ShardedOptions(Tier::kNvme, dir.path()),
+      [&](int rank, Engine& engine) {
+        ASSERT_TRUE(TrainRank(engine, rank, 0, 1).ok());
+        Status status;
+        before[size_t(rank)] = ReadAllStates(engine, &status);
+        ASSERT_TRUE(status.ok()) << status.ToString();
+        params_before[size_t(rank)] = WorkingParameters(engine);
+        if (rank == 1) {
+          plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .times = -1});
+        }
+        std::vector<std::vector<float>> written;
+        wrote[size_t(rank)] = WriteDerivedStates(engine, before[size_t(rank)], &written);
+        if (rank == 1) plan->Clear();
+        after[size_t(rank)] = ReadAllStates(engine, &status);
+        ASSERT_TRUE(status.ok()) << status.ToString();
+        params_after[size_t(rank)] = WorkingParameters(engine);
+      },
+      [&](int rank) {
+        EngineEnvironment env;
+        if (rank == 1) {
+          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+          };
+        }
+        return env;
+      });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_FALSE(wrote[r].ok()) << "rank " << r;
+    EXPECT_TRUE(testing::BitEqual(after[r], before[0]))
+        << "rank " << r << "'s states differ by " << testing::MaxAbsDiff(after[r], before[0]);
+    EXPECT_TRUE(testing::BitEqual(params_after[r], params_before[0]))
+        << "rank " << r << "'s working parameters differ by "
+        << testing::MaxAbsDiff(params_after[r], params_before[0]);
+  }
 }
 
 // Each rank's progress callback counts the files that rank writes: its shards, and the frozen

@@ -47,9 +47,12 @@
 // whose update was complete may already be the new ones (the retry does not update those chunks
 // again). Until the retry succeeds, only Step() and reads are accepted.
 //
-// Thread safety: Acquire, Release, GradsReady, Step, Save and Load are called by one trainer
-// thread (not concurrently with each other). metrics(), tier_usage() and the const accessors may
-// be called from any thread.
+// Thread safety: Acquire, Release, GradsReady, Step, Save, Load and the parameter-state calls
+// (ReadParameterState(s), WriteParameterState(s), ReadMasterParameter, SetStepCount) are called
+// by one trainer thread (not concurrently with each other); with several ranks each of them is
+// a collective or may start one, so every rank makes the same calls in the same order (a rank
+// alone reading a parameter for export would meet the others' next collective instead).
+// metrics(), tier_usage() and the const accessors may be called from any thread.
 #pragma once
 
 #include <cstddef>
@@ -103,7 +106,8 @@ struct StepReport {
   /// and the step clipped or overflowed, so those updates were redone or undone.
   bool rolled_back = false;
   /// Global L2 norm of the (unscaled) gradients; NaN when skipped, or when a gradient was not
-  /// finite (without a loss scaler such a step still updates, unclipped).
+  /// finite (without a loss scaler such a step still updates; clipping bounds the finite
+  /// chunks by their own norm).
   double grad_norm = 0.0;
   double loss_scale = 1.0;  ///< The scale the next backward should use.
   double seconds = 0.0;     ///< From Step() to completion.
@@ -284,7 +288,8 @@ class Engine {
   Status Load(const std::filesystem::path& dir);
 
   /// Copies the current fp32 master value of `parameter` (registration index) into `out`
-  /// (numel floats). For tests, evaluation and export; blocks on NVMe reads.
+  /// (numel floats). For tests, evaluation and export; blocks on NVMe reads. With several
+  /// ranks a collective, as ReadParameterStates: every rank calls it alike.
   Status ReadMasterParameter(size_t parameter, std::span<float> out);
   /// Copies one of `parameter`'s optimizer states into `out` (numel floats), from whichever
   /// tier holds it: for a state_dict and export to other formats. Blocks on NVMe reads.
