@@ -127,7 +127,8 @@ void QuantizeFor(const void* in, size_t numel, size_t first_block, size_t end_bl
     const size_t end = std::min(begin + kQuantBlockElements, numel);
     // 8 bits are written in place; 4 bits one a byte here, then packed.
     signed char staged[kQuantBlockElements];
-    signed char* out = bits == 8 ? reinterpret_cast<signed char*>(values) + begin : staged;
+    signed char* out = staged;
+    if (bits == 8) out = reinterpret_cast<signed char*>(values) + begin;
     float largest = 0.0f;
     bool finite = true;
     for (size_t i = begin; i < end; ++i) {
@@ -158,10 +159,11 @@ void DequantizeFor(const unsigned char* values, int bits, const float* scales, s
     const size_t begin = b * kQuantBlockElements;
     const size_t end = std::min(begin + kQuantBlockElements, numel);
     signed char staged[kQuantBlockElements];
-    const signed char* q = reinterpret_cast<const signed char*>(values) + begin;
-    if (bits == 4) {
+    const signed char* q = staged;
+    if (bits == 8) {
+      q = reinterpret_cast<const signed char*>(values) + begin;
+    } else {
       UnpackInt4(values + begin / 2, end - begin, staged);
-      q = staged;
     }
     for (size_t i = begin; i < end; ++i) {
       StoreElement<kElem>(out, i, static_cast<float>(q[i - begin]) * scales[b]);

@@ -315,11 +315,12 @@ void StepPipeline::ApplyVerdict(const VerdictTotals& totals) {
   step_.decided = true;
   const bool finite = totals[1] == 0.0;
   step_.skip = loss_scaler_.checks_overflow() && !finite;
-  // A non-finite gradient without a loss scaler still updates (nothing skips the step), but
-  // the norm says so, as torch's clip_grad_norm_ returns a non-finite one; there is no norm to
-  // clip by, so the gradients are applied as they are.
-  step_.grad_norm = finite ? std::sqrt(totals[0]) / scale : std::nan("");
-  const double clip = finite ? ClipCoefficient(step_.grad_norm) : 1.0;
+  // Without a loss scaler a non-finite gradient does not skip the step, but the reported norm
+  // says so (NaN, where torch's clip_grad_norm_ returns a non-finite norm); clipping still
+  // bounds the finite chunks by their own norm rather than leaving them unclipped.
+  const double finite_norm = std::sqrt(totals[0]) / scale;
+  step_.grad_norm = finite ? finite_norm : std::nan("");
+  const double clip = step_.skip ? 1.0 : ClipCoefficient(finite_norm);
   step_.clipped = clip < 1.0;
   step_.grad_scale = clip / scale;
   gate_.Open();
@@ -483,8 +484,12 @@ Awaitable<void> StepPipeline::Commit() {
   double norm = step_.grad_norm;
   if (!gated() && !sharded()) {
     double sum = 0.0;
-    for (const Chunk& c : chunks) sum += c.stats.sum_of_squares;
-    norm = std::sqrt(sum);
+    bool finite = true;
+    for (const Chunk& c : chunks) {
+      sum += c.stats.sum_of_squares;
+      finite = finite && c.stats.all_finite;
+    }
+    norm = finite ? std::sqrt(sum) : std::nan("");  // As ApplyVerdict reports it.
   }
   bool stuck = false;
   {

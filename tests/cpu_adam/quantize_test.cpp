@@ -63,16 +63,16 @@ GuardedArray Dequantize(CpuOptimizer& optimizer, const std::vector<std::byte>& i
 }
 
 TEST(QuantizeTest, FormatIsOneScaleABlockThenTheValuesOneOrTwoAByte) {
-  EXPECT_EQ(QuantizedBytes(1), 4u + 4u);
-  EXPECT_EQ(QuantizedBytes(256), 4u + 256u);
-  EXPECT_EQ(QuantizedBytes(257), 8u + 260u);
+  EXPECT_EQ(QuantizedBytes(1, 8), 4u + 4u);
+  EXPECT_EQ(QuantizedBytes(256, 8), 4u + 256u);
+  EXPECT_EQ(QuantizedBytes(257, 8), 8u + 260u);
   EXPECT_EQ(QuantizedBytes(1, 4), 4u + 4u);
   EXPECT_EQ(QuantizedBytes(256, 4), 4u + 128u);
   EXPECT_EQ(QuantizedBytes(257, 4), 8u + 132u);
   EXPECT_EQ(QuantizedBytes(9, 4), 4u + 8u);
   // A little over half of bf16's bytes: what a gather of quantized weights moves; int4
   // gradients a little over an eighth of fp32's.
-  EXPECT_LT(double(QuantizedBytes(1 << 20)), 0.51 * double(2 << 20));
+  EXPECT_LT(double(QuantizedBytes(1 << 20, 8)), 0.51 * double(2 << 20));
   EXPECT_LT(double(QuantizedBytes(1 << 20, 4)), 0.13 * double(4 << 20));
 }
 

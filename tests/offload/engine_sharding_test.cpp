@@ -338,7 +338,7 @@ TEST(ShardingTest, StageThreeQuantizedWeightsGatherInt8AndEveryRankSeesTheSame) 
     uint64_t exact_bytes = 0, quantized_bytes = 0;
     for (size_t numel : ranks[r].trained_chunk_numels) {
       exact_bytes += numel * sizeof(float);
-      quantized_bytes += 2 * cpu_adam::QuantizedBytes(numel / 2);
+      quantized_bytes += 2 * cpu_adam::QuantizedBytes(numel / 2, 8);
     }
     ASSERT_GT(exact[r].counters.all_gather_bytes, 0u);
     EXPECT_EQ(ranks[r].counters.all_gather_bytes * exact_bytes,

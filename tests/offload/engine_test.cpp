@@ -439,25 +439,25 @@ TEST(EngineTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
 
 // Without a loss scaler nothing skips a step, but its report must not hide a non-finite
 // gradient: the norm is NaN, as torch's clip_grad_norm_ returns a non-finite norm, rather than
-// the finite chunks' norm, and clipping (which has no norm to clip by) leaves the gradients as
-// they are. The progress line then shows what the parameters took.
+// the finite chunks' norm, with clipping (gated) and without (ungated). The progress line then
+// shows what the parameters took.
 TEST(EngineTest, AFp32StepWithANonFiniteGradientReportsANaNNorm) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
-  EngineOptions options = MakeOptions({"clip", Tier::kHost, Tier::kDevice}, nvme.path());
-  options.optimizer.gradient_clipping = 0.02;
-  auto device = MakeDevice(64 << 20);
-  const auto specs = model.Specs();
-  auto engine = std::move(Engine::Create(options, *device, specs)).value();
-  EngineTrainer trainer(*engine, model);
-  double loss = 0.0;
-  Result<StepReport> poisoned = trainer.TrainStep(0, &loss, /*poison=*/true);
-  ASSERT_TRUE(poisoned.ok()) << poisoned.status().ToString();
-  EXPECT_FALSE(poisoned->skipped);
-  EXPECT_TRUE(std::isnan(poisoned->grad_norm)) << "reported " << poisoned->grad_norm;
-  // The finite chunks' norm is above 0.02: clipping by it would have rolled back the updates
-  // made ahead of the verdict.
-  EXPECT_FALSE(poisoned->rolled_back);
+  for (const double clipping : {0.02, 0.0}) {
+    SCOPED_TRACE("gradient_clipping " + std::to_string(clipping));
+    EngineOptions options = MakeOptions({"clip", Tier::kHost, Tier::kDevice}, nvme.path());
+    options.optimizer.gradient_clipping = clipping;
+    auto device = MakeDevice(64 << 20);
+    const auto specs = model.Specs();
+    auto engine = std::move(Engine::Create(options, *device, specs)).value();
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    Result<StepReport> poisoned = trainer.TrainStep(0, &loss, /*poison=*/true);
+    ASSERT_TRUE(poisoned.ok()) << poisoned.status().ToString();
+    EXPECT_FALSE(poisoned->skipped);
+    EXPECT_TRUE(std::isnan(poisoned->grad_norm)) << "reported " << poisoned->grad_norm;
+  }
 }
 
 TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {

@@ -58,7 +58,7 @@ constexpr bool IsQuantBits(int bits) { return bits == 8 || bits == 4; }
 /// Bytes of `numel` values quantized to `bits` (IsQuantBits): one fp32 scale per block of
 /// kQuantBlockElements (the largest magnitude / 127, or / 7 for 4 bits), then the values, one a
 /// byte or two a byte, rounded up to 4 bytes.
-constexpr size_t QuantizedBytes(size_t numel, int bits = 8) {
+constexpr size_t QuantizedBytes(size_t numel, int bits) {
   const size_t blocks = (numel + kQuantBlockElements - 1) / kQuantBlockElements;
   const size_t value_bytes = (numel * size_t(bits) + 7) / 8;
   return blocks * sizeof(float) + (value_bytes + 3) / 4 * 4;
