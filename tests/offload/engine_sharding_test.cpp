@@ -155,6 +155,7 @@ struct ShardedCase {
 EngineOptions OptionsFor(const ShardedCase& sharded, const std::string& nvme_path) {
   EngineOptions o = sharded.stage == 3 ? Stage3Options(sharded.states, nvme_path)
                                        : ShardedOptions(sharded.states, nvme_path);
+  o.placement.zero_stage = sharded.stage;
   o.optimizer.gradient_accumulation_steps = sharded.micro_steps;
   return o;
 }
@@ -193,7 +194,9 @@ TEST_P(ShardingTest, TwoRanksTrainExactlyAsOneOnTheMeanGradient) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
-                         ::testing::Values(ShardedCase{"states_host", Tier::kHost, 2},
+                         ::testing::Values(ShardedCase{"stage1_states_host", Tier::kHost, 1},
+                                           ShardedCase{"stage1_states_nvme", Tier::kNvme, 1},
+                                           ShardedCase{"states_host", Tier::kHost, 2},
                                            ShardedCase{"states_nvme", Tier::kNvme, 2},
                                            ShardedCase{"stage3_states_host", Tier::kHost, 3},
                                            ShardedCase{"stage3_states_nvme", Tier::kNvme, 3},

@@ -127,6 +127,15 @@ def main():
     print(f"saved by 2 ranks at step 10, resumed to 20: by 2 ranks exactly, by 1 rank within "
           f"{resumed['1 rank']:.2e} of the uninterrupted run")
 
+    # Stage 1 shards the optimizer states and takes stage 2's path here (a reduce-scatter of the
+    # gradients, the updated shards all-gathered): the same losses exactly.
+    code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "1"])
+    assert code == 0, f"stage 1 failed ({code}):\n{err}"
+    stage1 = json.loads(out)
+    assert stage1["ranks"]["zero_stage"] == 1, stage1["ranks"]
+    assert [s["loss"] for s in stage1["steps"]] == b, "stage 1 differs from stage 2"
+    print("stage 1 on 2 ranks: the same losses as stage 2, exactly")
+
     # Stage 3: each rank keeps half the parameters and gathers a chunk's on every Acquire. The
     # gathered parameters are the ones stage 2 gathers after the update: the same losses exactly.
     code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3"])
