@@ -344,18 +344,11 @@ TEST(ShardedCheckpointTest, StatesAreNotReadAcrossRanksAfterAFailedStep) {
         if (rank == 1) plan->Clear();
         ReadAllStates(engine, &read[size_t(rank)]);
       },
-      [&](int rank) {
-        EngineEnvironment env;
-        if (rank == 1) {
-          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-          };
-        }
-        return env;
-      });
+      testing::FaultyRankEnvironment(1, plan));
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_FALSE(stepped[r].ok()) << "rank " << r;
-    EXPECT_EQ(read[r].code(), StatusCode::kFailedPrecondition) << "rank " << r << ": " << read[r].ToString();
+    EXPECT_EQ(read[r].code(), StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << read[r].ToString();
     EXPECT_NE(read[r].message().find("after a failed step across ranks"), std::string::npos)
         << read[r].message();
   }
@@ -388,15 +381,7 @@ TEST(ShardedCheckpointTest, AWriteThatFailsOnOneRanksNvmeLeavesEveryRankAsItWas)
         ASSERT_TRUE(status.ok()) << status.ToString();
         params_after[size_t(rank)] = WorkingParameters(engine);
       },
-      [&](int rank) {
-        EngineEnvironment env;
-        if (rank == 1) {
-          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-          };
-        }
-        return env;
-      });
+      testing::FaultyRankEnvironment(1, plan));
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_FALSE(wrote[r].ok()) << "rank " << r;
     EXPECT_TRUE(testing::BitEqual(after[r], before[0]))
@@ -482,15 +467,7 @@ TEST(ShardedCheckpointTest, ARankWhoseSaveFailsFailsItEverywhereAndKeepsThePrevi
         }
         second_save[size_t(rank)] = engine.Save(checkpoint);
       },
-      [&](int rank) {
-        EngineEnvironment env;
-        if (rank == 1) {
-          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-          };
-        }
-        return env;
-      });
+      testing::FaultyRankEnvironment(1, plan));
   for (size_t r = 0; r < 2; ++r) EXPECT_FALSE(second_save[r].ok()) << "rank " << r;
   EXPECT_NE(second_save[0].message().find("failed on rank 1 of 2"), std::string::npos)
       << second_save[0].message();
@@ -557,15 +534,7 @@ TEST(ShardedCheckpointTest, ARankThatCannotStageTheStatesLeavesEveryRankAsItWas)
         loads[size_t(rank)] = engine.Load(checkpoint);
         after[size_t(rank)] = WorkingParameters(engine);
       },
-      [&](int rank) {
-        EngineEnvironment env;
-        if (rank == 1) {
-          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-          };
-        }
-        return env;
-      });
+      testing::FaultyRankEnvironment(1, plan));
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_FALSE(loads[r].ok()) << "rank " << r;
     EXPECT_TRUE(testing::BitEqual(after[r], before[r])) << "rank " << r << " changed";

@@ -531,16 +531,7 @@ TEST(ShardingTest, StageThreeAcquireAfterAFailedStepIsRefused) {
                              }).status();
         acquired[size_t(r)] = engine.Acquire(0).status();
       },
-      Tier::kNvme,
-      [&](int rank) {
-        EngineEnvironment env;
-        if (rank == 1) {
-          env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-            return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-          };
-        }
-        return env;
-      });
+      Tier::kNvme, testing::FaultyRankEnvironment(1, plan));
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_FALSE(stepped[r].ok()) << "rank " << r;
     EXPECT_EQ(acquired[r].code(), StatusCode::kFailedPrecondition) << "rank " << r;
@@ -600,15 +591,8 @@ void ExpectAFailingRankFailsTheStepEverywhere(int micro_steps) {
   auto plan = std::make_shared<nvme::FaultPlan>();
   // Its reads of the states fail: every update of the first step.
   plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
-  std::vector<RankResult> ranks = TrainSharded(2, options, 2, 1.0f, [&](int rank) {
-    EngineEnvironment env;
-    if (rank == 1) {
-      env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-        return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-      };
-    }
-    return env;
-  });
+  std::vector<RankResult> ranks =
+      TrainSharded(2, options, 2, 1.0f, testing::FaultyRankEnvironment(1, plan));
   for (size_t r = 0; r < ranks.size(); ++r) {
     EXPECT_FALSE(ranks[r].status.ok()) << "rank " << r;
     EXPECT_TRUE(ranks[r].reports.empty()) << "rank " << r;

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "engine_test_support.h"
+#include "strata/nvme/fault_injection.h"
 
 namespace strata::offload::testing {
 
@@ -120,6 +122,21 @@ inline std::vector<std::vector<float>> WorkingParameters(Engine& engine) {
     engine.Release(loc.chunk);
   }
   return out;
+}
+
+/// The environments of a sharded run whose rank `faulty` does its NVMe I/O through `plan`'s
+/// faults (the others through the plain backend): one rank's drive failing.
+inline std::function<EngineEnvironment(int)> FaultyRankEnvironment(
+    int faulty, std::shared_ptr<nvme::FaultPlan> plan) {
+  return [faulty, plan](int rank) {
+    EngineEnvironment env;
+    if (rank == faulty) {
+      env.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+        return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+      };
+    }
+    return env;
+  };
 }
 
 inline EngineOptions ShardedOptions(Tier states, const std::string& nvme_path) {
