@@ -28,9 +28,9 @@ Status Engine::Impl::AgreeOnCall(std::span<const uint64_t> words, const std::str
   }
   if (differ.empty()) return Status();
   return InvalidArgument(what + ": rank " + differ + " of " + std::to_string(ranks()) +
-                         " asked for other parameters or states than rank 0 (or another step "
-                         "count); with several ranks every rank makes the same call, as with "
-                         "FSDP's full state_dict");
+                         " asked for other parameters or states than rank 0 (or gave other values "
+                         "or another step count); with several ranks every rank makes the same "
+                         "call, as with FSDP's full state_dict");
 }
 
 namespace {

@@ -319,6 +319,21 @@ TEST(ShardedCheckpointTest, RanksAskingForDifferentStatesAreRefusedOnEveryRank) 
       std::vector<float> values(rank == 0 ? 64 : 63, 1.0f);
       const Status write = engine.WriteParameterState(1, ParameterState::kMaster, values);
       EXPECT_FALSE(write.ok()) << "rank " << rank;
+      // Stage 2: a rank that still holds a chunk fails its own checks; the other, whose checks
+      // pass, fails too and keeps everything (gathers made ahead included).
+      if (stage == 2) {
+        std::vector<float> same(64, 1.0f);
+        if (rank == 1) {
+          ASSERT_TRUE(engine.Acquire(2).ok());
+        }
+        const Status held = engine.WriteParameterState(1, ParameterState::kMaster, same);
+        EXPECT_FALSE(held.ok()) << "rank " << rank;
+        if (rank == 1) engine.Release(2);
+      }
+      // Nor do ranks write different values (each would keep its own part: a silent mix).
+      std::vector<float> own(64, rank == 0 ? 1.0f : 2.0f);
+      const Status mixed = engine.WriteParameterState(1, ParameterState::kMaster, own);
+      EXPECT_EQ(mixed.code(), StatusCode::kInvalidArgument) << "rank " << rank;
       EXPECT_TRUE(testing::BitEqual(WorkingParameters(engine), before)) << "rank " << rank;
       // The ranks still agree afterwards: training goes on.
       EXPECT_TRUE(TrainRank(engine, rank, 1, 1).ok()) << "rank " << rank;
