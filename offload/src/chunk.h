@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <deque>
 #include <optional>
 #include <vector>
 
@@ -127,19 +128,33 @@ struct Chunk {
   // what the communicator's thread waits on before a collective reads the chunk's buffers (reset
   // by the trainer thread at the chunk's last GradsReady, opened by the loop); the semaphores
   // are released on the loop when a collective is done, with its status.
-  // grads_sum (or the chunk's ReduceRing slot) holds this rank's gradients: reduce-scatter them.
+  // grads_sum holds this rank's gradients: reduce-scatter them. (From the ReduceRing, a slot's
+  // number says it instead: ReduceRing::WaitFilled.)
   ThreadSignal grads_summed;
   ThreadSignal shard_updated;  // param_copy holds the shard's new parameters: all-gather them.
+  // Released on the loop once per reduce-scatter done, after its status joins reduce_results.
   std::optional<LoopSemaphore> grads_reduced;
-  // Reducing from the ReduceRing (reduce_ring.h): released on the loop with reduce_number once
-  // the chunk's reduce-scatter is enqueued, which may come after its landing (a trainer that
-  // declares gradients out of the reduce order).
+  std::deque<Status> reduce_results;
+  // Reducing from the ReduceRing (reduce_ring.h): released on the loop once per reduce-scatter
+  // enqueued, after its number joins reduce_numbers; that may come after the landing (a trainer
+  // that declares gradients out of the reduce order). Queues, not single values: reducing every
+  // micro-step, the next micro-step's reduce-scatter may be enqueued, and even done, before this
+  // one's journey has taken its own.
   std::optional<LoopSemaphore> reduce_queued;
-  uint64_t reduce_number = 0;
-  static constexpr uint64_t kNeverQueued = ~uint64_t{0};  // Released by Cancel instead.
+  std::deque<uint64_t> reduce_numbers;
+  // Pushed by Cancel for a reduce-scatter never enqueued (and then no result follows it).
+  static constexpr uint64_t kNeverQueued = ~uint64_t{0};
+  // Reduce-scatters enqueued this step (pipeline mutex): one, or one per micro-step.
+  int reduces_enqueued = 0;
+  // Reducing every micro-step: the landing buffer's gradients have been taken (widened into a
+  // ReduceRing slot), so the next micro-step may land there; GradsReady waits for it (trainer
+  // thread; opened on the loop).
+  ThreadSignal landing_taken;
+  // Reducing every micro-step: one micro-step at a time adds its reduced shard into
+  // grads_shard, in micro-step order (count 1; loop thread).
+  std::optional<LoopSemaphore> shard_sum_turn;
   std::optional<LoopSemaphore> params_gathered;
-  Status reduce_status;  // Loop thread, like what follows.
-  Status gather_status;
+  Status gather_status;   // Loop thread, like what follows.
   bool gathered = false;  // This step's all-gather is done (or failed).
 
   /// Moves to `to`, checking that the step allows it; a move it does not allow is a bug in the

@@ -263,14 +263,19 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
             ? cpu_adam::QuantizedBytes(max_trained_shard_numel(), gradient_quant_bits()) *
                   size_t(ranks())
             : 0;
+    // Reducing every micro-step in fp32: the shard each reduce-scatter writes, which the journey
+    // then adds into the chunk's.
+    const size_t output =
+        reduces_each_micro_step() && !quantizes_gradients() ? max_trained_shard_numel() : 0;
     const uint64_t total = kSlots * (AlignUp(max_trained_numel() * sizeof(float), kHostAlignment) +
-                                     2 * AlignUp(quantized, kHostAlignment));
+                                     2 * AlignUp(quantized, kHostAlignment) +
+                                     AlignUp(output * sizeof(float), kHostAlignment));
     STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
         total, "the " + std::to_string(kSlots) +
                    " buffers gradients are reduced across ranks from (set host.pinned_memory_bytes "
                    "higher, or lower placement.chunk_bytes)"));
     static_reservations_.emplace_back(&host_budget_, total);
-    STRATA_RETURN_IF_ERROR(reduce_ring_.Initialize(kSlots, max_trained_numel(), quantized));
+    STRATA_RETURN_IF_ERROR(reduce_ring_.Initialize(kSlots, max_trained_numel(), quantized, output));
   }
   SpillStatesToNvme();
   for (size_t i = 0; i < n_chunks; ++i) {
@@ -552,7 +557,7 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
   // Frozen chunks have no gradients; device-kept ones keep theirs there.
   if (c.frozen() || c.placement.optimizer_states == Tier::kDevice) return buffers;
   buffers.push_back({&c.grads_landing, c.working_bytes(wsize), "the gradients of " + name});
-  if (options_.optimizer.gradient_accumulation_steps > 1) {
+  if (sums_micro_steps()) {
     buffers.push_back({&c.grads_sum, c.numel * sizeof(float), "the gradient sum of " + name});
   }
   if (sharded()) {

@@ -176,11 +176,24 @@ class Engine::Impl {
   /// (ParamGather), so every rank's Acquire calls are collectives.
   bool gathers_params() const { return sharded() && options_.placement.zero_stage == 3; }
   /// Several ranks reduce through the ReduceRing: without accumulating micro-steps (a chunk's
-  /// fp32 gradients need to exist only until they are reduced, not all step long), and with
-  /// quantized gradients (what the all-to-all sends and receives).
+  /// fp32 gradients need to exist only until they are reduced, not all step long), when every
+  /// micro-step is reduced, and with quantized gradients (what the all-to-all sends and
+  /// receives).
   bool reduces_from_ring() const {
-    return sharded() &&
-           (options_.optimizer.gradient_accumulation_steps == 1 || quantizes_gradients());
+    return sharded() && (options_.optimizer.gradient_accumulation_steps == 1 ||
+                         reduces_each_micro_step() || quantizes_gradients());
+  }
+  /// ZeRO stages 2 and 3 with gradient accumulation: every micro-step's gradients are
+  /// reduce-scattered as they land and summed into this rank's shard, so no rank keeps a whole
+  /// chunk's fp32 sum (DeepSpeed's stage 2; stage 1 keeps the sum and reduces once a step,
+  /// moving 1/gas of the gradient bytes).
+  bool reduces_each_micro_step() const {
+    return sharded() && options_.placement.zero_stage >= 2 &&
+           options_.optimizer.gradient_accumulation_steps > 1;
+  }
+  /// Host-kept chunks sum their micro-steps' gradients in grads_sum (fp32, the whole chunk).
+  bool sums_micro_steps() const {
+    return options_.optimizer.gradient_accumulation_steps > 1 && !reduces_each_micro_step();
   }
   /// ZeRO++'s quantized gradients: reduced by an all-to-all of blockwise int8 or int4
   /// partitions.

@@ -30,7 +30,9 @@ enum class TrainerWait {
   kDeviceToHost,  ///< Acquire: the chunk's gradients of the previous micro-step still copying out.
   kDeviceMemory,  ///< Acquire: no room in the device budget until a copy in flight finishes.
   kStep,          ///< Step(): the update pipeline after backward, until the step commits.
-  kCollective,    ///< Acquire: ZeRO stage 3's all-gather of the chunk's parameters.
+  kCollective,    ///< Acquire: ZeRO stage 3's all-gather of the chunk's parameters; GradsReady
+                  ///< (stages 2 and 3 with accumulation): the chunk's previous micro-step still
+                  ///< waiting for its reduce-scatter's buffer.
 };
 inline constexpr int kTrainerWaits = 6;
 

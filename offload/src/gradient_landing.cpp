@@ -1,7 +1,8 @@
 // The gradient path: GradsReady queues a chunk's gradients off the device behind the trainer's
 // work, and the landing sums micro-steps and measures the last one (squares and finiteness, for
 // clipping and fp16 overflow checks). Landing holds a pin on the chunk's gradient buffer, so the
-// next micro-step's Acquire waits until the buffer is free to overwrite.
+// next micro-step's Acquire waits until the buffer is free to overwrite. (Several ranks reduce
+// first and measure their shard: sharded_step.cpp.)
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -68,9 +69,12 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
                               "gradients of all " + std::to_string(gas_) +
                               " micro-steps of this step; call Step() first");
   }
-  STRATA_ASSIGN_OR_RETURN(ChunkView view, e.residency_.PinGrads(chunk));
   const int micro_step = c.micro_steps + 1;
   const bool last = micro_step == gas_;
+  if (e.reduces_each_micro_step() && micro_step > 1) {
+    STRATA_RETURN_IF_ERROR(WaitForLandingLocked(chunk, micro_step, lock));
+  }
+  STRATA_ASSIGN_OR_RETURN(ChunkView view, e.residency_.PinGrads(chunk));
   if (Status queued = QueueLanding(chunk, view, stream, micro_step, last); !queued.ok()) {
     // A copy queued before the refusal may still be reading the gradient buffer.
     e.device_.SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
@@ -82,13 +86,18 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
     hyper_ = {.lr = next_lr_,
               .delayed = o.delayed_update && step_count_.load() >= o.delayed_update_from_step};
     step_open_ = true;
+    reduces_enqueued_ = 0;
     reduce_order_.clear();
     all_arrived_.Reset();
   }
+  // Closed only now that this landing is sure to come: a refusal above leaves it open for the
+  // trainer's next try.
+  if (e.reduces_each_micro_step()) c.landing_taken.Reset();
+  if (micro_step == 1) c.reduces_enqueued = 0;
   c.micro_steps = micro_step;
   c.MoveTo(last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
-  // Several ranks: the chunk's reduce-scatter, in its turn.
-  if (last && e.sharded()) DeclareReduceLocked(chunk);
+  // Several ranks: the chunk's reduce-scatter (each micro-step's, or the last's), in its turn.
+  if (e.sharded()) DeclareReduceLocked(chunk, last);
   e.Spawn(last ? Journey(chunk, micro_step) : LandMicroStep(chunk, micro_step));
   return Status();
 }
@@ -158,6 +167,10 @@ Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool las
   co_await c.grads_copied->Acquire();
   if (c.placement.optimizer_states != Tier::kDevice) {
     e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
+  }
+  // Reducing every micro-step, the landed gradients go to the reduce-scatter as they are
+  // (ReduceGrads); nothing to sum or measure here.
+  if (c.placement.optimizer_states != Tier::kDevice && !e.reduces_each_micro_step()) {
     auto sum_and_measure = [&] {
       return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.grads_landing.data(),
                            c.numel, micro_step, last);
@@ -176,6 +189,7 @@ Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool las
 
 Awaitable<void> StepPipeline::LandMicroStep(size_t chunk, int micro_step) {
   co_await LandGrads(chunk, micro_step, /*last=*/false);
+  if (engine_.reduces_each_micro_step()) co_await ReduceGrads(chunk, micro_step);
 }
 
 }  // namespace strata::offload

@@ -1,11 +1,17 @@
-// ReduceRing: the fp32 buffers a sharded step reduce-scatters gradients from, when each step
-// reduces each chunk once (gradient_accumulation_steps 1). A chunk's fp32 gradients live only
-// from their widening to the end of their reduce-scatter, so a few buffers, taken in the order
-// the reduce-scatters are enqueued, replace one as large as every chunk: host memory for the
-// gradients falls from the working gradients plus the fp32 sum of every chunk (6 bytes a
-// parameter with bf16) to the working gradients, this rank's fp32 shard and the few buffers.
-// The price: a chunk's widening waits for the reduce-scatter two before it, not for backward
-// alone (widening is far quicker than the link).
+// ReduceRing: the fp32 buffers a sharded step reduce-scatters gradients from, when the landed
+// gradients go to a reduce-scatter as they are: each step reduces each chunk once
+// (gradient_accumulation_steps 1), or every micro-step is reduced into the shard (ZeRO stages 2
+// and 3 with accumulation). A chunk's fp32 gradients live only from their widening to the end
+// of their reduce-scatter, so a few buffers, taken in the order the reduce-scatters are
+// enqueued, replace one as large as every chunk: host memory for the gradients falls from the
+// working gradients plus the fp32 sum of every chunk (6 bytes a parameter with bf16) to the
+// working gradients, this rank's fp32 shard and the few buffers. The price: a chunk's widening
+// waits for the reduce-scatter two before it, not for backward alone (widening is far quicker
+// than the link).
+//
+// Reducing every micro-step, a slot also holds the reduce-scatter's output (this rank's shard of
+// one micro-step's sum over ranks), which the journey adds into the chunk's shard; that journey
+// is then the slot's reader, as with quantized gradients below.
 //
 // Reduce-scatter number p reads slot p mod N. It is the slot's to write once number p - N is
 // done with it twice over: its collective completed (it read the slot) and its writer finished
@@ -19,13 +25,16 @@
 // end once it has.
 //
 // Threads: Next on the trainer thread (under the step pipeline's mutex, where reduce-scatters
-// are enqueued); WaitTurn and Release on the loop thread.
+// are enqueued); WaitTurn, MarkFilled and Release on the loop thread; WaitFilled on the
+// communicator's.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -37,9 +46,11 @@ namespace strata::offload {
 
 class ReduceRing {
  public:
-  /// `slots` buffers of `slot_numel` floats (the largest trained chunk), and for quantized
-  /// gradients two of `quantized_bytes` each. The caller has reserved them on the host budget.
-  Status Initialize(size_t slots, size_t slot_numel, size_t quantized_bytes);
+  /// `slots` buffers of `slot_numel` floats (the largest trained chunk), for quantized
+  /// gradients two of `quantized_bytes` each, and for reduce-scatters whose output the journey
+  /// reads one of `output_numel` floats (the largest shard; 0: none). The caller has reserved
+  /// them on the host budget.
+  Status Initialize(size_t slots, size_t slot_numel, size_t quantized_bytes, size_t output_numel);
 
   /// The next reduce-scatter's number: its place in enqueue order (trainer thread).
   uint64_t Next() { return next_number_++; }
@@ -48,9 +59,18 @@ class ReduceRing {
   /// Quantized gradients: what number's all-to-all sends and receives.
   std::byte* Sent(uint64_t number) { return SlotOf(number).sent.data(); }
   std::byte* Received(uint64_t number) { return SlotOf(number).received.data(); }
+  /// Reducing every micro-step: where number's reduce-scatter writes this rank's shard.
+  float* Output(uint64_t number) { return reinterpret_cast<float*>(SlotOf(number).output.data()); }
 
   /// Completes when reduce-scatter `number` may write its slot.
   Awaitable<void> WaitTurn(uint64_t number);
+  /// `number`'s writer is done with its slot (whatever it managed to write: a rank's failure
+  /// fails its step, not the collective). Loop thread.
+  void MarkFilled(uint64_t number);
+  /// Blocks until `number`'s writer is done: the collective's ready function (communicator's
+  /// thread). Keyed by number, not by slot or chunk: the communicator may reach a later number
+  /// before the loop has seen the earlier one's end.
+  Status WaitFilled(uint64_t number);
   /// One of the two ends of `number`'s use of its slot: its writer finished, or its reader (the
   /// collective, or for quantized gradients the sum of what it received). After both, the slot
   /// is the next number's.
@@ -60,7 +80,10 @@ class ReduceRing {
   struct Slot {
     AlignedBuffer buffer;
     AlignedBuffer sent, received;
+    AlignedBuffer output;
     uint64_t turn = 0;  // The number that may use it now (loop thread).
+    // The last number whose writer is done, plus one (0: none yet); under filled_mutex_.
+    uint64_t filled_end = 0;
   };
   Slot& SlotOf(uint64_t number) { return slots_[number % slots_.size()]; }
   std::vector<Slot> slots_;
@@ -69,6 +92,8 @@ class ReduceRing {
   // before its writer's turn has come), and the writers waiting for their turn.
   std::map<uint64_t, int> releases_;
   std::map<uint64_t, std::function<void()>> waiting_;
+  std::mutex filled_mutex_;
+  std::condition_variable filled_;
 };
 
 }  // namespace strata::offload

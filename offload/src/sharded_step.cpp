@@ -31,45 +31,84 @@ Status StepPipeline::CheckShardedStepLocked() const {
   return Status();
 }
 
-void StepPipeline::DeclareReduceLocked(size_t chunk) {
+void StepPipeline::DeclareReduceLocked(size_t chunk, bool last) {
   Chunk& c = engine_.chunks_[chunk];
-  // Nothing of this step has touched the chunk's signals yet: its journey, spawned next,
-  // opens them, maybe before its reduce-scatter is enqueued.
-  c.grads_summed.Reset();
-  c.shard_updated.Reset();
+  if (last) {
+    // Nothing of this step's last micro-step has touched the chunk's signals yet: its journey,
+    // spawned next, opens them, maybe before its reduce-scatter is enqueued.
+    c.grads_summed.Reset();
+    c.shard_updated.Reset();
+  }
   // Reduce-scatters go in one order on every rank, backward's (the last chunk first), whatever
   // order this rank's trainer declares gradients in: a chunk whose turn has not come waits for
   // the chunks before it. Ranks that matched collectives by arrival would sum one rank's chunk
-  // with another's whenever their sizes agree.
+  // with another's whenever their sizes agree. Reducing every micro-step, the order is that of
+  // each micro-step in turn.
   const std::vector<Chunk>& chunks = engine_.chunks_;
-  while (reduce_order_.size() < reduce_sequence_.size() &&
-         chunks[reduce_sequence_[reduce_order_.size()]].micro_steps == gas_) {
-    EnqueueReduceLocked(reduce_sequence_[reduce_order_.size()]);
+  const size_t per_round = reduce_sequence_.size();
+  const size_t rounds = engine_.reduces_each_micro_step() ? size_t(gas_) : 1;
+  while (reduces_enqueued_ < rounds * per_round) {
+    const size_t next = reduce_sequence_[reduces_enqueued_ % per_round];
+    const int micro_step = rounds == 1 ? gas_ : int(reduces_enqueued_ / per_round) + 1;
+    if (chunks[next].micro_steps < micro_step) break;
+    EnqueueReduceLocked(next, micro_step == gas_);
   }
 }
 
-void StepPipeline::EnqueueReduceLocked(size_t chunk) {
+Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
+                                          std::unique_lock<std::mutex>& lock) {
+  Chunk& c = engine_.chunks_[chunk];
+  if (c.reduces_enqueued < micro_step - 1) {
+    const size_t waiting_for = reduce_sequence_[reduces_enqueued_ % reduce_sequence_.size()];
+    return FailedPrecondition(
+        "GradsReady(" + std::to_string(chunk) + ") of micro-step " + std::to_string(micro_step) +
+        " before micro-step " + std::to_string(micro_step - 1) +
+        "'s gradients of the chunk could be reduced: with ZeRO stage 2 or 3 and gradient "
+        "accumulation the ranks reduce every micro-step's gradients in one chunk order (the last "
+        "chunk first), so declare every trained chunk's gradients of a micro-step (chunk " +
+        std::to_string(waiting_for) + "'s are next) before the next micro-step's");
+  }
+  // Its reduce-scatter is enqueued, so the landing is taken without anything more from this
+  // thread: the wait ends. It is a stall only when the link is a micro-step behind.
+  lock.unlock();
+  {
+    WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kCollective));
+    c.landing_taken.Wait().IgnoreError();
+  }
+  lock.lock();
+  return Status();
+}
+
+void StepPipeline::EnqueueReduceLocked(size_t chunk, bool last) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  reduce_order_.push_back(chunk);
+  ++reduces_enqueued_;
+  ++c.reduces_enqueued;
+  if (last) reduce_order_.push_back(chunk);
   const bool ring = e.reduces_from_ring();
   const bool quantized = e.quantizes_gradients();
-  const uint64_t number = ring ? e.reduce_ring_.Next() : 0;
+  // Who reads the slot once the collective is done: the journey, which sums what the ranks sent
+  // (quantized) or adds the reduced shard into the chunk's (reducing every micro-step); else the
+  // collective itself, which reduces straight into grads_shard.
+  const bool journey_reads = quantized || e.reduces_each_micro_step();
+  const uint64_t number = ring ? e.reduce_ring_.Next() : Chunk::kNeverQueued;
   if (ring) {
     // The journey fills the slot when its turn comes (FillReduceSlot).
     boost::asio::post(e.loop_.executor(), [&c, number] {
-      c.reduce_number = number;
+      c.reduce_numbers.push_back(number);
       c.reduce_queued->Release();
     });
   }
-  auto ready = [&c] { return c.grads_summed.Wait(); };
-  auto done = [&e, &c, ring, quantized, number](Status status) {
+  auto ready = [&e, &c, ring, number] {
+    return ring ? e.reduce_ring_.WaitFilled(number) : c.grads_summed.Wait();
+  };
+  auto done = [&e, &c, ring, journey_reads, number](Status status) {
     boost::asio::post(e.loop_.executor(),
-                      [&e, &c, ring, quantized, number, status = std::move(status)] {
-                        // Done reading the slot, whatever its outcome (quantized: the journey reads
-                        // what was received, and releases it then).
-                        if (ring && !quantized) e.reduce_ring_.Release(number);
-                        c.reduce_status = status;
+                      [&e, &c, ring, journey_reads, number, status = std::move(status)] {
+                        // Done reading the slot, whatever its outcome (unless the journey reads
+                        // what the collective wrote: it releases the slot then).
+                        if (ring && !journey_reads) e.reduce_ring_.Release(number);
+                        c.reduce_results.push_back(status);
                         c.grads_reduced->Release();
                       });
   };
@@ -86,8 +125,10 @@ void StepPipeline::EnqueueReduceLocked(size_t chunk) {
       .Increment(double(c.numel * DTypeSize(DType::kFp32)));
   const void* input =
       ring ? static_cast<const void*>(e.reduce_ring_.Input(number)) : c.grads_sum.data();
-  comm.ReduceScatter(input, c.grads_shard.data(), c.shard.numel(), DType::kFp32, ReduceOp::kSum,
-                     std::move(ready), std::move(done));
+  void* output = journey_reads ? static_cast<void*>(e.reduce_ring_.Output(number))
+                               : static_cast<void*>(c.grads_shard.data());
+  comm.ReduceScatter(input, output, c.shard.numel(), DType::kFp32, ReduceOp::kSum, std::move(ready),
+                     std::move(done));
 }
 
 void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
@@ -193,11 +234,11 @@ Status QuantizePartitions(cpu_adam::CpuOptimizer& optimizer, const float* gradie
   return Status();
 }
 
-/// shard[i] = the sum over ranks, in rank order and fp32, of element i of each rank's block of
-/// `received` dequantized (into `scratch`, ranks × shard_numel floats).
+/// shard[i] (+)= the sum over ranks, in rank order and fp32, of element i of each rank's block of
+/// `received` dequantized (into `scratch`, ranks × shard_numel floats); `first` overwrites.
 Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte* received,
-                             size_t shard_numel, int ranks, int bits, float* scratch,
-                             float* shard) {
+                             size_t shard_numel, int ranks, int bits, float* scratch, float* shard,
+                             bool first) {
   const size_t bytes = cpu_adam::QuantizedBytes(shard_numel, bits);
   for (int r = 0; r < ranks; ++r) {
     STRATA_RETURN_IF_ERROR(optimizer.Dequantize(received + size_t(r) * bytes, bits, shard_numel,
@@ -207,28 +248,40 @@ Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte*
     for (size_t i = begin; i < end; ++i) {
       float sum = scratch[i];
       for (int r = 1; r < ranks; ++r) sum += scratch[size_t(r) * shard_numel + i];
-      shard[i] = sum;
+      shard[i] = first ? sum : shard[i] + sum;
     }
   });
   return Status();
 }
 
+/// shard[i] += reduced[i]; `first` copies.
+void AddReducedShard(cpu_adam::CpuOptimizer& optimizer, const float* reduced, size_t shard_numel,
+                     float* shard, bool first) {
+  optimizer.ParallelFor(shard_numel, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) shard[i] = first ? reduced[i] : shard[i] + reduced[i];
+  });
+}
+
 }  // namespace
 
-Awaitable<void> StepPipeline::FillReduceSlot(Chunk& c) {
+Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
   Engine::Impl& e = engine_;
   co_await c.reduce_queued->Acquire();
-  // Never queued: Cancel ended the step, and released grads_reduced with its status.
-  if (c.reduce_number == Chunk::kNeverQueued) co_return;
-  const uint64_t number = c.reduce_number;
+  const uint64_t number = c.reduce_numbers.front();
+  c.reduce_numbers.pop_front();
+  // Never queued: Cancel ended the step, and no collective comes (see ReduceGrads).
+  if (number == Chunk::kNeverQueued) {
+    c.landing_taken.Open(Status());
+    co_return number;
+  }
   co_await e.reduce_ring_.WaitTurn(number);
   auto fill = [&]() -> Status {
     float* widened = e.reduce_ring_.Input(number);
     const float* gradients = widened;
-    if (gas_ == 1) {
-      WidenGrads(widened, c.grads_landing.data(), c.numel);
-    } else {
+    if (e.sums_micro_steps()) {
       gradients = reinterpret_cast<const float*>(c.grads_sum.data());
+    } else {
+      WidenGrads(widened, c.grads_landing.data(), c.numel);
     }
     if (!e.quantizes_gradients()) return Status();
     return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),
@@ -237,43 +290,63 @@ Awaitable<void> StepPipeline::FillReduceSlot(Chunk& c) {
   Status filled = co_await AwaitJob(e.jobs_, fill, &e.jobs_in_flight_);
   // The collective runs whatever happened here (see ReduceGrads); this rank's step fails.
   if (!filled.ok() && c.land_status.ok()) c.land_status = filled;
-  c.grads_summed.Open(Status());
+  e.reduce_ring_.MarkFilled(number);
+  c.landing_taken.Open(Status());  // The next micro-step may land.
   e.reduce_ring_.Release(number);  // Written: the slot is the next number's once read.
+  co_return number;
 }
 
-Awaitable<void> StepPipeline::ReduceGrads(size_t chunk) {
+Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  const bool each_micro_step = e.reduces_each_micro_step();
   // The reduce-scatter runs whatever this rank's landing did: a failed landing fails this
   // rank's step (land_status), and every rank learns of it from the step's outcome all-reduce.
   // A failed input would fail the collective on this rank only, and MPI peers would wait for it
   // until their timeout.
+  uint64_t number = Chunk::kNeverQueued;
   if (e.reduces_from_ring()) {
-    co_await FillReduceSlot(c);
+    number = co_await FillReduceSlot(c);
+    if (number == Chunk::kNeverQueued) {
+      // Cancel: no collective, so no result to take. Another micro-step's may still be on its
+      // way, for that micro-step's journey.
+      c.land_status = Cancelled("the engine was destroyed before Step()");
+      co_return;
+    }
   } else {
     c.grads_summed.Open(Status());  // grads_sum holds them.
   }
+  // Reducing every micro-step, the micro-steps' shards are added in their order, one at a time.
+  if (each_micro_step) co_await c.shard_sum_turn->Acquire();
   co_await c.grads_reduced->Acquire();
-  if (e.quantizes_gradients() && c.reduce_number != Chunk::kNeverQueued) {
-    // This rank's shard: the sum of every rank's partition it received.
-    const uint64_t number = c.reduce_number;
-    if (c.reduce_status.ok()) {
-      auto sum = [&] {
+  const Status reduced = std::move(c.reduce_results.front());
+  c.reduce_results.pop_front();
+  const bool journey_reads = e.quantizes_gradients() || each_micro_step;
+  if (journey_reads) {
+    if (reduced.ok()) {
+      // This rank's shard: the sum of every rank's partition it received, or what the
+      // reduce-scatter wrote, added to the earlier micro-steps'.
+      const bool first = !each_micro_step || micro_step == 1;
+      auto sum = [&]() -> Status {
+        float* shard = reinterpret_cast<float*>(c.grads_shard.data());
+        if (!e.quantizes_gradients()) {
+          AddReducedShard(*e.optimizer_, e.reduce_ring_.Output(number), c.shard.numel(), shard,
+                          first);
+          return Status();
+        }
         return SumReceivedPartitions(*e.optimizer_, e.reduce_ring_.Received(number),
                                      c.shard.numel(), e.ranks(), e.gradient_quant_bits(),
-                                     e.reduce_ring_.Input(number),
-                                     reinterpret_cast<float*>(c.grads_shard.data()));
+                                     e.reduce_ring_.Input(number), shard, first);
       };
       Status summed = co_await AwaitJob(e.jobs_, sum, &e.jobs_in_flight_);
       if (!summed.ok() && c.land_status.ok()) c.land_status = summed;
     }
     e.reduce_ring_.Release(number);  // Read: the slot is the next number's.
   }
-  if (!c.reduce_status.ok()) {
-    c.land_status = c.reduce_status.WithContext("reducing the gradients across ranks");
-    co_return;
-  }
-  if (!c.land_status.ok()) co_return;
+  if (each_micro_step) c.shard_sum_turn->Release();
+  if (!reduced.ok()) c.land_status = reduced.WithContext("reducing the gradients across ranks");
+  // The shard is complete at the last micro-step, and measured then.
+  if (!c.land_status.ok() || micro_step != gas_) co_return;
   auto measure = [&] {
     return e.optimizer_->ComputeGradientStats(c.grads_shard.data(), DType::kFp32, c.shard.numel());
   };

@@ -61,6 +61,7 @@ void StepPipeline::Initialize() {
     c.grads_copied.emplace(0);
     c.grads_reduced.emplace(0);
     c.reduce_queued.emplace(0);
+    c.shard_sum_turn.emplace(1);
     c.params_gathered.emplace(0);
     if (!c.frozen()) ++trained_chunks_;
   }
@@ -345,21 +346,26 @@ void StepPipeline::Cancel() {
   // Several ranks: without Step() no all-gather was enqueued, nor the reduce-scatter of a chunk
   // declared before its turn came; journeys that wait for one end.
   if (!sharded()) return;
-  std::vector<bool> reducing(engine_.chunks_.size(), false);
-  {
-    std::lock_guard lock(mutex_);
-    for (size_t chunk : reduce_order_) reducing[chunk] = true;
-  }
+  std::lock_guard lock(mutex_);
+  const bool each_micro_step = engine_.reduces_each_micro_step();
   for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
     Chunk& c = engine_.chunks_[i];
-    if (c.micro_steps != gas_) continue;
     const Status cancelled = Cancelled("the engine was destroyed before Step()");
-    if (!reducing[i]) {
-      c.reduce_status = cancelled;
-      c.grads_reduced->Release();
-      c.reduce_number = Chunk::kNeverQueued;
-      c.reduce_queued->Release();
+    // The journeys that reduce: one per micro-step declared, or the last micro-step's.
+    const int reducing = each_micro_step ? c.micro_steps : c.micro_steps == gas_ ? 1 : 0;
+    for (int k = c.reduces_enqueued; k < reducing; ++k) {
+      if (engine_.reduces_from_ring()) {
+        // The journey learns from the number that no collective comes (ReduceGrads): a result
+        // here would go to the first journey waiting, maybe an earlier micro-step's whose
+        // collective is still running.
+        c.reduce_numbers.push_back(Chunk::kNeverQueued);
+        c.reduce_queued->Release();
+      } else {
+        c.reduce_results.push_back(cancelled);
+        c.grads_reduced->Release();
+      }
     }
+    if (c.micro_steps != gas_) continue;
     c.gather_status = cancelled;
     c.params_gathered->Release();
   }

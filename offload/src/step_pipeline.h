@@ -64,12 +64,20 @@
 //                                 from a ReduceRing slot instead of grads_sum (reduce_ring.h);
 //                                 with quantized gradients an all-to-all of int8 partitions
 //                                 that each rank sums into grads_shard instead
+//   GradsReady (every micro-step, stages 2 and 3 with accumulation)
+//                                 the same from a ReduceRing slot, per micro-step, into the
+//                                 slot's output shard, which the journey adds into grads_shard
+//                                 in micro-step order: no rank keeps a whole chunk's fp32 sum.
+//                                 The order goes round once per micro-step; the next
+//                                 micro-step's GradsReady of a chunk waits until the last one's
+//                                 landing buffer is widened into its slot (landing_taken)
 //   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
 //                                 all-gather param_copy, chunk by chunk in that order
 //                                                  (ready: shard_updated; not with stage 3)
 //                                 all-reduce of the ranks whose step failed (ready: step_outcome_)
 //
-// The journey then runs: land and sum in fp32 -> grads_summed -> reduce -> measure the shard
+// The journey then runs (earlier micro-steps, reducing every micro-step, run its first part):
+// land and sum in fp32 -> grads_summed -> reduce -> measure the shard
 // (ReduceGrads) -> arrive -> gate (gated steps) -> update the shard with the mean gradient
 // (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams; with stage 3 the
 // shard's new parameters wait in param_copy for the commit, which swaps them into host_params
@@ -210,20 +218,30 @@ class StepPipeline {
 
   // sharded_step.cpp
   bool sharded() const;
-  /// At `chunk`'s last GradsReady (trainer thread, under mutex_): readies its signals and
-  /// queues the reduce-scatters whose turn has come (reduce_sequence_).
-  void DeclareReduceLocked(size_t chunk);
-  void EnqueueReduceLocked(size_t chunk);
+  /// At `chunk`'s GradsReady (trainer thread, under mutex_): readies its signals at the last
+  /// micro-step and queues the reduce-scatters whose turn has come (reduce_sequence_, once a
+  /// step or once each micro-step).
+  void DeclareReduceLocked(size_t chunk, bool last);
+  /// `last`: the reduce-scatter of the chunk's last micro-step (its all-gather follows it).
+  void EnqueueReduceLocked(size_t chunk, bool last);
+  /// Reducing every micro-step, before micro-step `micro_step` (> 1) of `chunk` lands: waits
+  /// until the one before has been taken from the landing buffer (under mutex_, which it lets
+  /// go meanwhile); FailedPrecondition when that one's reduce-scatter cannot be enqueued yet,
+  /// as the wait would never end.
+  Status WaitForLandingLocked(size_t chunk, int micro_step, std::unique_lock<std::mutex>& lock);
   /// FailedPrecondition for a step that several ranks cannot take (under mutex_, from Step()).
   Status CheckShardedStepLocked() const;
   /// Queues the norm's all-reduce and the all-gathers of `order`'s chunks (trainer thread).
   void EnqueueStepCollectives(const std::vector<size_t>& order);
-  /// Opens grads_summed, waits for the reduce-scatter and measures this rank's shard.
-  Awaitable<void> ReduceGrads(size_t chunk);
+  /// Opens grads_summed (or fills the chunk's ReduceRing slot), waits for the reduce-scatter
+  /// of `micro_step` (the last, unless reducing every micro-step), sums it into the shard and,
+  /// at the last micro-step, measures this rank's shard.
+  Awaitable<void> ReduceGrads(size_t chunk, int micro_step);
   /// Once the chunk's reduce-scatter is queued and its ReduceRing slot is free: widens the
-  /// landed gradients into it (without accumulation), quantizes them into what the all-to-all
-  /// sends (quantized gradients), and opens grads_summed.
-  Awaitable<void> FillReduceSlot(Chunk& c);
+  /// landed gradients into it (or takes grads_sum), quantizes them into what the all-to-all
+  /// sends (quantized gradients), and marks the slot filled. Returns the reduce-scatter's
+  /// number (Chunk::kNeverQueued: Cancel ended the step).
+  Awaitable<uint64_t> FillReduceSlot(Chunk& c);
   /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
   Awaitable<void> GatherParams(size_t chunk);
   /// With the ranks whose step failed (from the outcome all-reduce, or its own failure):
@@ -326,9 +344,12 @@ class StepPipeline {
   std::atomic<int64_t> step_count_{0};
 
   // Several ranks: the order of every rank's reduce-scatters and all-gathers (the trained
-  // chunks, last first; set by Initialize), and the chunks whose reduce-scatter this step has
-  // enqueued so far, a prefix of it (trainer thread, under mutex_).
+  // chunks, last first; set by Initialize), the reduce-scatters this step has enqueued so far
+  // (reducing every micro-step, the sequence goes round once per micro-step), and the chunks
+  // whose last reduce-scatter is enqueued, in that order: the all-gathers' (trainer thread,
+  // under mutex_).
   std::vector<size_t> reduce_sequence_;
+  size_t reduces_enqueued_ = 0;
   std::vector<size_t> reduce_order_;
   ThreadSignal all_arrived_;        // Every chunk's shard is measured (opened on the loop).
   VerdictTotals verdict_totals_{};  // The norm's all-reduce's buffer.

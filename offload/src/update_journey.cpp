@@ -59,7 +59,7 @@ Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, do
 
 Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
   co_await LandGrads(chunk, micro_step, /*last=*/true);
-  if (sharded()) co_await ReduceGrads(chunk);
+  if (sharded()) co_await ReduceGrads(chunk, micro_step);
   Arrive(chunk);
   if (gated()) {
     if (CanSpeculate(chunk)) co_await Update(chunk, /*speculative=*/true);

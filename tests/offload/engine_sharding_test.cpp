@@ -50,6 +50,8 @@ struct RankResult {
   bool padded_to_shards = true;
   EngineCounters counters;
   uint64_t host_bytes = 0;
+  // Time the trainer waited for collectives (stage 3's gathers, stage 2's landing buffers).
+  double collective_stall_seconds = 0.0;
 };
 
 /// Trains `ranks` sharded engines for `steps` steps, each on a thread of its own; rank r writes
@@ -108,6 +110,11 @@ std::vector<RankResult> TrainSharded(
       // The steps' alone: reading the parameters gathers them with stage 3.
       result.counters = (*engine)->counters() - before;
       result.host_bytes = (*engine)->tier_usage(Tier::kHost).used_bytes;
+      result.collective_stall_seconds =
+          (*engine)
+              ->metrics()
+              .GetCounter("strata_trainer_stall_seconds_total", "", {{"resource", "collective"}})
+              .Value();
       if (result.status.ok()) result.params = WorkingParameters(**engine);
     });
   }
@@ -202,7 +209,10 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
                                            ShardedCase{"stage3_states_nvme", Tier::kNvme, 3},
                                            ShardedCase{"one_micro_step", Tier::kHost, 2, 1},
                                            ShardedCase{"one_micro_step_nvme", Tier::kNvme, 2, 1},
-                                           ShardedCase{"stage3_one_micro_step", Tier::kHost, 3, 1}),
+                                           ShardedCase{"stage3_one_micro_step", Tier::kHost, 3, 1},
+                                           ShardedCase{"three_micro_steps", Tier::kHost, 2, 3},
+                                           ShardedCase{"stage3_three_micro_steps_nvme", Tier::kNvme,
+                                                       3, 3}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 // The ranks' collectives go in one fixed chunk order, whatever order each rank's backward
@@ -233,20 +243,23 @@ TEST(ShardingTest, RanksThatDeclareGradientsInAnotherOrderStillReduceTheSameChun
   }
 }
 
-// ZeRO stage 2's memory: without accumulation a rank keeps, of the fp32 gradients, only its
-// shard and the ReduceRing's two buffers as large as the largest chunk, not a sum of every
-// chunk (which accumulating micro-steps needs all step long).
-TEST(ShardingTest, WithoutAccumulationTheFp32GradientsOfWholeChunksAreTwoBuffers) {
+// ZeRO stage 2's memory: a rank keeps, of the fp32 gradients, only its shard and the
+// ReduceRing's two buffers as large as the largest chunk, not a sum of every chunk. Accumulating
+// micro-steps, stage 2 reduces each one into the shard (the ring's buffers then also hold a
+// reduced shard each), while stage 1 keeps every chunk's fp32 sum all step and reduces it once.
+TEST(ShardingTest, StageTwoKeepsOnlyItsShardOfTheFp32GradientsEvenWhenAccumulating) {
   ScratchDir dir;
-  auto host_bytes = [&](int micro_steps) {
-    const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
-    std::vector<RankResult> ranks = TrainSharded(2, options, 1);
+  auto run = [&](int stage, int micro_steps) {
+    const EngineOptions options = OptionsFor({"", Tier::kHost, stage, micro_steps}, dir.path());
+    // Three ranks: a reduced shard is a third of a chunk, so what each way keeps differs.
+    std::vector<RankResult> ranks = TrainSharded(3, options, 1);
     EXPECT_TRUE(ranks[0].status.ok()) << ranks[0].status.ToString();
     return ranks[0];
   };
-  const RankResult accumulating = host_bytes(2);
-  const RankResult one = host_bytes(1);
-  ASSERT_GT(accumulating.chunks, 3u) << "more chunks than the ring has buffers";
+  const RankResult one = run(2, 1);
+  const RankResult accumulating = run(2, 2);
+  const RankResult stage1_accumulating = run(1, 2);
+  ASSERT_GT(one.chunks, 3u) << "more chunks than the ring has buffers";
   uint64_t sums = 0;
   size_t largest = 0;
   for (size_t numel : one.trained_chunk_numels) {
@@ -254,8 +267,10 @@ TEST(ShardingTest, WithoutAccumulationTheFp32GradientsOfWholeChunksAreTwoBuffers
     largest = std::max(largest, numel);
   }
   const uint64_t ring = 2 * AlignUp(largest * sizeof(float), strata::kHostAlignment);
-  ASSERT_GT(sums, ring);
-  EXPECT_EQ(accumulating.host_bytes - one.host_bytes, sums - ring);
+  const uint64_t reduced_shards = 2 * AlignUp(largest / 3 * sizeof(float), strata::kHostAlignment);
+  ASSERT_NE(sums - ring, reduced_shards) << "a model where the two ways keep the same bytes";
+  EXPECT_EQ(accumulating.host_bytes - one.host_bytes, reduced_shards);
+  EXPECT_EQ(stage1_accumulating.host_bytes - one.host_bytes, sums - ring);
 }
 
 // Three ranks: each pads every chunk to three equal shards and updates only its own (a third
@@ -289,25 +304,53 @@ void ExpectThreeRanksFollowTheMeanGradient(const EngineOptions& options) {
 }
 
 // What each stage moves between ranks per step, as the ZeRO paper counts it (Ψ: the trained
-// chunks' bytes): stage 2 reduce-scatters the gradients and all-gathers the updated parameters
-// once (2Ψ); stage 3 gathers the parameters on every Acquire instead — forward's and
-// backward's of each micro-step (two here) — and never after the update.
+// chunks' bytes): stage 1 reduce-scatters the gradients summed over the micro-steps and
+// all-gathers the updated parameters once (2Ψ); stage 2 reduce-scatters every micro-step's
+// gradients (two here), as DeepSpeed's stage 2 does, so that no rank keeps a whole chunk's sum
+// (the paper's 2Ψ is a step of one micro-step); stage 3 also gathers the parameters on every
+// Acquire — forward's and backward's of each micro-step — and never after the update.
 TEST(ShardingTest, EachStageMovesTheBytesZeroPredicts) {
   ScratchDir dir;
   constexpr int kSteps = 2;
   constexpr int kMicroSteps = 2;
-  for (const int stage : {2, 3}) {
+  for (const int stage : {1, 2, 3}) {
     SCOPED_TRACE("stage " + std::to_string(stage));
-    const EngineOptions options = OptionsFor({"", Tier::kHost, stage}, dir.path());
+    const EngineOptions options = OptionsFor({"", Tier::kHost, stage, kMicroSteps}, dir.path());
     std::vector<RankResult> ranks = TrainSharded(2, options, kSteps);
     for (size_t r = 0; r < ranks.size(); ++r) {
       ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
       const uint64_t psi = ranks[r].trained_numel * sizeof(float);  // fp32 working parameters
-      EXPECT_EQ(ranks[r].counters.reduce_scatter_bytes, kSteps * psi) << "rank " << r;
+      const uint64_t reductions = stage == 1 ? 1 : kMicroSteps;
+      EXPECT_EQ(ranks[r].counters.reduce_scatter_bytes, kSteps * reductions * psi) << "rank " << r;
       const uint64_t gathers = stage == 3 ? 2 * kMicroSteps : 1;
       EXPECT_EQ(ranks[r].counters.all_gather_bytes, kSteps * gathers * psi) << "rank " << r;
     }
   }
+}
+
+// Reducing every micro-step, a chunk's next micro-step lands where the last one waits for its
+// reduce-scatter's buffer: with a peer late to start, the first rank's trainer waits in
+// GradsReady (counted as a collective stall) rather than overwriting gradients not yet taken,
+// and both ranks still end where one engine on the mean gradient does.
+TEST(ShardingTest, StageTwoWaitsForTheLastMicroStepsBufferWhenAPeerIsLate) {
+  ScratchDir dir;
+  const EngineOptions options = OptionsFor({"", Tier::kHost, 2, 2}, dir.path());
+  constexpr int kSteps = 2;
+  std::vector<RankResult> ranks =
+      TrainSharded(2, options, kSteps, 1.0f, {}, -1, [](int rank, testing::WrappedDevice&) {
+        if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      });
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(2, options, kSteps, &reference_reports);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
+  }
+  // Rank 0's first micro-step fills both ring slots; its third reduce-scatter, and so chunk 0's
+  // second micro-step, waits for rank 1.
+  EXPECT_GT(ranks[0].collective_stall_seconds, 0.1);
 }
 
 // ZeRO++'s quantized weights: stage 3 gathers each shard as blockwise int8. The trainer's
@@ -630,10 +673,18 @@ TEST(ShardingTest, ARankThatFailsAfterTheLastGatherFailsTheStepOnEveryRank) {
 TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
   ScratchDir dir;
   const ShardedModel model;
-  // With one micro-step the journey waits earlier, for its ReduceRing slot's turn.
-  for (const int micro_steps : {2, 1}) {
-    SCOPED_TRACE(std::to_string(micro_steps) + " micro-steps");
-    const EngineOptions options = OptionsFor({"", Tier::kHost, 2, micro_steps}, dir.path());
+  // Stage 1 accumulates and reduces at the last micro-step; with one micro-step the journey
+  // waits earlier, for its ReduceRing slot's turn; stage 2 accumulating reduces every
+  // micro-step, and refuses the second (below).
+  struct Case {
+    int stage;
+    int micro_steps;
+  };
+  for (const Case& test : {Case{1, 2}, Case{2, 1}, Case{2, 2}}) {
+    SCOPED_TRACE("stage " + std::to_string(test.stage) + ", " + std::to_string(test.micro_steps) +
+                 " micro-steps");
+    const EngineOptions options =
+        OptionsFor({"", Tier::kHost, test.stage, test.micro_steps}, dir.path());
     auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
     ASSERT_TRUE(comms.ok());
     auto finished = std::async(std::launch::async, [&] {
@@ -646,10 +697,19 @@ TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
           auto engine = Engine::Create(options, *device, model.specs, std::move(env));
           ASSERT_TRUE(engine.ok()) << engine.status().ToString();
           // Chunk 0 only, in every micro-step: its turn comes after chunks 2 and 1.
-          for (int micro = 0; micro < micro_steps; ++micro) {
+          for (int micro = 0; micro < test.micro_steps; ++micro) {
             ASSERT_TRUE((*engine)->Acquire(0).ok());
-            ASSERT_TRUE((*engine)->GradsReady(0).ok());
+            const Status declared = (*engine)->GradsReady(0);
             (*engine)->Release(0);
+            if (test.stage == 2 && micro == 1) {
+              // Its first micro-step's reduce-scatter cannot be enqueued before chunk 2's: the
+              // second would wait for it forever.
+              EXPECT_EQ(declared.code(), StatusCode::kFailedPrecondition);
+              EXPECT_NE(declared.message().find("chunk 2's are next"), std::string::npos)
+                  << declared.ToString();
+            } else {
+              ASSERT_TRUE(declared.ok()) << declared.ToString();
+            }
           }
           EXPECT_EQ((*engine)->Step().get().status().code(), StatusCode::kFailedPrecondition);
         });
@@ -661,6 +721,48 @@ TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
                    "deadlock: destroying an engine waits for a reduce-scatter never queued\n");
       std::_Exit(1);
     }
+  }
+}
+
+// Reducing every micro-step, a refused GradsReady (here: the chunk not acquired) of a later
+// micro-step leaves the chunk as it was: the trainer acquires it and declares again, and the
+// step completes as if nothing had happened, instead of waiting for a landing never to come.
+TEST(ShardingTest, StageTwoGradsReadyRefusedInALaterMicroStepCanBeRetried) {
+  ScratchDir dir;
+  const ShardedModel model;
+  const EngineOptions options = OptionsFor({"", Tier::kHost, 2, 2}, dir.path());
+  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
+  ASSERT_TRUE(comms.ok());
+  auto finished = std::async(std::launch::async, [&] {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        auto device = MakeDevice(64 << 20);
+        EngineEnvironment env;
+        env.communicator = std::move((*comms)[size_t(r)]);
+        auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+        ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+        Engine& e = **engine;
+        for (int micro = 0; micro < 2; ++micro) {
+          for (size_t c = e.chunk_count(); c-- > 0;) {
+            if (e.layout().chunk(c).frozen) continue;
+            if (micro == 1) {
+              EXPECT_EQ(e.GradsReady(c).code(), StatusCode::kFailedPrecondition) << "chunk " << c;
+            }
+            ASSERT_TRUE(e.Acquire(c).ok());
+            ASSERT_TRUE(e.GradsReady(c).ok()) << "chunk " << c << ", micro-step " << micro;
+            e.Release(c);
+          }
+        }
+        auto report = e.Step().get();
+        EXPECT_TRUE(report.ok()) << report.status().ToString();
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+  });
+  if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "deadlock: a retried GradsReady waits for a landing that never comes\n");
+    std::_Exit(1);
   }
 }
 

@@ -250,20 +250,34 @@ def main():
     print(f"strata plan --measure on 2 ranks: link {link / 1e9:.2f} GB/s (MPI on host memory)")
 
     # A DeepSpeed config's batch sizes count every rank: 16 = 4 per rank x 2 micro-steps x 2.
+    # Stage 2 reduces every micro-step's gradients into the rank's shard (no rank keeps a whole
+    # chunk's sum); stage 1 sums the micro-steps first and reduces once: half the gradient
+    # bytes, and the same losses but for the order of the fp32 sums.
+    accumulating = {}
     with tempfile.TemporaryDirectory() as scratch:
-        config = os.path.join(scratch, "ds.json")
-        with open(config, "w") as f:
-            json.dump({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
-                       "gradient_accumulation_steps": 2,
-                       "zero_optimization": {"stage": 2,
-                                             "offload_optimizer": {"device": "cpu"}}}, f)
-        code, out, err = run(MPI + [STRATA, "train", "--model", "tiny", "--steps", "3",
-                                    "--config", config, "--json"])
-        assert code == 0, err
-        document = json.loads(out)
-        assert document["optimizer"]["micro_batch"] == 4, document["optimizer"]
-        assert document["optimizer"]["gradient_accumulation_steps"] == 2, document["optimizer"]
-    print("a DeepSpeed config for 2 ranks: 4 sequences x 2 micro-steps per rank")
+        for stage in (2, 1):
+            config = os.path.join(scratch, f"ds{stage}.json")
+            with open(config, "w") as f:
+                json.dump({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 2,
+                           "zero_optimization": {"stage": stage,
+                                                 "offload_optimizer": {"device": "cpu"}}}, f)
+            code, out, err = run(MPI + [STRATA, "train", "--model", "tiny", "--steps", "10",
+                                        "--config", config, "--json"])
+            assert code == 0, err
+            document = json.loads(out)
+            assert document["optimizer"]["micro_batch"] == 4, document["optimizer"]
+            assert document["optimizer"]["gradient_accumulation_steps"] == 2, document["optimizer"]
+            assert document["ranks"]["zero_stage"] == stage, document["ranks"]
+            accumulating[stage] = document
+    stage2, stage1 = accumulating[2], accumulating[1]
+    ratio = stage2["summary"]["reduce_scatter_bytes"] / stage1["summary"]["reduce_scatter_bytes"]
+    assert ratio == 2.0, ratio
+    worst = max(abs(x["loss"] - y["loss"]) for x, y in zip(stage2["steps"], stage1["steps"]))
+    assert worst < TOLERANCE, f"stage 2 and stage 1 accumulating differ by {worst}"
+    print(f"a DeepSpeed config for 2 ranks: 4 sequences x 2 micro-steps per rank; stage 2 "
+          f"reduces each micro-step (gradient bytes x{ratio:.1f} stage 1's), losses within "
+          f"{worst:.2e} of stage 1's over 10 steps")
 
 
 if __name__ == "__main__":
