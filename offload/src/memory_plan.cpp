@@ -12,7 +12,7 @@ Status PlanInput::Validate() const {
   }
   if (gpus < 1) return InvalidArgument("--gpus must be >= 1, got " + std::to_string(gpus));
   if (chunk_bytes == 0) return InvalidArgument("--chunk-size must be positive");
-  if (quantized_gradient_bits != 8 && quantized_gradient_bits != 4) {
+  if (!cpu_adam::IsQuantBits(quantized_gradient_bits)) {
     return InvalidArgument("--zero-quantized-gradient-bits must be 8 or 4, got " +
                            std::to_string(quantized_gradient_bits));
   }
