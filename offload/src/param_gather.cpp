@@ -70,21 +70,27 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
                                            std::move(done));
     return;
   }
-  // The shard changes only between steps, when no gather runs (Discard), so it is quantized
-  // here, on the trainer thread, before the gather reads it.
-  Status quantized =
-      e.optimizer_->Quantize(c.host_params.data(), e.working_dtype(), c.shard.numel(), kWeightBits,
-                             slot.quantized_shard.data());
-  // A failure here would leave this rank out of a collective the others make: it still takes
-  // part, with whatever the buffer holds, and the Take that waits for it fails.
+  // Quantized on the communicator's thread when the gather's turn comes, not on the trainer's
+  // (an Acquire enqueues the prefetches of the chunks after it, whose quantizing would otherwise
+  // hold up forward). The shard changes only between steps, when no gather runs (Discard).
+  slot.quantize_status = Status();  // A failed communicator may never call `quantize`.
+  auto quantize = [&e, &c, &slot] {
+    slot.quantize_status =
+        e.optimizer_->Quantize(c.host_params.data(), e.working_dtype(), c.shard.numel(),
+                               kWeightBits, slot.quantized_shard.data());
+    // A failure must not leave this rank out of a collective the others make: it still takes
+    // part, with whatever the buffer holds, and the Take that waits for it fails.
+    return Status();
+  };
   const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel(), kWeightBits);
   e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(e.ranks())));
   // Moved as 32-bit words: an all-gather copies bits and does no arithmetic on them.
   e.environment_.communicator->AllGather(
       slot.quantized_shard.data(), slot.quantized_shards.data(), bytes / sizeof(float),
-      DType::kFp32, /*ready=*/{}, [quantized, done](Status status) {
-        done(quantized.ok() ? std::move(status)
-                            : quantized.WithContext("quantizing this rank's shard"));
+      DType::kFp32, quantize, [&slot, done](Status status) {
+        done(slot.quantize_status.ok()
+                 ? std::move(status)
+                 : slot.quantize_status.WithContext("quantizing this rank's shard"));
       });
 }
 

@@ -10,11 +10,12 @@
 // chunk, or left the order) is thrown away when a step or a Load changes the parameters.
 //
 // With placement.quantized_weights (ZeRO++'s qwZ), each rank quantizes its shard to blockwise
-// int8 (CpuOptimizer::Quantize) before the gather and every rank dequantizes all the shards
-// it received when the trainer takes them: the same bytes give every rank the same parameters.
+// int8 (CpuOptimizer::Quantize) on the communicator's thread as the gather's turn comes, and
+// every rank dequantizes all the shards it received when the trainer takes them: the same bytes
+// give every rank the same parameters.
 //
-// Threads: the trainer thread makes every call; the communicator's thread opens a slot's signal
-// when its gather is done.
+// Threads: the trainer thread makes every call; the communicator's thread quantizes a slot's
+// shard (quantized gathers) and opens its signal when its gather is done.
 #pragma once
 
 #include <cstddef>
@@ -67,6 +68,7 @@ class ParamGather {
     // Quantized gathers: this rank's shard quantized, and every rank's as gathered.
     AlignedBuffer quantized_shard;
     AlignedBuffer quantized_shards;
+    Status quantize_status;       // Of quantized_shard (communicator's thread, as its gather).
     std::optional<size_t> chunk;  // What it holds or is gathering; empty when free.
     bool taken = false;           // Between Take and Return.
     bool in_flight = false;       // A gather was enqueued into it and not waited for since.
