@@ -667,12 +667,39 @@ TEST(ShardingTest, ARankThatFailsAfterTheLastGatherFailsTheStepOnEveryRank) {
   }
 }
 
+/// Runs `body` on two sharded engines, each on a thread of its own with `options`, and exits
+/// the test binary naming `deadlock` if they are not done within a minute (a hang would stop
+/// every later test).
+void OnTwoRanksOrExit(const EngineOptions& options, const std::function<void(Engine&)>& body,
+                      const char* deadlock) {
+  const ShardedModel model;
+  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
+  ASSERT_TRUE(comms.ok());
+  auto finished = std::async(std::launch::async, [&] {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        auto device = MakeDevice(64 << 20);
+        EngineEnvironment env;
+        env.communicator = std::move((*comms)[size_t(r)]);
+        auto engine = Engine::Create(options, *device, model.specs, std::move(env));
+        ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+        body(**engine);
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+  });
+  if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "deadlock: %s\n", deadlock);
+    std::_Exit(1);
+  }
+}
+
 // A trainer that declares a chunk's gradients before its turn (backward's order) and then gives
 // up (Step() refuses: the other chunks have none) can still destroy its engine: the journey
 // waiting for a reduce-scatter that was never enqueued ends.
 TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
   ScratchDir dir;
-  const ShardedModel model;
   // Stage 1 accumulates and reduces at the last micro-step; with one micro-step the journey
   // waits earlier, for its ReduceRing slot's turn; stage 2 accumulating reduces every
   // micro-step, and refuses the second (below).
@@ -685,22 +712,14 @@ TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
                  " micro-steps");
     const EngineOptions options =
         OptionsFor({"", Tier::kHost, test.stage, test.micro_steps}, dir.path());
-    auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
-    ASSERT_TRUE(comms.ok());
-    auto finished = std::async(std::launch::async, [&] {
-      std::vector<std::thread> threads;
-      for (int r = 0; r < 2; ++r) {
-        threads.emplace_back([&, r] {
-          auto device = MakeDevice(64 << 20);
-          EngineEnvironment env;
-          env.communicator = std::move((*comms)[size_t(r)]);
-          auto engine = Engine::Create(options, *device, model.specs, std::move(env));
-          ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    OnTwoRanksOrExit(
+        options,
+        [&](Engine& engine) {
           // Chunk 0 only, in every micro-step: its turn comes after chunks 2 and 1.
           for (int micro = 0; micro < test.micro_steps; ++micro) {
-            ASSERT_TRUE((*engine)->Acquire(0).ok());
-            const Status declared = (*engine)->GradsReady(0);
-            (*engine)->Release(0);
+            ASSERT_TRUE(engine.Acquire(0).ok());
+            const Status declared = engine.GradsReady(0);
+            engine.Release(0);
             if (test.stage == 2 && micro == 1) {
               // Its first micro-step's reduce-scatter cannot be enqueued before chunk 2's: the
               // second would wait for it forever.
@@ -711,16 +730,9 @@ TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
               ASSERT_TRUE(declared.ok()) << declared.ToString();
             }
           }
-          EXPECT_EQ((*engine)->Step().get().status().code(), StatusCode::kFailedPrecondition);
-        });
-      }
-      for (std::thread& thread : threads) thread.join();
-    });
-    if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
-      std::fprintf(stderr,
-                   "deadlock: destroying an engine waits for a reduce-scatter never queued\n");
-      std::_Exit(1);
-    }
+          EXPECT_EQ(engine.Step().get().status().code(), StatusCode::kFailedPrecondition);
+        },
+        "destroying an engine waits for a reduce-scatter never queued");
   }
 }
 
@@ -729,20 +741,9 @@ TEST(ShardingTest, AnEngineWhoseChunksNeverAllArrivedCanBeDestroyed) {
 // step completes as if nothing had happened, instead of waiting for a landing never to come.
 TEST(ShardingTest, StageTwoGradsReadyRefusedInALaterMicroStepCanBeRetried) {
   ScratchDir dir;
-  const ShardedModel model;
-  const EngineOptions options = OptionsFor({"", Tier::kHost, 2, 2}, dir.path());
-  auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = 30});
-  ASSERT_TRUE(comms.ok());
-  auto finished = std::async(std::launch::async, [&] {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        auto device = MakeDevice(64 << 20);
-        EngineEnvironment env;
-        env.communicator = std::move((*comms)[size_t(r)]);
-        auto engine = Engine::Create(options, *device, model.specs, std::move(env));
-        ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-        Engine& e = **engine;
+  OnTwoRanksOrExit(
+      OptionsFor({"", Tier::kHost, 2, 2}, dir.path()),
+      [](Engine& e) {
         for (int micro = 0; micro < 2; ++micro) {
           for (size_t c = e.chunk_count(); c-- > 0;) {
             if (e.layout().chunk(c).frozen) continue;
@@ -756,14 +757,8 @@ TEST(ShardingTest, StageTwoGradsReadyRefusedInALaterMicroStepCanBeRetried) {
         }
         auto report = e.Step().get();
         EXPECT_TRUE(report.ok()) << report.status().ToString();
-      });
-    }
-    for (std::thread& thread : threads) thread.join();
-  });
-  if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
-    std::fprintf(stderr, "deadlock: a retried GradsReady waits for a landing that never comes\n");
-    std::_Exit(1);
-  }
+      },
+      "a retried GradsReady waits for a landing that never comes");
 }
 
 // What is not built for several ranks says so at Create, or when called.
