@@ -263,7 +263,7 @@ class Engine::Impl {
   // The parts. Their coroutines run on loop_ and their jobs in jobs_.
   Residency residency_{*this};
   StepPipeline pipeline_{*this, options_};
-  ParamGather param_gather_{*this};  // Trainer thread only.
+  ParamGather param_gather_{*this};  // See param_gather.h for its threads.
   ReduceRing reduce_ring_;           // See reduce_ring.h for its threads.
 
   JobCounter jobs_in_flight_;  // Every AwaitJob of the parts counts here.

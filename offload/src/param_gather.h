@@ -86,7 +86,7 @@ class ParamGather {
 
   Engine::Impl& engine_;
   std::deque<Slot> slots_;  // Never moved: the communicator writes into them.
-  Status failed_;           // Never moved: the communicator writes into them.
+  Status failed_;           // Set by Fail (trainer thread).
 };
 
 }  // namespace strata::offload
