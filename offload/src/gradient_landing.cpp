@@ -87,7 +87,6 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
               .delayed = o.delayed_update && step_count_.load() >= o.delayed_update_from_step};
     step_open_ = true;
     reduces_enqueued_ = 0;
-    reduce_order_.clear();
     all_arrived_.Reset();
   }
   // Closed only now that this landing is sure to come: a refusal above leaves it open for the
@@ -156,21 +155,19 @@ Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const vo
                   : optimizer.ComputeGradientStats(grads, dtype, numel);
 }
 
-void StepPipeline::WidenGrads(float* into, const void* grads, size_t numel) {
-  AccumulateGrads(*engine_.optimizer_, into, grads, engine_.working_dtype(), numel,
-                  /*first=*/true);
+void StepPipeline::SumGrads(float* sum, const void* grads, DType dtype, size_t numel, bool first) {
+  AccumulateGrads(*engine_.optimizer_, sum, grads, dtype, numel, first);
 }
 
 Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool last) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   co_await c.grads_copied->Acquire();
-  if (c.placement.optimizer_states != Tier::kDevice) {
-    e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
-  }
+  const bool copied_to_host = c.placement.optimizer_states != Tier::kDevice;
+  if (copied_to_host) e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
   // Reducing every micro-step, the landed gradients go to the reduce-scatter as they are
   // (ReduceGrads); nothing to sum or measure here.
-  if (c.placement.optimizer_states != Tier::kDevice && !e.reduces_each_micro_step()) {
+  if (copied_to_host && !e.reduces_each_micro_step()) {
     auto sum_and_measure = [&] {
       return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.grads_landing.data(),
                            c.numel, micro_step, last);

@@ -12,6 +12,10 @@ namespace strata::offload {
 
 bool StepPipeline::sharded() const { return engine_.sharded(); }
 
+bool StepPipeline::JourneyReadsReduceSlot() const {
+  return engine_.quantizes_gradients() || engine_.reduces_each_micro_step();
+}
+
 Status StepPipeline::CheckShardedStepLocked() const {
   if (!sharded()) return Status();
   if (attempt_failed_) {
@@ -51,7 +55,7 @@ void StepPipeline::DeclareReduceLocked(size_t chunk, bool last) {
     const size_t next = reduce_sequence_[reduces_enqueued_ % per_round];
     const int micro_step = rounds == 1 ? gas_ : int(reduces_enqueued_ / per_round) + 1;
     if (chunks[next].micro_steps < micro_step) break;
-    EnqueueReduceLocked(next, micro_step == gas_);
+    EnqueueReduceLocked(next);
   }
 }
 
@@ -79,18 +83,14 @@ Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
   return Status();
 }
 
-void StepPipeline::EnqueueReduceLocked(size_t chunk, bool last) {
+void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   ++reduces_enqueued_;
   ++c.reduces_enqueued;
-  if (last) reduce_order_.push_back(chunk);
   const bool ring = e.reduces_from_ring();
   const bool quantized = e.quantizes_gradients();
-  // Who reads the slot once the collective is done: the journey, which sums what the ranks sent
-  // (quantized) or adds the reduced shard into the chunk's (reducing every micro-step); else the
-  // collective itself, which reduces straight into grads_shard.
-  const bool journey_reads = quantized || e.reduces_each_micro_step();
+  const bool journey_reads = JourneyReadsReduceSlot();
   const uint64_t number = ring ? e.reduce_ring_.Next() : Chunk::kNeverQueued;
   if (ring) {
     // The journey fills the slot when its turn comes (FillReduceSlot).
@@ -254,14 +254,6 @@ Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte*
   return Status();
 }
 
-/// shard[i] += reduced[i]; `first` copies.
-void AddReducedShard(cpu_adam::CpuOptimizer& optimizer, const float* reduced, size_t shard_numel,
-                     float* shard, bool first) {
-  optimizer.ParallelFor(shard_numel, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) shard[i] = first ? reduced[i] : shard[i] + reduced[i];
-  });
-}
-
 }  // namespace
 
 Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
@@ -281,7 +273,7 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
     if (e.sums_micro_steps()) {
       gradients = reinterpret_cast<const float*>(c.grads_sum.data());
     } else {
-      WidenGrads(widened, c.grads_landing.data(), c.numel);
+      SumGrads(widened, c.grads_landing.data(), e.working_dtype(), c.numel, /*first=*/true);
     }
     if (!e.quantizes_gradients()) return Status();
     return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),
@@ -321,8 +313,7 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
   co_await c.grads_reduced->Acquire();
   const Status reduced = std::move(c.reduce_results.front());
   c.reduce_results.pop_front();
-  const bool journey_reads = e.quantizes_gradients() || each_micro_step;
-  if (journey_reads) {
+  if (JourneyReadsReduceSlot()) {
     if (reduced.ok()) {
       // This rank's shard: the sum of every rank's partition it received, or what the
       // reduce-scatter wrote, added to the earlier micro-steps'.
@@ -330,8 +321,7 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
       auto sum = [&]() -> Status {
         float* shard = reinterpret_cast<float*>(c.grads_shard.data());
         if (!e.quantizes_gradients()) {
-          AddReducedShard(*e.optimizer_, e.reduce_ring_.Output(number), c.shard.numel(), shard,
-                          first);
+          SumGrads(shard, e.reduce_ring_.Output(number), DType::kFp32, c.shard.numel(), first);
           return Status();
         }
         return SumReceivedPartitions(*e.optimizer_, e.reduce_ring_.Received(number),

@@ -161,7 +161,6 @@ std::future<Result<StepReport>> StepPipeline::Step() {
   std::promise<Result<StepReport>> promise;
   std::future<Result<StepReport>> future = promise.get_future();
   bool delayed = false;
-  std::vector<size_t> gather_order;
   {
     std::lock_guard lock(mutex_);
     Status refused;
@@ -205,11 +204,11 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     }
     step_running_ = true;
     delayed = hyper_.delayed;
-    if (sharded()) gather_order = reduce_order_;
   }
   // Several ranks: the norm's all-reduce, then the parameters' all-gathers, in the order every
-  // rank reduced the gradients. They run as their inputs come (see "Sharding" in the header).
-  if (sharded()) EnqueueStepCollectives(gather_order);
+  // rank reduced the gradients (CheckShardedStepLocked refused a step without every trained
+  // chunk's). They run as their inputs come (see "Sharding" in the header).
+  if (sharded()) EnqueueStepCollectives(reduce_sequence_);
   if (delayed) {
     // The trainer's next forward runs beside this step: it must find the device's parameters
     // complete (a failure shows again in the commit's own wait). The trainer waits here: a

@@ -218,12 +218,15 @@ class StepPipeline {
 
   // sharded_step.cpp
   bool sharded() const;
+  /// Who reads a ReduceRing slot once its collective is done: the journey, which sums what the
+  /// ranks sent (quantized gradients) or adds the reduced shard into the chunk's (reducing every
+  /// micro-step); else the collective itself, which reduces straight into grads_shard.
+  bool JourneyReadsReduceSlot() const;
   /// At `chunk`'s GradsReady (trainer thread, under mutex_): readies its signals at the last
   /// micro-step and queues the reduce-scatters whose turn has come (reduce_sequence_, once a
   /// step or once each micro-step).
   void DeclareReduceLocked(size_t chunk, bool last);
-  /// `last`: the reduce-scatter of the chunk's last micro-step (its all-gather follows it).
-  void EnqueueReduceLocked(size_t chunk, bool last);
+  void EnqueueReduceLocked(size_t chunk);
   /// Reducing every micro-step, before micro-step `micro_step` (> 1) of `chunk` lands: waits
   /// until the one before has been taken from the landing buffer (under mutex_, which it lets
   /// go meanwhile); FailedPrecondition when that one's reduce-scatter cannot be enqueued yet,
@@ -255,8 +258,9 @@ class StepPipeline {
                       bool last);
   Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
                                                 int micro_step, bool last);
-  /// into[i] = grads[i] widened to fp32 (a job: it runs on the optimizer's threads).
-  void WidenGrads(float* into, const void* grads, size_t numel);
+  /// sum[i] (+)= grads[i] (of `dtype`) widened to fp32; `first` overwrites (a job: it runs on
+  /// the optimizer's threads).
+  void SumGrads(float* sum, const void* grads, DType dtype, size_t numel, bool first);
   Awaitable<void> LandMicroStep(size_t chunk, int micro_step);
   Awaitable<Status> LandGrads(size_t chunk, int micro_step, bool last);
 
@@ -344,13 +348,12 @@ class StepPipeline {
   std::atomic<int64_t> step_count_{0};
 
   // Several ranks: the order of every rank's reduce-scatters and all-gathers (the trained
-  // chunks, last first; set by Initialize), the reduce-scatters this step has enqueued so far
-  // (reducing every micro-step, the sequence goes round once per micro-step), and the chunks
-  // whose last reduce-scatter is enqueued, in that order: the all-gathers' (trainer thread,
-  // under mutex_).
+  // chunks, last first; set by Initialize), and the reduce-scatters this step has enqueued so far
+  // (reducing every micro-step, the sequence goes round once per micro-step; trainer thread,
+  // under mutex_). Step() needs every trained chunk's, so its all-gathers go in the sequence's
+  // order.
   std::vector<size_t> reduce_sequence_;
   size_t reduces_enqueued_ = 0;
-  std::vector<size_t> reduce_order_;
   ThreadSignal all_arrived_;        // Every chunk's shard is measured (opened on the loop).
   VerdictTotals verdict_totals_{};  // The norm's all-reduce's buffer.
   // The step's outcome on this rank (opened by FinishStep; reset by Step()), and the all-reduce

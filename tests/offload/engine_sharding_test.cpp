@@ -151,6 +151,20 @@ std::vector<std::vector<float>> TrainReference(int ranks, const EngineOptions& o
   return WorkingParameters(**engine);
 }
 
+/// Every rank of `ranks` trained without error and ends with the parameters of one engine
+/// trained on their mean gradient for `steps` steps, bit for bit.
+void ExpectEveryRankEndsAsTheReference(const std::vector<RankResult>& ranks,
+                                       const EngineOptions& options, int steps) {
+  std::vector<StepReport> reference_reports;
+  const auto reference = TrainReference(int(ranks.size()), options, steps, &reference_reports);
+  ASSERT_FALSE(reference.empty());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
+    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
+        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
+  }
+}
+
 struct ShardedCase {
   const char* name;
   Tier states;
@@ -232,14 +246,7 @@ TEST(ShardingTest, RanksThatDeclareGradientsInAnotherOrderStillReduceTheSameChun
     constexpr int kSteps = 2;
     std::vector<RankResult> ranks = TrainSharded(2, options, kSteps, 1.0f, {},
                                                  /*reordering_rank=*/1, {}, 64 << 20, order);
-    std::vector<StepReport> reference_reports;
-    const auto reference = TrainReference(2, options, kSteps, &reference_reports);
-    ASSERT_FALSE(reference.empty());
-    for (size_t r = 0; r < ranks.size(); ++r) {
-      ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
-      EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
-          << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
-    }
+    ExpectEveryRankEndsAsTheReference(ranks, options, kSteps);
   }
 }
 
@@ -340,14 +347,7 @@ TEST(ShardingTest, StageTwoWaitsForTheLastMicroStepsBufferWhenAPeerIsLate) {
       TrainSharded(2, options, kSteps, 1.0f, {}, -1, [](int rank, testing::WrappedDevice&) {
         if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
       });
-  std::vector<StepReport> reference_reports;
-  const auto reference = TrainReference(2, options, kSteps, &reference_reports);
-  ASSERT_FALSE(reference.empty());
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    ASSERT_TRUE(ranks[r].status.ok()) << "rank " << r << ": " << ranks[r].status.ToString();
-    EXPECT_TRUE(testing::BitEqual(ranks[r].params, reference))
-        << "rank " << r << " differs by " << testing::MaxAbsDiff(ranks[r].params, reference);
-  }
+  ExpectEveryRankEndsAsTheReference(ranks, options, kSteps);
   // Rank 0's first micro-step fills both ring slots; its third reduce-scatter, and so chunk 0's
   // second micro-step, waits for rank 1.
   EXPECT_GT(ranks[0].collective_stall_seconds, 0.1);
