@@ -1109,6 +1109,8 @@ Result<LoadedConfig> ParseConfigImpl(std::string_view json_text, ConfigFormat fo
   }
   loaded.format = format;
   loaded.has_optimizer = doc.contains("optimizer");
+  loaded.has_chunk_bytes = format == ConfigFormat::kStrata && doc.contains("placement") &&
+                           doc["placement"].is_object() && doc["placement"].contains("chunk_bytes");
 
   Context ctx;
   ctx.source = std::string(source);

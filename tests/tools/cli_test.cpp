@@ -500,11 +500,32 @@ TEST(CliTest, TrainTakesADeepSpeedConfig) {
   EXPECT_EQ(j["placement"]["params"], "host");
   EXPECT_EQ(j["placement"]["precision"], "bf16");
   EXPECT_EQ(j["steps"].size(), 3u);
+  // DeepSpeed has no chunk size: train's own stands (the engine's 64MiB would make one chunk).
+  auto plain = RunCli(TinyTrain("--steps 1 --json"), /*merge_stderr=*/false);
+  ASSERT_EQ(plain.exit_code, 0) << plain.out;
+  const int chunks = nlohmann::json::parse(plain.out)["placement"]["chunks"].get<int>();
+  EXPECT_GT(chunks, 1);
+  EXPECT_EQ(j["placement"]["chunks"].get<int>(), chunks);
   // Flags given override the file.
   r = RunCli(TinyTrain("--steps 2 --json --offload-optimizer nvme --config " + config),
              /*merge_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_EQ(nlohmann::json::parse(r.out)["placement"]["optimizer_states"], "nvme");
+}
+
+// A Strata config that names a chunk size gets it; one that does not keeps train's.
+TEST(CliTest, TrainTakesTheChunkSizeOnlyFromAConfigThatGivesIt) {
+  auto chunks_with = [](const std::string& config) {
+    auto r = RunCli(TinyTrain("--steps 1 --json --config " + config), /*merge_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    return r.exit_code == 0 ? nlohmann::json::parse(r.out)["placement"]["chunks"].get<int>() : -1;
+  };
+  const int silent = chunks_with(WriteTemp("strata_no_chunk.json", R"({
+    "placement": {"optimizer_states": "host"}})"));
+  const int whole = chunks_with(WriteTemp("strata_big_chunk.json", R"({
+    "placement": {"optimizer_states": "host", "chunk_bytes": "64MiB"}})"));
+  EXPECT_GT(silent, 1);
+  EXPECT_EQ(whole, 1);
 }
 
 // A fixed fp16 loss scale far too high overflows every step: each is skipped, and the run still

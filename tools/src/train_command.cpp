@@ -105,12 +105,15 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   o.placement.params = Tier::kHost;
   o.placement.chunk_bytes = kDefaultChunkBytes;
   if (config) {
-    const OptimizerOptions own = o.optimizer;
+    const EngineOptions own = o;
     o = config->options;
     if (!config->has_optimizer) {  // The optimizer is the trainer's, as in DeepSpeed.
-      o.optimizer.lr = own.lr;
-      o.optimizer.weight_decay = own.weight_decay;
+      o.optimizer.lr = own.optimizer.lr;
+      o.optimizer.weight_decay = own.optimizer.weight_decay;
     }
+    // The engine's 64MiB default would put the whole built-in model in one chunk, and no
+    // chunk's update could overlap another's backward.
+    if (!config->has_chunk_bytes) o.placement.chunk_bytes = own.placement.chunk_bytes;
   }
   if (!std::isnan(f.lr)) o.optimizer.lr = f.lr;
   if (!f.offload_optimizer.empty()) {

@@ -51,6 +51,10 @@ struct LoadedConfig {
   /// the optimizer to the trainer (deepspeed.initialize's optimizer argument): a trainer with
   /// defaults of its own keeps them.
   bool has_optimizer = false;
+  /// Whether the document gives `placement.chunk_bytes` (a Strata config; DeepSpeed has no such
+  /// key). Chunking is the engine's, not the model's: a trainer with a chunk size of its own
+  /// keeps it unless the document names one.
+  bool has_chunk_bytes = false;
   std::optional<int64_t> micro_batch_size;
 };
 
