@@ -51,8 +51,9 @@ struct Chunk {
   // in it, with offsets from its first element.
   ChunkShard shard;
   std::vector<ChunkSegment> segments;
-  // ZeRO stage 3 (a trained chunk with several ranks): host_params and param_copy hold only this
-  // rank's shard of the working parameters; Acquire gathers the whole chunk (ParamGather).
+  // ZeRO stage 3 (a trained chunk with several ranks): host_params, param_copy and the NVMe
+  // extents hold only this rank's shard of the working parameters; Acquire gathers the whole
+  // chunk (ParamGather).
   bool params_sharded = false;
 
   // Device-home parameters: the working parameters and their gradient buffer, always there.
@@ -167,6 +168,11 @@ struct Chunk {
   /// parameters are all it stores.
   bool frozen() const { return !placement.optimizer_states.has_value(); }
   size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
+  /// Working-parameter bytes of its home (host_params, param_copy, the NVMe extents): this
+  /// rank's shard with stage 3, else the whole chunk.
+  size_t param_home_bytes(size_t element_bytes) const {
+    return (params_sharded ? shard.numel() : numel) * element_bytes;
+  }
   /// Device memory it takes while resident: parameters and gradients (parameters only when
   /// frozen).
   size_t device_slot_bytes(DType working_dtype) const {

@@ -120,9 +120,9 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     // Frozen chunks stay whole on every rank: they have no optimizer step to share.
     c.params_sharded = gathers_params() && !layout_.chunk(i).frozen;
     if (place.params == Tier::kNvme &&
-        params_in_host + c.working_bytes(wsize) <= place.max_params_in_host) {
+        params_in_host + c.param_home_bytes(wsize) <= place.max_params_in_host) {
       c.placement.params = Tier::kHost;  // Within max_params_in_host: cached in host memory.
-      params_in_host += c.working_bytes(wsize);
+      params_in_host += c.param_home_bytes(wsize);
     }
     if (layout_.chunk(i).frozen) {
       c.placement.optimizer_states.reset();
@@ -308,7 +308,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       nvme_states = true;
     }
     if (c.placement.params == Tier::kNvme) {
-      nvme_bytes += 2 * AlignUp(c.working_bytes(wsize), kMiB);
+      nvme_bytes += 2 * AlignUp(c.param_home_bytes(wsize), kMiB);
       nvme_params = true;
     }
   }
@@ -341,9 +341,10 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
           static_reservations_.emplace_back(&nvme_budget_, c.state_bytes());
         }
         if (c.placement.params == Tier::kNvme) {
-          STRATA_ASSIGN_OR_RETURN(c.param_extents[k], swap_->Allocate(c.working_bytes(wsize)));
-          STRATA_RETURN_IF_ERROR(nvme_budget_.Reserve(c.working_bytes(wsize), "parameters"));
-          static_reservations_.emplace_back(&nvme_budget_, c.working_bytes(wsize));
+          const size_t bytes = c.param_home_bytes(wsize);
+          STRATA_ASSIGN_OR_RETURN(c.param_extents[k], swap_->Allocate(bytes));
+          STRATA_RETURN_IF_ERROR(nvme_budget_.Reserve(bytes, "parameters"));
+          static_reservations_.emplace_back(&nvme_budget_, bytes);
         }
       }
     }
@@ -550,7 +551,7 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
   const std::string name = "chunk " + std::to_string(chunk);
   std::vector<HostBuffer> buffers;
   // Stage 3 keeps this rank's shard of a trained chunk's working parameters (ParamGather).
-  const size_t param_bytes = c.params_sharded ? c.shard.numel() * wsize : c.working_bytes(wsize);
+  const size_t param_bytes = c.param_home_bytes(wsize);
   if (c.placement.params == Tier::kHost) {
     buffers.push_back({&c.host_params, param_bytes, "the parameters of " + name});
   }
@@ -658,11 +659,11 @@ Status Engine::Impl::CheckShardable() const {
                        "plain data parallelism (zero_optimization.stage 0) is not built; stages "
                        "1 and 2 shard the optimizer states");
   }
-  if (place.zero_stage == 3 && place.params != Tier::kHost) {
+  if (place.zero_stage == 3 && place.params == Tier::kDevice) {
     return Unavailable(across +
                        "zero_optimization.stage 3 keeps each rank's shard of the parameters in "
-                       "host memory and gathers a chunk's on Acquire: set offload_param cpu "
-                       "(shards kept on the device or on NVMe are not built yet)");
+                       "host memory or on NVMe and gathers a chunk's on Acquire: set "
+                       "offload_param cpu or nvme (shards kept on the device are not built yet)");
   }
   if (place.zero_stage != 3 && place.params != Tier::kDevice) {
     return Unavailable(across +

@@ -55,11 +55,11 @@ Status Engine::Impl::ReadFrozenValues(size_t chunk, float* out) {
 
 namespace {
 
-/// The chunk's working parameters: its master (numel floats) rounded.
-Result<AlignedBuffer> WorkingParams(const Chunk& c, const float* master, DType dtype) {
+/// Working parameters: `master` rounded.
+Result<AlignedBuffer> WorkingParams(std::span<const float> master, DType dtype) {
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer working,
-                          AlignedBuffer::Allocate(c.working_bytes(DTypeSize(dtype))));
-  Fp32ToDType({master, c.numel}, dtype, working.data());
+                          AlignedBuffer::Allocate(master.size() * DTypeSize(dtype)));
+  Fp32ToDType(master, dtype, working.data());
   return working;
 }
 
@@ -74,10 +74,14 @@ Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool s
     STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, states, c.state_bytes()));
   }
   if (c.placement.params == Tier::kNvme) {
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer working,
-                            WorkingParams(c, MasterOf(states), working_dtype()));
+    // The states' master is this rank's shard, which is all that stage 3 keeps at home (one
+    // rank: the whole chunk; frozen: its values).
+    const size_t bytes = c.param_home_bytes(working_size());
+    STRATA_ASSIGN_OR_RETURN(
+        AlignedBuffer working,
+        WorkingParams({MasterOf(states), bytes / working_size()}, working_dtype()));
     const nvme::ExtentId extent = shadow ? c.param_shadow() : c.param_extents[c.param_current];
-    STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, working.data(), working.size()));
+    STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, working.data(), bytes));
   }
   return Status();
 }
@@ -87,7 +91,8 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states, cons
   // Everything that can fail before the first byte changes.
   Result<AlignedBuffer> working = AlignedBuffer();
   if (c.placement.params != Tier::kNvme) {
-    working = WorkingParams(c, master != nullptr ? master : MasterOf(states), working_dtype());
+    working =
+        WorkingParams({master != nullptr ? master : MasterOf(states), c.numel}, working_dtype());
   }
   STRATA_RETURN_IF_ERROR(working.status());
   if (c.placement.optimizer_states == Tier::kDevice) {

@@ -9,15 +9,31 @@ namespace strata::offload {
 
 bool ParamGather::quantized() const { return engine_.options_.placement.quantized_weights; }
 
+bool ParamGather::reads_nvme() const {
+  return std::any_of(engine_.chunks_.begin(), engine_.chunks_.end(), [](const Chunk& c) {
+    return c.params_sharded && c.placement.params == Tier::kNvme;
+  });
+}
+
 size_t ParamGather::SlotExtraBytes() const {
-  if (!quantized()) return 0;
-  const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel(), kWeightBits);
-  return AlignUp(one, kHostAlignment) + AlignUp(one * size_t(engine_.ranks()), kHostAlignment);
+  const size_t shard_numel = engine_.max_trained_shard_numel();
+  size_t bytes = 0;
+  if (reads_nvme()) bytes += AlignUp(shard_numel * engine_.working_size(), kHostAlignment);
+  if (quantized()) {
+    const size_t one = cpu_adam::QuantizedBytes(shard_numel, kWeightBits);
+    bytes += AlignUp(one, kHostAlignment) + AlignUp(one * size_t(engine_.ranks()), kHostAlignment);
+  }
+  return bytes;
 }
 
 Status ParamGather::Initialize(size_t slots, size_t slot_bytes) {
   for (size_t i = 0; i < slots; ++i) {
     Slot& slot = slots_.emplace_back();
+    if (reads_nvme()) {
+      STRATA_ASSIGN_OR_RETURN(
+          slot.nvme_shard,
+          AlignedBuffer::Allocate(engine_.max_trained_shard_numel() * engine_.working_size()));
+    }
     if (quantized()) {
       const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel(), kWeightBits);
       STRATA_ASSIGN_OR_RETURN(slot.quantized_shard, AlignedBuffer::Allocate(one));
@@ -61,37 +77,51 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
   slot.chunk = chunk;
   slot.gathered.Reset();
   slot.in_flight = true;
-  auto done = [&slot](Status status) { slot.gathered.Open(status); };
-  if (!quantized()) {
-    e.m_.collective_of(CollectiveKind::kAllGather)
-        .Increment(double(c.working_bytes(e.working_size())));
-    e.environment_.communicator->AllGather(c.host_params.data(), slot.buffer.data(),
-                                           c.shard.numel(), e.working_dtype(), /*ready=*/{},
-                                           std::move(done));
-    return;
-  }
-  // Quantized on the communicator's thread when the gather's turn comes, not on the trainer's
-  // (an Acquire enqueues the prefetches of the chunks after it, whose quantizing would otherwise
-  // hold up forward). The shard changes only between steps, when no gather runs (Discard).
-  slot.quantize_status = Status();  // A failed communicator may never call `quantize`.
-  auto quantize = [&e, &c, &slot] {
-    slot.quantize_status =
-        e.optimizer_->Quantize(c.host_params.data(), e.working_dtype(), c.shard.numel(),
-                               kWeightBits, slot.quantized_shard.data());
+  // Read and quantized on the communicator's thread when the gather's turn comes (see the
+  // header). The shard changes only between steps, when no gather runs (Discard); so does the
+  // current extent, chosen here on the trainer thread.
+  const bool from_nvme = c.placement.params == Tier::kNvme;
+  const nvme::ExtentId extent = from_nvme ? c.param_extents[c.param_current] : nvme::ExtentId{};
+  const std::byte* shard = from_nvme ? slot.nvme_shard.data() : c.host_params.data();
+  const bool quantize = quantized();
+  slot.prepare_status = Status();  // A failed communicator may never call `prepare`.
+  auto prepare = [&e, &c, &slot, from_nvme, extent, shard, quantize] {
+    if (from_nvme) {
+      slot.prepare_status = e.swap_->ReadSync(extent, slot.nvme_shard.data());
+      if (slot.prepare_status.ok()) {
+        e.m_.nvme_read_bytes->Increment(double(c.param_home_bytes(e.working_size())));
+      } else {
+        slot.prepare_status = slot.prepare_status.WithContext("reading this rank's shard");
+      }
+    }
+    if (quantize && slot.prepare_status.ok()) {
+      slot.prepare_status = e.optimizer_
+                                ->Quantize(shard, e.working_dtype(), c.shard.numel(), kWeightBits,
+                                           slot.quantized_shard.data())
+                                .WithContext("quantizing this rank's shard");
+    }
     // A failure must not leave this rank out of a collective the others make: it still takes
     // part, with whatever the buffer holds, and the Take that waits for it fails.
     return Status();
   };
+  CollectiveReady ready;
+  if (from_nvme || quantize) ready = std::move(prepare);
+  auto done = [&slot](Status status) {
+    slot.gathered.Open(slot.prepare_status.ok() ? std::move(status) : slot.prepare_status);
+  };
+  if (!quantize) {
+    e.m_.collective_of(CollectiveKind::kAllGather)
+        .Increment(double(c.working_bytes(e.working_size())));
+    e.environment_.communicator->AllGather(shard, slot.buffer.data(), c.shard.numel(),
+                                           e.working_dtype(), std::move(ready), std::move(done));
+    return;
+  }
   const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel(), kWeightBits);
   e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(e.ranks())));
   // Moved as 32-bit words: an all-gather copies bits and does no arithmetic on them.
-  e.environment_.communicator->AllGather(
-      slot.quantized_shard.data(), slot.quantized_shards.data(), bytes / sizeof(float),
-      DType::kFp32, quantize, [&slot, done](Status status) {
-        done(slot.quantize_status.ok()
-                 ? std::move(status)
-                 : slot.quantize_status.WithContext("quantizing this rank's shard"));
-      });
+  e.environment_.communicator->AllGather(slot.quantized_shard.data(), slot.quantized_shards.data(),
+                                         bytes / sizeof(float), DType::kFp32, std::move(ready),
+                                         std::move(done));
 }
 
 Status ParamGather::Dequantize(Slot& slot, size_t chunk) {
@@ -137,12 +167,21 @@ Result<const std::byte*> ParamGather::Take(size_t chunk, std::span<const size_t>
     gathered = slot->gathered.Wait();
   }
   slot->in_flight = false;
-  if (gathered.ok() && quantized()) gathered = Dequantize(*slot, chunk);
+  // This rank's own part failed (reading, quantizing or dequantizing its shard), not the
+  // collective, which the other ranks went on from.
+  bool own_part_failed = !slot->prepare_status.ok();
+  if (gathered.ok() && quantized()) {
+    gathered = Dequantize(*slot, chunk);
+    own_part_failed = !gathered.ok();
+  }
   if (!gathered.ok()) {
     slot->taken = false;
     slot->chunk.reset();
-    return gathered.WithContext("gathering the parameters of chunk " + std::to_string(chunk) +
-                                " across ranks");
+    Status error = gathered.WithContext("gathering the parameters of chunk " +
+                                        std::to_string(chunk) + " across ranks");
+    // A retry would gather once more than the other ranks do.
+    if (own_part_failed) Fail(error);
+    return error;
   }
   return static_cast<const std::byte*>(slot->buffer.data());
 }

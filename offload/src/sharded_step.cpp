@@ -357,8 +357,8 @@ Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
                             std::to_string(engine_.rank())));
   }
   if (c.params_sharded) {
-    // Stage 3 gathers nothing here: the shard's new parameters wait in param_copy for the
-    // commit, and the next Acquire gathers them.
+    // Stage 3 gathers nothing here: the shard's new parameters wait in param_copy (or the
+    // shadow extent, on NVMe) for the commit, and the next Acquire gathers them.
     c.gathered = true;
     co_return;
   }

@@ -246,7 +246,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   EngineMetrics& m = e.m_;
-  const size_t wbytes = c.working_bytes(e.working_size());
+  const size_t home_bytes = c.param_home_bytes(e.working_size());  // Stage 3: the shard.
   const bool nvme_states = c.placement.optimizer_states == Tier::kNvme;
   const bool nvme_params = c.placement.params == Tier::kNvme;
   // Ahead of the verdict: the scale of a step that neither clips (coefficient 1) nor overflows,
@@ -311,7 +311,8 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
       if (s.ok() && nvme_states) {
         state_checksum = e.swap_->Checksum(state_buffer.data(), c.state_bytes());
       }
-      if (s.ok() && nvme_params) param_checksum = e.swap_->Checksum(param_buffer.data(), wbytes);
+      if (s.ok() && nvme_params)
+        param_checksum = e.swap_->Checksum(param_buffer.data(), home_bytes);
       return s;
     };
     {
@@ -339,9 +340,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     if (status.ok()) m.nvme_write_bytes->Increment(double(c.state_bytes()));
   }
   if (status.ok() && nvme_params) {
-    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.param_shadow(), param_buffer.data(), wbytes,
-                                           -1, param_checksum);
-    if (status.ok()) m.nvme_write_bytes->Increment(double(wbytes));
+    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.param_shadow(), param_buffer.data(),
+                                           home_bytes, -1, param_checksum);
+    if (status.ok()) m.nvme_write_bytes->Increment(double(home_bytes));
   }
   writing.reset();
   write_time.reset();

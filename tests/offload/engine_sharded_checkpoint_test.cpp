@@ -97,7 +97,15 @@ struct CheckpointCase {
   const char* name;
   Tier states;
   int stage;
+  Tier params = Tier::kHost;  // Stage 3: where each rank keeps its shard of the parameters.
 };
+
+EngineOptions OptionsFor(const CheckpointCase& sharded, const std::string& nvme_path) {
+  if (sharded.stage != 3) return ShardedOptions(sharded.states, nvme_path);
+  EngineOptions o = Stage3Options(sharded.states, nvme_path);
+  o.placement.params = sharded.params;
+  return o;
+}
 
 class ShardedCheckpointTest : public ::testing::TestWithParam<CheckpointCase> {};
 
@@ -107,9 +115,7 @@ class ShardedCheckpointTest : public ::testing::TestWithParam<CheckpointCase> {}
 // exactly as one engine that loaded it and trains on three ranks' mean.
 TEST_P(ShardedCheckpointTest, SavedByTwoRanksLoadsIntoOneTwoOrThreeAndContinues) {
   ScratchDir dir;
-  const EngineOptions options = GetParam().stage == 3
-                                    ? Stage3Options(GetParam().states, dir.path())
-                                    : ShardedOptions(GetParam().states, dir.path());
+  const EngineOptions options = OptionsFor(GetParam(), dir.path());
   const fs::path checkpoint = dir.path() / "checkpoint";
   std::vector<Parameters> saved(2), continued(2);
   OnRanks(2, options, [&](int rank, Engine& engine) {
@@ -183,7 +189,9 @@ INSTANTIATE_TEST_SUITE_P(Placements, ShardedCheckpointTest,
                          ::testing::Values(CheckpointCase{"states_host", Tier::kHost, 2},
                                            CheckpointCase{"states_nvme", Tier::kNvme, 2},
                                            CheckpointCase{"stage3_states_host", Tier::kHost, 3},
-                                           CheckpointCase{"stage3_states_nvme", Tier::kNvme, 3}),
+                                           CheckpointCase{"stage3_states_nvme", Tier::kNvme, 3},
+                                           CheckpointCase{"stage3_params_nvme", Tier::kNvme, 3,
+                                                          Tier::kNvme}),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
 
 /// Every state of every parameter of ShardedModel (frozen ones: their values), read as one
@@ -241,9 +249,7 @@ Status WriteDerivedStates(Engine& engine, const std::vector<std::vector<float>>&
 // optimizer, as FSDP's full state dict.
 TEST_P(ShardedCheckpointTest, StateAccessAcrossRanksIsOneEnginesBitForBit) {
   ScratchDir dir;
-  const EngineOptions options = GetParam().stage == 3
-                                    ? Stage3Options(GetParam().states, dir.path())
-                                    : ShardedOptions(GetParam().states, dir.path());
+  const EngineOptions options = OptionsFor(GetParam(), dir.path());
   std::vector<std::vector<std::vector<float>>> read(2), reread(2);
   std::vector<Parameters> after_write(2), trained(2);
   OnRanks(2, options, [&](int rank, Engine& engine) {

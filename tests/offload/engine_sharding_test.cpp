@@ -171,11 +171,14 @@ struct ShardedCase {
   int stage;
   // 1: each chunk is reduced from the ReduceRing's few buffers, not a gradient sum of its own.
   int micro_steps = 2;
+  // Stage 3: where each rank keeps its shard of the parameters (ZeRO-Infinity: nvme).
+  Tier params = Tier::kHost;
 };
 
 EngineOptions OptionsFor(const ShardedCase& sharded, const std::string& nvme_path) {
   EngineOptions o = sharded.stage == 3 ? Stage3Options(sharded.states, nvme_path)
                                        : ShardedOptions(sharded.states, nvme_path);
+  if (sharded.stage == 3) o.placement.params = sharded.params;
   o.placement.zero_stage = sharded.stage;
   o.optimizer.gradient_accumulation_steps = sharded.micro_steps;
   return o;
@@ -214,20 +217,43 @@ TEST_P(ShardingTest, TwoRanksTrainExactlyAsOneOnTheMeanGradient) {
   EXPECT_GT(ranks[0].chunks, 2u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Placements, ShardingTest,
-                         ::testing::Values(ShardedCase{"stage1_states_host", Tier::kHost, 1},
-                                           ShardedCase{"stage1_states_nvme", Tier::kNvme, 1},
-                                           ShardedCase{"states_host", Tier::kHost, 2},
-                                           ShardedCase{"states_nvme", Tier::kNvme, 2},
-                                           ShardedCase{"stage3_states_host", Tier::kHost, 3},
-                                           ShardedCase{"stage3_states_nvme", Tier::kNvme, 3},
-                                           ShardedCase{"one_micro_step", Tier::kHost, 2, 1},
-                                           ShardedCase{"one_micro_step_nvme", Tier::kNvme, 2, 1},
-                                           ShardedCase{"stage3_one_micro_step", Tier::kHost, 3, 1},
-                                           ShardedCase{"three_micro_steps", Tier::kHost, 2, 3},
-                                           ShardedCase{"stage3_three_micro_steps_nvme", Tier::kNvme,
-                                                       3, 3}),
-                         [](const auto& param_info) { return std::string(param_info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Placements, ShardingTest,
+    ::testing::Values(ShardedCase{"stage1_states_host", Tier::kHost, 1},
+                      ShardedCase{"stage1_states_nvme", Tier::kNvme, 1},
+                      ShardedCase{"states_host", Tier::kHost, 2},
+                      ShardedCase{"states_nvme", Tier::kNvme, 2},
+                      ShardedCase{"stage3_states_host", Tier::kHost, 3},
+                      ShardedCase{"stage3_states_nvme", Tier::kNvme, 3},
+                      ShardedCase{"one_micro_step", Tier::kHost, 2, 1},
+                      ShardedCase{"one_micro_step_nvme", Tier::kNvme, 2, 1},
+                      ShardedCase{"stage3_one_micro_step", Tier::kHost, 3, 1},
+                      ShardedCase{"three_micro_steps", Tier::kHost, 2, 3},
+                      ShardedCase{"stage3_three_micro_steps_nvme", Tier::kNvme, 3, 3},
+                      ShardedCase{"stage3_params_nvme", Tier::kHost, 3, 2, Tier::kNvme},
+                      ShardedCase{"stage3_params_and_states_nvme_one_micro_step", Tier::kNvme, 3, 1,
+                                  Tier::kNvme}),
+    [](const auto& param_info) { return std::string(param_info.param.name); });
+
+// ZeRO-Infinity across ranks (stage 3 with offload_param nvme): each rank keeps its shard of the
+// parameters on NVMe and reads it for each gather; the update writes the shard back. So the
+// NVMe traffic per rank is 1/N of the parameters it gathers and updates.
+TEST(ShardingTest, StageThreeKeepsEachRanksParameterShardOnNvme) {
+  ScratchDir dir;
+  // States in host memory: the parameter shards are all that NVMe holds.
+  const EngineOptions options = OptionsFor({"", Tier::kHost, 3, 2, Tier::kNvme}, dir.path());
+  constexpr int kSteps = 2;
+  const std::vector<RankResult> ranks = TrainSharded(2, options, kSteps);
+  ExpectEveryRankEndsAsTheReference(ranks, options, kSteps);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const EngineCounters& moved = ranks[r].counters;
+    const uint64_t shards_bytes = ranks[r].trained_numel / ranks.size() * sizeof(float);
+    EXPECT_GT(moved.all_gather_bytes, 0u);
+    // Each gather reads this rank's shard of the chunk; each step writes every shard once.
+    EXPECT_EQ(moved.nvme_read_bytes, moved.all_gather_bytes / ranks.size()) << "rank " << r;
+    EXPECT_EQ(moved.nvme_write_bytes, kSteps * shards_bytes) << "rank " << r;
+  }
+}
 
 // The ranks' collectives go in one fixed chunk order, whatever order each rank's backward
 // declares gradients in: a rank whose last two chunks come the other way round (chunks of the
@@ -393,6 +419,14 @@ TEST(ShardingTest, StageThreeQuantizedWeightsGatherInt8AndEveryRankSeesTheSame) 
     EXPECT_LT(double(ranks[r].counters.all_gather_bytes),
               0.27 * double(exact[r].counters.all_gather_bytes));
   }
+  // Shards kept on NVMe are read, then quantized: the same bytes as from host memory.
+  options.placement.params = Tier::kNvme;
+  const std::vector<RankResult> from_nvme = TrainSharded(2, options, kSteps);
+  for (size_t r = 0; r < from_nvme.size(); ++r) {
+    ASSERT_TRUE(from_nvme[r].status.ok()) << "rank " << r << ": " << from_nvme[r].status.ToString();
+    EXPECT_GT(from_nvme[r].counters.nvme_read_bytes, 0u);
+    EXPECT_TRUE(testing::BitEqual(from_nvme[r].params, ranks[r].params)) << "rank " << r;
+  }
 }
 
 // ZeRO++'s quantized gradients: each rank sends every other its partition of the gradients as
@@ -497,8 +531,11 @@ TEST(ShardingTest, StageThreeTrainsWithADeviceThatCannotHoldTheModel) {
 void OnStageThreeRanks(const std::string& nvme_path, double timeout,
                        const std::function<void(int, Engine&, testing::WrappedDevice&)>& body,
                        Tier states = Tier::kHost,
-                       const std::function<EngineEnvironment(int)>& environment = {}) {
+                       const std::function<EngineEnvironment(int)>& environment = {},
+                       Tier params = Tier::kHost) {
   const ShardedModel model;
+  EngineOptions options = Stage3Options(states, nvme_path);
+  options.placement.params = params;
   auto comms = CreateLocalCommunicators({.size = 2, .timeout_seconds = timeout});
   ASSERT_TRUE(comms.ok());
   std::vector<std::thread> threads;
@@ -508,8 +545,7 @@ void OnStageThreeRanks(const std::string& nvme_path, double timeout,
       testing::WrappedDevice device(*inner);
       EngineEnvironment env = environment ? environment(r) : EngineEnvironment{};
       env.communicator = std::move((*comms)[size_t(r)]);
-      auto engine =
-          Engine::Create(Stage3Options(states, nvme_path), device, model.specs, std::move(env));
+      auto engine = Engine::Create(options, device, model.specs, std::move(env));
       ASSERT_TRUE(engine.ok()) << engine.status().ToString();
       body(r, **engine, device);
     });
@@ -552,6 +588,33 @@ TEST(ShardingTest, StageThreeRankWhoseAcquireFailsStopsGathering) {
   });
   EXPECT_TRUE(first[0].ok()) << first[0].ToString();
   EXPECT_FALSE(first[1].ok());
+  EXPECT_EQ(second[1].code(), StatusCode::kFailedPrecondition) << second[1].ToString();
+  EXPECT_NE(second[1].message().find("restart the ranks"), std::string::npos)
+      << second[1].ToString();
+  EXPECT_FALSE(second[0].ok()) << "rank 0 gathered chunk 1 beside rank 1's chunk 0";
+}
+
+// A rank that cannot read its parameter shard from NVMe still takes part in the gather (the
+// others are in it), and its Acquire fails naming the read. It then stops gathering, as above:
+// a retry would gather once more than the other ranks, pairing with their next chunk.
+TEST(ShardingTest, StageThreeRankThatCannotReadItsShardFailsItsAcquireAndStopsGathering) {
+  ScratchDir dir;
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kRead, .times = -1});
+  std::vector<Status> first(2), second(2);
+  OnStageThreeRanks(
+      dir.path(), 2,
+      [&](int r, Engine& engine, testing::WrappedDevice&) {
+        first[size_t(r)] = engine.Acquire(0).status();
+        if (first[size_t(r)].ok()) engine.Release(0);
+        second[size_t(r)] = engine.Acquire(r == 1 ? 0 : 1).status();
+      },
+      Tier::kHost, testing::FaultyRankEnvironment(1, plan), Tier::kNvme);
+  EXPECT_TRUE(first[0].ok()) << first[0].ToString();
+  EXPECT_FALSE(first[1].ok());
+  EXPECT_NE(first[1].message().find("reading this rank's shard"), std::string::npos)
+      << first[1].ToString();
+  EXPECT_NE(first[1].message().find("chunk 0"), std::string::npos) << first[1].ToString();
   EXPECT_EQ(second[1].code(), StatusCode::kFailedPrecondition) << second[1].ToString();
   EXPECT_NE(second[1].message().find("restart the ranks"), std::string::npos)
       << second[1].ToString();
@@ -772,14 +835,12 @@ TEST(ShardingTest, WhatIsNotBuiltForSeveralRanksIsRefusedClearly) {
     auto device = MakeDevice(64 << 20);
     return Engine::Create(options, *device, model.specs, std::move(env)).status();
   };
-  // Stage 3 keeps the parameter shards in host memory: on the device or NVMe is not built.
-  for (const Tier params : {Tier::kDevice, Tier::kNvme}) {
-    EngineOptions stage3 = Stage3Options(Tier::kHost, dir.path());
-    stage3.placement.params = params;
-    EXPECT_EQ(create(stage3).code(), StatusCode::kUnavailable);
-    EXPECT_NE(create(stage3).message().find("offload_param cpu"), std::string::npos)
-        << create(stage3).message();
-  }
+  // Stage 3 keeps the parameter shards in host memory or on NVMe: on the device is not built.
+  EngineOptions stage3 = Stage3Options(Tier::kHost, dir.path());
+  stage3.placement.params = Tier::kDevice;
+  EXPECT_EQ(create(stage3).code(), StatusCode::kUnavailable);
+  EXPECT_NE(create(stage3).message().find("offload_param cpu or nvme"), std::string::npos)
+      << create(stage3).message();
   EngineOptions stage0 = ShardedOptions(Tier::kHost, dir.path());
   stage0.placement.zero_stage = 0;
   EXPECT_EQ(create(stage0).code(), StatusCode::kUnavailable);

@@ -226,14 +226,26 @@ def main():
     print(f"rank 1 stopped mid-training: rank 0 exits ({code}) after {seconds:.1f} s "
           f"(collective timeout 5 s), naming it")
 
-    # What is not built for several ranks: every rank says so, naming itself; nothing trains.
+    # ZeRO-Infinity across ranks: each rank keeps its shard of the parameters on NVMe and reads
+    # it for every gather; the gathered parameters are the same, and so are the losses.
     code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3",
                                                     "--offload-params", "nvme"])
-    assert code != 0, "stage 3 with parameter shards on NVMe should be refused"
+    assert code == 0, f"stage 3 with parameter shards on NVMe failed ({code}):\n{err}"
+    on_nvme = json.loads(out)
+    assert on_nvme["placement"]["params"] == "nvme", on_nvme["placement"]
+    assert on_nvme["summary"]["nvme_read_bytes"] > 0, on_nvme["summary"]
+    e = [s["loss"] for s in on_nvme["steps"]]
+    assert e == c, f"parameter shards on NVMe differ from host memory: {e} vs {c}"
+    print("stage 3 with parameter shards on NVMe on 2 ranks: the same losses exactly")
+
+    # What is not built for several ranks: every rank says so, naming itself; nothing trains.
+    code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4", "--zero-stage", "3",
+                                                    "--offload-params", "device"])
+    assert code != 0, "stage 3 with parameter shards on the device should be refused"
     for rank in (0, 1):
-        assert f"rank {rank} of 2:" in err and "offload_param cpu" in err, err
+        assert f"rank {rank} of 2:" in err and "offload_param cpu or nvme" in err, err
     assert '"steps"' not in out, out
-    print("stage 3 with parameter shards on NVMe refused on both ranks, each naming itself")
+    print("stage 3 with parameter shards on the device refused on both ranks, each naming itself")
 
     # strata plan --measure under mpirun times the link with the engine's collectives across the
     # ranks (the node's other rates given here, so that only the link is measured); --gpus
