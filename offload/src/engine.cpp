@@ -362,7 +362,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
     };
     // Parameter staging first: automatic state staging takes what the budget has left.
     if (nvme_params) {
-      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, layout_.max_chunk_numel() * wsize,
+      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, max_nvme_param_bytes(),
                                        options_.host.param_buffer_count,
                                        "the parameter staging buffers"));
     }
@@ -585,19 +585,16 @@ std::vector<Engine::Impl::HostBuffer> Engine::Impl::HostBuffersOf(size_t chunk) 
 
 uint64_t Engine::Impl::HostBytesNeeded() {
   uint64_t bytes = 0;
-  bool nvme_params = false;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     for (const HostBuffer& b : HostBuffersOf(i)) {
       if (b.bytes > 0) bytes += AlignUp(b.bytes, kHostAlignment);
     }
-    nvme_params = nvme_params || chunks_[i].placement.params == Tier::kNvme;
   }
   if (const size_t numel = max_nvme_state_numel(); numel > 0) {
     bytes += StagingPoolBytes(ChunkStateBytes(numel), MinStateBuffers(options_.host));
   }
-  if (nvme_params) {
-    bytes += StagingPoolBytes(layout_.max_chunk_numel() * working_size(),
-                              options_.host.param_buffer_count);
+  if (const size_t param_bytes = max_nvme_param_bytes(); param_bytes > 0) {
+    bytes += StagingPoolBytes(param_bytes, options_.host.param_buffer_count);
   }
   return bytes;
 }
@@ -679,6 +676,15 @@ Status Engine::Impl::CheckShardable() const {
     return Unavailable(across + "the delayed parameter update is not built for several ranks");
   }
   return Status();
+}
+
+size_t Engine::Impl::max_nvme_param_bytes() const {
+  size_t bytes = 0;
+  for (const Chunk& c : chunks_) {
+    if (c.placement.params == Tier::kNvme)
+      bytes = std::max(bytes, c.param_home_bytes(working_size()));
+  }
+  return bytes;
 }
 
 size_t Engine::Impl::max_nvme_state_numel() const {

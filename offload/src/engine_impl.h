@@ -210,6 +210,9 @@ class Engine::Impl {
   /// Elements of this rank's share of the largest chunk whose states are on NVMe (what state
   /// staging holds).
   size_t max_nvme_state_numel() const;
+  /// Bytes of the largest NVMe-home working parameters (Chunk::param_home_bytes: with stage 3
+  /// a shard; what parameter staging holds); 0 when none are on NVMe.
+  size_t max_nvme_param_bytes() const;
 
   size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
   /// The largest of the chunks' state_bytes (a frozen chunk's are just its values).

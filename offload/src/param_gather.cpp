@@ -1,6 +1,7 @@
 #include "param_gather.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "engine_impl.h"
@@ -92,6 +93,8 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
         e.m_.nvme_read_bytes->Increment(double(c.param_home_bytes(e.working_size())));
       } else {
         slot.prepare_status = slot.prepare_status.WithContext("reading this rank's shard");
+        // What the others gather from this rank then: zeros, not a previous chunk's shard.
+        std::memset(slot.nvme_shard.data(), 0, slot.nvme_shard.size());
       }
     }
     if (quantize && slot.prepare_status.ok()) {

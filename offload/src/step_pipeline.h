@@ -52,11 +52,12 @@
 //
 // Sharding (ZeRO stages 1, 2 and 3; EngineEnvironment::communicator with several ranks): each
 // rank keeps and updates the optimizer states of its shard of every chunk (Chunk::shard), and
-// the whole chunk's working parameters (stages 1 and 2) or its shard of them in host memory
-// (stage 3, Chunk::params_sharded). Collectives are enqueued in program order on the trainer
-// thread, the same on every rank, and run on the communicator's thread as their inputs come:
+// the whole chunk's working parameters (stages 1 and 2) or its shard of them in host memory or
+// on NVMe (stage 3, Chunk::params_sharded). Collectives are enqueued in program order on the
+// trainer thread, the same on every rank, and run on the communicator's thread as their inputs
+// come:
 //
-//   Acquire (stage 3)             all-gather host_params shards into a slot, and the chunks
+//   Acquire (stage 3)             all-gather the parameter shards into a slot, and the chunks
 //                                 expected next ahead (ParamGather, param_gather.h)
 //   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed),
 //                                 chunk by chunk in one order (the last chunk first), whatever
@@ -80,8 +81,9 @@
 // land and sum in fp32 -> grads_summed -> reduce -> measure the shard
 // (ReduceGrads) -> arrive -> gate (gated steps) -> update the shard with the mean gradient
 // (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams; with stage 3 the
-// shard's new parameters wait in param_copy for the commit, which swaps them into host_params
-// and drops the stale device copies, and the next Acquire gathers them); the step commits
+// shard's new parameters wait in param_copy, or the shadow extent on NVMe, for the commit,
+// which makes them current and drops the stale device copies, and the next Acquire gathers
+// them); the step commits
 // once the norm's all-reduce (which every step's report needs) and every all-gather are done,
 // and reports once every rank's outcome is in: a step that failed anywhere fails everywhere.
 // A rank's failure (a landing, an update, an upload) fails its step, not the collectives, which
