@@ -168,11 +168,12 @@ struct Chunk {
   /// parameters are all it stores.
   bool frozen() const { return !placement.optimizer_states.has_value(); }
   size_t working_bytes(size_t element_bytes) const { return numel * element_bytes; }
-  /// Working-parameter bytes of its home (host_params, param_copy, the NVMe extents): this
+  /// Working parameters its home holds (host_params, param_copy, the NVMe extents): this
   /// rank's shard with stage 3, else the whole chunk.
-  size_t param_home_bytes(size_t element_bytes) const {
-    return (params_sharded ? shard.numel() : numel) * element_bytes;
-  }
+  size_t param_home_numel() const { return params_sharded ? shard.numel() : numel; }
+  size_t param_home_bytes(size_t element_bytes) const { return param_home_numel() * element_bytes; }
+  /// Residency reads its parameters from NVMe itself (stage 3's come gathered, ParamGather).
+  bool fetched_from_nvme() const { return placement.params == Tier::kNvme && !params_sharded; }
   /// Device memory it takes while resident: parameters and gradients (parameters only when
   /// frozen).
   size_t device_slot_bytes(DType working_dtype) const {

@@ -681,8 +681,9 @@ Status Engine::Impl::CheckShardable() const {
 size_t Engine::Impl::max_nvme_param_bytes() const {
   size_t bytes = 0;
   for (const Chunk& c : chunks_) {
-    if (c.placement.params == Tier::kNvme)
+    if (c.placement.params == Tier::kNvme) {
       bytes = std::max(bytes, c.param_home_bytes(working_size()));
+    }
   }
   return bytes;
 }

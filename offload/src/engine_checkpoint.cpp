@@ -76,12 +76,12 @@ Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool s
   if (c.placement.params == Tier::kNvme) {
     // The states' master is this rank's shard, which is all that stage 3 keeps at home (one
     // rank: the whole chunk; frozen: its values).
-    const size_t bytes = c.param_home_bytes(working_size());
     STRATA_ASSIGN_OR_RETURN(
         AlignedBuffer working,
-        WorkingParams({MasterOf(states), bytes / working_size()}, working_dtype()));
+        WorkingParams({MasterOf(states), c.param_home_numel()}, working_dtype()));
     const nvme::ExtentId extent = shadow ? c.param_shadow() : c.param_extents[c.param_current];
-    STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, working.data(), bytes));
+    STRATA_RETURN_IF_ERROR(
+        swap_->WriteSync(extent, working.data(), c.param_home_bytes(working_size())));
   }
   return Status();
 }

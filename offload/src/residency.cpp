@@ -76,9 +76,8 @@ Result<ChunkView> Residency::Acquire(size_t chunk, const std::byte* gathered) {
     auto ready = [&] { return copy.state != State::kFetching && copy.grad_pins == 0; };
     if (!ready()) {
       // The trainer stalls here: on the fetch if one is running, else on the gradient copy.
-      const bool from_nvme = c.placement.params == Tier::kNvme && !c.params_sharded;
       const TrainerWait reason = copy.state != State::kFetching ? TrainerWait::kDeviceToHost
-                                 : from_nvme                    ? TrainerWait::kNvme
+                                 : c.fetched_from_nvme()        ? TrainerWait::kNvme
                                                                 : TrainerWait::kHostToDevice;
       WaitTimer stalled(engine_.m_.stall_of(reason));
       changed_.wait(lock, ready);
@@ -362,7 +361,7 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
                       "parameters");
   }
   StagingBuffer staging;  // NVMe-home parameters come up through one (stage 3: the gather's).
-  if (c.placement.params == Tier::kNvme && !c.params_sharded) {
+  if (c.fetched_from_nvme()) {
     staging = co_await e.param_staging_->Acquire();
     {
       InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
