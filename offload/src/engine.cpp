@@ -63,7 +63,7 @@ Engine::Impl::~Impl() {
   // Preloaded states hold staging buffers, which must go back before the pool is destroyed.
   if (!chunks_.empty()) loop_.Run(pipeline_.DropPreloads());
   // The threads that post to the loop may still be inside a post whose completion has already
-  // run: join them before the loop goes. Stream threads are drained above; TBB jobs and the
+  // run: join them before the loop goes. Stream threads are drained above; jobs and the
   // I/O thread are waited for here.
   jobs_in_flight_.WaitForAll();
   swap_.reset();

@@ -14,14 +14,13 @@
 //
 // Threads: the trainer thread calls the public methods; the event loop thread runs every
 // coroutine (fetches, landings, journeys, preloads, the commit) and does no hashing and no
-// waiting; TBB workers in `jobs_` run the optimizer, gradient sums and checksums; the device's
-// stream threads run host functions, which only post to the loop; the I/O thread completes NVMe
-// requests. Residency and StepPipeline each guard what the trainer and the loop share with a
-// mutex of their own.
+// waiting; the job threads `jobs_` run the optimizer (on its own oneTBB arena), gradient sums
+// and checksums; the device's stream threads run host functions, which only post to the loop;
+// the I/O thread completes NVMe requests. Residency and StepPipeline each guard what the trainer
+// and the loop share with a mutex of their own.
 #pragma once
 
 #include <tbb/info.h>
-#include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -275,11 +274,10 @@ class Engine::Impl {
   std::condition_variable work_idle_;
   size_t work_running_ = 0;
 
-  // Declared last: destroyed first, so no coroutine outlives what it uses. The arena for
-  // blocking jobs (optimizer steps, gradient sums, checksums) keeps them off the loop thread.
-  // Two slots, or one where the process may use a single CPU (a rank bound to a core): asking
-  // for a worker the machine does not allow only makes oneTBB print a warning.
-  tbb::task_arena jobs_{std::min(2, tbb::info::default_concurrency())};
+  // Declared last: destroyed first, so no coroutine outlives what it uses. The threads for
+  // blocking jobs (optimizer steps, gradient sums, checksums) keep them off the loop thread:
+  // two, or one where the process may use a single CPU (a rank bound to a core).
+  JobThreads jobs_{std::min(2, tbb::info::default_concurrency())};
   EventLoop loop_;
 };
 

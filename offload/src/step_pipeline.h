@@ -5,12 +5,12 @@
 //
 //   co_await grads_copied                      // D2H behind the trainer's work (or the device
 //                                              // sums them in stream order)
-//   stats = co_await AwaitJob(sum_and_measure) // micro-step sum, squares, finiteness (TBB)
+//   stats = co_await AwaitJob(sum_and_measure) // micro-step sum, squares, finiteness (jobs)
 //   co_await gate                              // gated steps: the global norm / overflow verdict
 //                                              // (or update now, speculatively, and let the
 //                                              // verdict keep or roll back the update)
 //   states = co_await preload                  // NVMe -> staging buffer, read ahead
-//   co_await AwaitJob(optimizer + checksums)   // cpu_adam on TBB, new working params rounded
+//   co_await AwaitJob(optimizer + checksums)   // cpu_adam (oneTBB), new working params rounded
 //   co_await AwaitSwapWrite(shadow extents)    // write-behind; the commit flips them current
 //   queue the h2d copy of the parameters       // now (after the verdict for a speculative NVMe
 //                                              // update), or at the commit if the trainer

@@ -51,27 +51,27 @@ TEST(EventLoopTest, RunReturnsCoroutineValue) {
 
 TEST(EventLoopTest, AwaitJobRunsOffLoopAndReturnsValue) {
   EventLoop loop;
-  tbb::task_arena arena(2);
+  JobThreads threads(2);
   auto result = loop.Run([&]() -> Awaitable<std::pair<bool, int>> {
     bool job_on_loop = true;
-    int sum = co_await AwaitJob(arena, [&] {
+    int sum = co_await AwaitJob(threads, [&] {
       job_on_loop = loop.InLoopThread();
       return 20 + 22;
     });
-    co_await AwaitJob(arena, [] {});  // void jobs work too
+    co_await AwaitJob(threads, [] {});  // void jobs work too
     co_return std::make_pair(job_on_loop, sum);
   }());
   EXPECT_FALSE(result.first);
   EXPECT_EQ(result.second, 42);
 }
 
-// Three sources complete in an order the test dictates (fd, then device, then TBB job — the
+// Three sources complete in an order the test dictates (fd, then device, then job — the
 // reverse of the order they were started), each only after the loop has shown it is still
 // free to run other handlers. Completions must arrive on the loop thread in that order.
 TEST(EventLoopTest, CompletionsFromSeveralSourcesArriveInOrderWithoutBlocking) {
   EventLoop loop;
   auto device = *CreateHostDevice();
-  tbb::task_arena arena(1);
+  JobThreads threads(1);
   const int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   ASSERT_GE(fd, 0);
 
@@ -91,8 +91,8 @@ TEST(EventLoopTest, CompletionsFromSeveralSourcesArriveInOrderWithoutBlocking) {
   };
   // Gates captured by reference: they outlive every completion, and GCC 12 destroys a lambda
   // with non-trivial captures twice when it is written inline in co_await (see AwaitJob).
-  spawn("tbb",
-        [&]() -> Awaitable<void> { co_await AwaitJob(arena, [&job_gate] { job_gate.wait(); }); });
+  spawn("job",
+        [&]() -> Awaitable<void> { co_await AwaitJob(threads, [&job_gate] { job_gate.wait(); }); });
   spawn("device", [&]() -> Awaitable<void> {
     EXPECT_TRUE(
         device->LaunchHostFunction(Stream::kCompute, [&device_gate] { device_gate.wait(); }).ok());
@@ -123,7 +123,7 @@ TEST(EventLoopTest, CompletionsFromSeveralSourcesArriveInOrderWithoutBlocking) {
   release_job.set_value();
   arrivals.WaitForCount(3);
 
-  EXPECT_EQ(arrivals.names(), (std::vector<std::string>{"fd", "device", "tbb"}));
+  EXPECT_EQ(arrivals.names(), (std::vector<std::string>{"fd", "device", "job"}));
   EXPECT_TRUE(arrivals.all_on_loop());
   close(fd);
 }

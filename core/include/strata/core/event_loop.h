@@ -1,18 +1,17 @@
 // The async spine: one Boost.Asio io_context run by an engine-owned thread, where every
-// completion lands. A chunk's journey is one coroutine that awaits device work, TBB jobs and
-// file descriptors (io_uring's eventfd) in turn:
+// completion lands. A chunk's journey is one coroutine that awaits device work, jobs and file
+// descriptors (io_uring's eventfd) in turn:
 //
 //   Status s = co_await AwaitStream(device, Stream::kDeviceToHost);   // D2H copies done
 //   auto norm_job = [&grads] { return SumOfSquares(grads); };
-//   float norm = co_await AwaitJob(arena, std::move(norm_job));
+//   float norm = co_await AwaitJob(job_threads, std::move(norm_job));
 //   s = co_await AwaitReadable(ring_eventfd);
 //
 // Blocking work never runs on the loop thread: device completions arrive from the device's
-// threads, TBB jobs run in their arena, and each only posts its result to the loop.
+// threads, jobs run on JobThreads, and each only posts its result to the loop.
 #pragma once
 
-#include <tbb/task_arena.h>
-
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -110,23 +109,46 @@ class JobCounter {
   std::atomic<size_t> count_{0};
 };
 
-/// Runs `job` in `arena` (a TBB thread, never the loop thread) and resumes with its result.
-/// `job` must not block on I/O or on the loop. `counter`, when given, counts the job until its
-/// thread is done with it.
+/// The threads that run AwaitJob's blocking jobs (optimizer steps, gradient sums, checksums).
+/// Plain threads, not oneTBB workers: a job that runs a parallel loop in a oneTBB arena of its
+/// own (CpuOptimizer's) joins that arena as one more thread. From a oneTBB worker it would
+/// instead take one of the workers the loop needs, of which oneTBB makes one fewer than there
+/// are cores: on two cores, the loop would run on the job's thread alone. Destruction runs the
+/// jobs already posted, then joins.
+class JobThreads {
+ public:
+  explicit JobThreads(int threads) : pool_(size_t(std::max(1, threads))) {}
+  ~JobThreads() { pool_.join(); }
+  JobThreads(const JobThreads&) = delete;
+  JobThreads& operator=(const JobThreads&) = delete;
+
+  /// Runs `work` on one of the threads.
+  template <typename Work>
+  void Post(Work&& work) {
+    boost::asio::post(pool_, std::forward<Work>(work));
+  }
+
+ private:
+  boost::asio::thread_pool pool_;
+};
+
+/// Runs `job` on `threads` (never the loop thread) and resumes with its result. `job` must not
+/// block on I/O or on the loop. `counter`, when given, counts the job until its thread is done
+/// with it.
 ///
 /// GCC 12 hazard: a lambda with non-trivially destructible captures written inline in a
 /// co_await expression is destroyed twice (a compiler bug; a shared_ptr capture then frees
-/// early). Name the job first: `auto job = [state] {...}; co_await AwaitJob(arena,
+/// early). Name the job first: `auto job = [state] {...}; co_await AwaitJob(threads,
 /// std::move(job));`. Lambdas capturing only references or trivial values are unaffected.
 template <typename Job, typename R = std::invoke_result_t<Job&>>
-Awaitable<R> AwaitJob(tbb::task_arena& arena, Job job, JobCounter* counter = nullptr) {
+Awaitable<R> AwaitJob(JobThreads& threads, Job job, JobCounter* counter = nullptr) {
   using Signature = typename internal::CompletionSignature<R>::type;
   return boost::asio::async_initiate<const boost::asio::use_awaitable_t<>, Signature>(
-      [&arena, counter, job = std::move(job)](auto handler) mutable {
+      [&threads, counter, job = std::move(job)](auto handler) mutable {
         auto callback = internal::PostingCallback(std::move(handler));
         if (counter != nullptr) counter->Started();
-        // TBB calls enqueued functors as const; the job itself may be stateful.
-        arena.enqueue([job = std::make_shared<Job>(std::move(job)), callback, counter] {
+        // Posted work must be copyable; the job itself may be stateful and move-only.
+        threads.Post([job = std::make_shared<Job>(std::move(job)), callback, counter] {
           if constexpr (std::is_void_v<R>) {
             (*job)();
             callback();
