@@ -94,8 +94,9 @@ class HostDevice final : public Device {
                        (options.copy_bytes_per_second > 0
                             ? FormatBandwidth(options.copy_bytes_per_second) + " copies"
                             : std::string("unthrottled copies")) +
-                       ")";
+                       (options.host_accessible ? ", host-accessible" : "") + ")";
     properties_.total_memory_bytes = options.memory_budget_bytes;
+    properties_.host_accessible = options.host_accessible;
   }
 
   const DeviceProperties& properties() const override { return properties_; }

@@ -63,6 +63,12 @@ struct Chunk {
 
   // Host.
   AlignedBuffer grads_landing;  // The working-dtype gradients copied out of the device.
+  // Where the last landing left the working-dtype gradients, which the landing's sum and
+  // measure and then the update read: grads_landing, or with zero copy (Impl::ZeroCopy) the
+  // device's gradient buffer itself until a failed step sets them aside in grads_landing for
+  // its retry (StepPipeline::SetGradientsAside). Set by GradsReady (trainer thread) before the
+  // landing's journey starts; read on the loop and by its jobs.
+  const std::byte* landed_grads = nullptr;
   // fp32 sum over micro-steps (gradient_accumulation_steps > 1), and with several ranks the
   // input of the reduce-scatter (without accumulation, several ranks reduce from the
   // ReduceRing's few buffers instead).

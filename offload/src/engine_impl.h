@@ -190,6 +190,17 @@ class Engine::Impl {
     return sharded() && options_.placement.zero_stage >= 2 &&
            options_.optimizer.gradient_accumulation_steps > 1;
   }
+  /// Zero copy on a device whose memory is the CPU's (DeviceProperties::host_accessible): the
+  /// landing of `c` reads its gradients where backward wrote them instead of copying them out
+  /// (Chunk::landed_grads), and its update may write the new parameters straight into the
+  /// device's (StepPipeline::ClaimParamsInPlace). For device-home parameters, whose buffers stay
+  /// put, and states the host updates; one rank (the ReduceRing widens what landed when its turn
+  /// comes), and no delayed update (the next forward's Acquire does not wait for the step).
+  bool ZeroCopy(const Chunk& c) const {
+    return device_.properties().host_accessible && !sharded() &&
+           !options_.optimizer.delayed_update && c.placement.params == Tier::kDevice &&
+           !c.frozen() && c.placement.optimizer_states != Tier::kDevice;
+  }
   /// Host-kept chunks sum their micro-steps' gradients in grads_sum (fp32, the whole chunk).
   bool sums_micro_steps() const {
     return options_.optimizer.gradient_accumulation_steps > 1 && !reduces_each_micro_step();

@@ -128,9 +128,17 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
     });
   }
   STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kDeviceToHost, e.compute_marker_));
+  if (e.ZeroCopy(c)) {
+    // The landing reads them where backward wrote them, once backward is done (the host
+    // function below): the trainer cannot write them again before the step completes, since
+    // Acquire refuses the chunk until then.
+    c.landed_grads = static_cast<const std::byte*>(view.grads);
+    return e.device_.LaunchHostFunction(Stream::kDeviceToHost, landed);
+  }
   STRATA_RETURN_IF_ERROR(e.device_.CopyToHost(c.grads_landing.data(), view.grads,
                                               c.working_bytes(e.working_size()),
                                               Stream::kDeviceToHost));
+  c.landed_grads = c.grads_landing.data();
   Gauge& copying = e.m_.in_flight_of(InFlightKind::kDeviceToHost);
   copying.Add(1.0);  // Before the copy can land and take it back.
   Status queued = e.device_.LaunchHostFunction(Stream::kDeviceToHost, [&copying, landed] {
@@ -163,14 +171,16 @@ Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool las
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
   co_await c.grads_copied->Acquire();
-  const bool copied_to_host = c.placement.optimizer_states != Tier::kDevice;
-  if (copied_to_host) e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
+  const bool read_on_host = c.placement.optimizer_states != Tier::kDevice;
+  if (read_on_host && !e.ZeroCopy(c)) {
+    e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
+  }
   // Reducing every micro-step, the landed gradients go to the reduce-scatter as they are
   // (ReduceGrads); nothing to sum or measure here.
-  if (copied_to_host && !e.reduces_each_micro_step()) {
+  if (read_on_host && !e.reduces_each_micro_step()) {
     auto sum_and_measure = [&] {
-      return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.grads_landing.data(),
-                           c.numel, micro_step, last);
+      return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.landed_grads, c.numel,
+                           micro_step, last);
     };
     Result<cpu_adam::GradientStats> stats =
         co_await AwaitJob(e.jobs_, sum_and_measure, &e.jobs_in_flight_);

@@ -273,7 +273,7 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
     if (e.sums_micro_steps()) {
       gradients = reinterpret_cast<const float*>(c.grads_sum.data());
     } else {
-      SumGrads(widened, c.grads_landing.data(), e.working_dtype(), c.numel, /*first=*/true);
+      SumGrads(widened, c.landed_grads, e.working_dtype(), c.numel, /*first=*/true);
     }
     if (!e.quantizes_gradients()) return Status();
     return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),

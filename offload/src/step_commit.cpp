@@ -2,6 +2,7 @@
 // overflow), and the commit that makes every chunk's update visible at once.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "engine_impl.h"
 
@@ -559,6 +560,21 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
   if (step_.agreement) DeliverAgreedStep();
 }
 
+void StepPipeline::SetGradientsAside() {
+  if (gas_ > 1) return;  // The updates read grads_sum.
+  Engine::Impl& e = engine_;
+  for (Chunk& c : e.chunks_) {
+    // Landed in place (zero copy) and still to update: once the failure is delivered the
+    // trainer may Acquire the chunk and write its gradient buffer, and the retry needs these.
+    if (!e.ZeroCopy(c) || c.landed_grads == c.grads_landing.data() ||
+        c.phase_now() != ChunkPhase::kArrived) {
+      continue;
+    }
+    std::memcpy(c.grads_landing.data(), c.landed_grads, c.working_bytes(e.working_size()));
+    c.landed_grads = c.grads_landing.data();
+  }
+}
+
 void StepPipeline::DeliverStep(Result<StepReport> result, bool completed) {
   std::promise<Result<StepReport>> promise = std::move(*step_.promise);
   // The trainer cannot start the next forward before the step completes: all of it is a stall.
@@ -567,6 +583,7 @@ void StepPipeline::DeliverStep(Result<StepReport> result, bool completed) {
     engine_.m_.stall_of(TrainerWait::kStep)
         .Increment(std::chrono::duration<double>(Clock::now() - step_.started).count());
   }
+  if (!completed) SetGradientsAside();
   if (completed) {
     if (result.ok()) engine_.m_.UpdateRates();
     step_ = FreshStepState();

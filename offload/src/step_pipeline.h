@@ -285,6 +285,10 @@ class StepPipeline {
   /// its working parameters and uploads them: what the device held before a speculative upload
   /// the verdict rolled back. Sets restore_params when that fails.
   Awaitable<Status> RestoreParameters(size_t chunk);
+  /// Zero copy (Impl::ZeroCopy): whether the chunk's update may write its new working
+  /// parameters straight into the device's instead of param_copy; once the trainer has released
+  /// the chunk, waits for its work queued on them.
+  Awaitable<bool> ClaimParamsInPlace(size_t chunk, bool speculative);
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
   Status UploadEarly(size_t chunk);
   /// Queues the upload of the parameters a delayed step held back for `chunk` (delayed_params)
@@ -325,6 +329,9 @@ class StepPipeline {
   /// Ends the step with `result` (`completed`: it committed). Several ranks first agree on
   /// every rank's outcome (AgreeOnStep), so that a step that failed on one fails on all.
   void FinishStep(Result<StepReport> result, bool completed);
+  /// A failed attempt, before the trainer hears of it: gradients that landed in place (zero
+  /// copy) and that the retry still has to update with are copied into grads_landing.
+  void SetGradientsAside();
   /// Completes Step()'s future with `result`.
   void DeliverStep(Result<StepReport> result, bool completed);
 

@@ -236,7 +236,12 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
                                     c.steps_taken + 1, grad_scale, buffers));
   }
   if (wdtype == DType::kFp32 && param_copy != nullptr) {
-    std::memcpy(param_copy, states_out, numel * sizeof(float));
+    // On the optimizer's threads, as the kernel wrote them: one thread's memcpy is a fraction
+    // of the memory bandwidth.
+    engine_.optimizer_->ParallelFor(numel, [&](size_t begin, size_t end) {
+      std::memcpy(static_cast<float*>(param_copy) + begin, states_out + begin,
+                  (end - begin) * sizeof(float));
+    });
   }
   return Status();
 }
@@ -280,6 +285,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // a param_copy that holds the shard alone.
   void* param_copy =
       c.param_copy.data() + (c.params_sharded ? 0 : c.shard.begin * e.working_size());
+  bool in_place = false;
+  if (status.ok()) in_place = co_await ClaimParamsInPlace(chunk, speculative);
+  if (in_place) param_copy = c.params.data();
   if (status.ok() && nvme_params) {
     {
       WaitTimer waiting(m.wait_of(UpdateWait::kStagingBuffer));
@@ -287,13 +295,13 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     }
     param_copy = param_buffer.data();
   }
-  // The optimizer, then the checksums of what goes to NVMe: both on TBB, off the loop.
+  // The optimizer, then the checksums of what goes to NVMe: both on a job, off the loop.
   uint64_t state_checksum = 0;
   uint64_t param_checksum = 0;
   if (status.ok()) {
     const void* grads = sharded()  ? c.grads_shard.data()
                         : gas_ > 1 ? c.grads_sum.data()
-                                   : c.grads_landing.data();
+                                   : c.landed_grads;
     const DType grad_dtype = sharded() || gas_ > 1 ? DType::kFp32 : e.working_dtype();
     auto update = [&] {
       Status s;
@@ -355,11 +363,34 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // cost more than the wait).
   // (Several ranks upload once the other shards are in: GatherParams.)
   const bool can_restore = !speculative || !nvme_states || !c.params_before.empty();
-  if (status.ok() && can_restore && !sharded()) status = UploadEarly(chunk);
+  if (status.ok() && in_place) {
+    c.params_uploaded = true;  // The optimizer wrote them into the device's.
+    c.restore_params = false;
+  } else if (status.ok() && can_restore && !sharded()) {
+    status = UploadEarly(chunk);
+  }
   // A speculative update that failed leaves the current states as they were: the retry's
   // verdict may want another scale.
   if (!status.ok()) c.states_in_shadow = false;
   co_return status;
+}
+
+Awaitable<bool> StepPipeline::ClaimParamsInPlace(size_t chunk, bool speculative) {
+  Engine::Impl& e = engine_;
+  const Chunk& c = e.chunks_[chunk];
+  // Only an update that nothing after it can undo: host-kept states stepped in place (a failed
+  // NVMe write would leave the device with parameters whose states did not commit), not ahead
+  // of the verdict.
+  if (!e.ZeroCopy(c) || speculative || c.placement.optimizer_states != Tier::kHost) co_return false;
+  // The device's parameters are the trainer's until it has released the chunk (else the upload
+  // waits, as a copy would: UploadEarly, the commit) and its work queued on them has run, which
+  // the stream passes once it has (on a host-accessible device, at once or nearly: the
+  // trainer's work is what its own thread did). Acquire refuses the chunk from here on until
+  // the step completes.
+  Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice);
+  if (!released.ok() || !*released) co_return false;
+  const Status passed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  co_return passed.ok();
 }
 
 Status StepPipeline::UploadEarly(size_t chunk) {

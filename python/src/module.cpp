@@ -153,9 +153,12 @@ class PyEngine {
       if (fit_host_device) {
         options.device.host_device_memory_bytes = Check(HostDeviceBytesToFit(options, specs));
       }
-      device_ = Check(
-          CreateHostDevice({.memory_budget_bytes = options.device.host_device_memory_bytes,
-                            .copy_bytes_per_second = options.device.copy_bandwidth_gbps * 1e9}));
+      // CPU tensors: the device is the CPU itself, so the engine reads gradients and writes
+      // parameters in place rather than copying them between two kinds of host memory.
+      device_ =
+          Check(CreateHostDevice({.memory_budget_bytes = options.device.host_device_memory_bytes,
+                                  .copy_bytes_per_second = options.device.copy_bandwidth_gbps * 1e9,
+                                  .host_accessible = true}));
     }
     engine_ = Check(Unlocked([&] { return Engine::Create(options, *device_, specs); }));
     device_kind_ = options.device.kind;

@@ -66,8 +66,12 @@ inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_pat
   return o;
 }
 
-inline std::unique_ptr<Device> MakeDevice(uint64_t budget) {
-  return std::move(CreateHostDevice({.memory_budget_bytes = budget})).value();
+/// A HostDevice standing for a GPU (every copy made), or with `host_accessible` for the CPU
+/// itself (zero copy, as strata.torch's CPU tensors run).
+inline std::unique_ptr<Device> MakeDevice(uint64_t budget, bool host_accessible = false) {
+  return std::move(
+             CreateHostDevice({.memory_budget_bytes = budget, .host_accessible = host_accessible}))
+      .value();
 }
 
 inline bool BitEqual(const std::vector<std::vector<float>>& a,

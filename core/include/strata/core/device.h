@@ -47,6 +47,10 @@ struct DeviceProperties {
   std::string pci_bus_id;           ///< "0000:1b:00.0" on CUDA; empty on the host device.
   int pcie_generation = 0;          ///< Current PCIe link generation, 0 when unknown.
   int pcie_width = 0;               ///< Current PCIe link width (lanes), 0 when unknown.
+  /// The CPU may read and write this device's memory in place, and the device's work is what
+  /// the CPU does (a HostDevice standing for CPU tensors, not for a GPU): the engine then reads
+  /// gradients and writes new parameters where they are instead of copying them.
+  bool host_accessible = false;
 };
 
 /// Memory use against the budget this Device was created with.

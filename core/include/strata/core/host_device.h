@@ -18,6 +18,10 @@ struct HostDeviceOptions {
   /// Each copy takes at least bytes / this many seconds (per stream, as PCIe is full duplex).
   /// 0 copies at memcpy speed.
   double copy_bytes_per_second = 0.0;
+  /// DeviceProperties::host_accessible: the device stands for the CPU itself (PyTorch's CPU
+  /// tensors), so the engine skips the copies a GPU needs. False (the default) keeps every copy,
+  /// so that tests and `strata train` on a HostDevice exercise the paths a GPU takes.
+  bool host_accessible = false;
 };
 
 /// Creates a HostDevice; InvalidArgument for a negative copy bandwidth.
