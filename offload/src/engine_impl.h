@@ -285,11 +285,13 @@ class Engine::Impl {
   std::condition_variable work_idle_;
   size_t work_running_ = 0;
 
-  // Declared last: destroyed first, so no coroutine outlives what it uses. The threads for
-  // blocking jobs (optimizer steps, gradient sums, checksums) keep them off the loop thread:
-  // two, or one where the process may use a single CPU (a rank bound to a core).
-  JobThreads jobs_{std::min(2, tbb::info::default_concurrency())};
+  // Destroyed before every member above, so no coroutine outlives what it uses.
   EventLoop loop_;
+  // The threads for blocking jobs (optimizer steps, gradient sums, checksums) keep them off the
+  // loop thread: two, or one where the process may use a single CPU (a rank bound to a core).
+  // Declared after the loop: joined while it still exists, so a job's post always finds it
+  // (the destructor waits for jobs_in_flight_ first anyway).
+  JobThreads jobs_{std::min(2, tbb::info::default_concurrency())};
 };
 
 }  // namespace strata::offload

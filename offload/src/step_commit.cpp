@@ -136,7 +136,17 @@ Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, b
   if (step_running_) {
     return FailedPrecondition(operation + " while a step is running; wait for Step() to complete");
   }
-  const ChunkPhase phase = engine_.chunks_[chunk].phase_now();
+  const Chunk& c = engine_.chunks_[chunk];
+  const ChunkPhase phase = c.phase_now();
+  if (acquire && attempt_failed_ && phase == ChunkPhase::kArrived && gas_ == 1 &&
+      c.placement.optimizer_states == Tier::kDevice) {
+    // The device updates this chunk from the trainer's gradient buffer itself, and the retry
+    // still has to (SetGradientsAside keeps the host's own copies instead).
+    return FailedPrecondition(operation + ": chunk " + std::to_string(chunk) +
+                              " keeps its optimizer states on the device, which still has to "
+                              "update it from the failed step's gradients; call Step() again to "
+                              "retry it first");
+  }
   if (phase != ChunkPhase::kIdle && phase != ChunkPhase::kAccumulating && !attempt_failed_) {
     return FailedPrecondition(
         operation + ": chunk " + std::to_string(chunk) +

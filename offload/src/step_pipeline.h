@@ -137,6 +137,8 @@ class StepPipeline {
   /// `acquire`: the trainer's Acquire, which a delayed step (StepHyperParams::delayed) allows
   /// while it runs, since the device's parameters stay as they are until the next step is done;
   /// with optimizer.delayed_update on, an Acquire during a step that is not delayed waits for it.
+  /// After a failed step, Acquire is refused for a device-kept chunk the retry still has to
+  /// update from the trainer's gradient buffer.
   Status CheckReadable(size_t chunk, const std::string& operation, bool acquire = false) const;
   /// After each Release: once the chunk has had this step's last GradsReady, the trainer is done
   /// with its device parameters, and the parameters a delayed step held back go up.

@@ -385,8 +385,8 @@ Awaitable<bool> StepPipeline::ClaimParamsInPlace(size_t chunk, bool speculative)
   // The device's parameters are the trainer's until it has released the chunk (else the upload
   // waits, as a copy would: UploadEarly, the commit) and its work queued on them has run, which
   // the stream passes once it has (on a host-accessible device, at once or nearly: the
-  // trainer's work is what its own thread did). Acquire refuses the chunk from here on until
-  // the step completes.
+  // trainer's work is what its own thread did). Acquire refuses the chunk from its last
+  // GradsReady until the step completes.
   Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice);
   if (!released.ok() || !*released) co_return false;
   const Status passed = co_await AwaitStream(e.device_, Stream::kHostToDevice);

@@ -720,5 +720,58 @@ TEST(EngineContractTest, AfterAFailedStepOnlyTheRetryIsAccepted) {
   EXPECT_EQ(retried->step, 1);
 }
 
+// Device-kept states (offload_ratio < 1) read the trainer's gradient buffer itself, on any
+// device. In a step that can fail after its updates (states on NVMe), their updates wait for the
+// commit; when the step fails they still have to run, on this step's gradients, so the trainer
+// may not Acquire those chunks (and write their gradients) before the retry.
+TEST(EngineContractTest, AFailedStepKeepsDeviceKeptChunksForTheRetry) {
+  for (const bool host_accessible : {false, true}) {
+    SCOPED_TRACE(host_accessible ? "host-accessible device" : "copying device");
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    const EngineOptions options =
+        MakeOptions({"states_nvme_ratio_half", Tier::kNvme, Tier::kDevice, 0.5}, dir.path());
+    auto plan = std::make_shared<nvme::FaultPlan>();
+    auto device = MakeDevice(64 << 20, host_accessible);
+    auto engine = MakeEngine(options, *device, model, FaultyNvme(plan));
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    ReferenceTrainer reference(model, options);
+    double loss = 0.0;
+    ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+    reference.TrainStep(0);
+    plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .error = EIO});
+    ASSERT_TRUE(trainer.ForwardBackward(1, &loss).ok());
+    ASSERT_FALSE(engine->Step().get().ok());
+
+    // Backward of something else into every gradient buffer the trainer may still write.
+    size_t refused = 0;
+    for (size_t c = 0; c < engine->chunk_count(); ++c) {
+      Result<ChunkView> view = engine->Acquire(c);
+      if (!view.ok()) {
+        EXPECT_EQ(view.status().code(), StatusCode::kFailedPrecondition)
+            << view.status().ToString();
+        EXPECT_NE(view.status().message().find("retry"), std::string::npos)
+            << view.status().ToString();
+        EXPECT_EQ(engine->placement(c).optimizer_states, Tier::kDevice) << "chunk " << c;
+        ++refused;
+        continue;
+      }
+      float* grads = static_cast<float*>(view->grads);
+      std::fill(grads, grads + view->numel, 7.0f);
+      engine->Release(c);
+    }
+    EXPECT_GT(refused, 0u) << "the device keeps some chunks' states";
+    Result<StepReport> retried = engine->Step().get();
+    ASSERT_TRUE(retried.ok()) << retried.status().ToString();
+    reference.TrainStep(1);
+    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()))
+        << "max |diff| " << MaxAbsDiff(trainer.MasterParameters(), reference.master());
+    // Once retried, every chunk is the trainer's again.
+    ASSERT_TRUE(trainer.TrainStep(2, &loss).ok());
+    EXPECT_EQ(loss, reference.TrainStep(2));
+  }
+}
+
 }  // namespace
 }  // namespace strata::offload

@@ -125,7 +125,7 @@ def test_clipping_outside_the_optimizer_is_an_error_not_a_no_op():
     nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match="max_grad_norm"):
         opt.step()
-    # The step happened (with the unclipped gradients), and the optimizer goes on.
+    # The step happened (with the gradients as the engine read them), and the optimizer goes on.
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt.zero_grad()
     run(model, opt, 1)

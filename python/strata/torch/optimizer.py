@@ -240,8 +240,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"the gradients of {modified} changed between backward() and step() (by "
                 "torch.nn.utils.clip_grad_norm_, say) after the engine had taken them, so this "
-                "step may have used them before or after the change. Pass max_grad_norm=... to "
-                f"{type(self).__name__} to clip on the global norm, and read the norm from "
+                "step used them as they were before, after or during the change (the engine "
+                "reads them where backward put them, as its updates run). Pass max_grad_norm=... "
+                f"to {type(self).__name__} to clip on the global norm, and read the norm from "
                 "opt.last_step['grad_norm'] instead of computing it"
             )
         return loss

@@ -45,7 +45,10 @@
 // verdict (their new values wait in a second buffer); other host- and device-home states of
 // chunks that got that far are already stepped in place, and device-home parameters of chunks
 // whose update was complete may already be the new ones (the retry does not update those chunks
-// again). Until the retry succeeds, only Step() and reads are accepted.
+// again). Until the retry succeeds, only Step() and reads are accepted; even Acquire is refused
+// for a chunk whose states the device keeps and still has to update (without gradient
+// accumulation the device reads the failed step's gradients from the chunk's gradient buffer,
+// which the trainer would write next).
 //
 // Thread safety: Acquire, Release, GradsReady, Step, Save, Load and the parameter-state calls
 // (ReadParameterState(s), WriteParameterState(s), ReadMasterParameter, SetStepCount) are called
