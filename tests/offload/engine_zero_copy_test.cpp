@@ -96,29 +96,39 @@ TEST_P(ZeroCopyTest, TrainsBitForBitAsTheReferenceAndCopiesOnlyOffloadedParamete
 
 INSTANTIATE_TEST_SUITE_P(Placements, ZeroCopyTest, ::testing::ValuesIn(Cases()), CaseName);
 
+/// An engine on a host-accessible device with its states in host memory: the placement whose
+/// updates write parameters in place.
+class ZeroCopyHostStatesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine_ = MakeEngine(options_, *device_, model_);
+    ASSERT_NE(engine_, nullptr);
+  }
+
+  ScratchDir nvme_;
+  const TinyModel model_{kLayers, kWidth, kBatch};
+  const EngineOptions options_ =
+      MakeOptions({"states_host", Tier::kHost, Tier::kDevice}, nvme_.path());
+  std::unique_ptr<Device> device_ = MakeDevice(64 << 20, kHostAccessible);
+  std::unique_ptr<Engine> engine_;
+};
+
 // Host-kept states: the updates write the new parameters into the device's once the trainer has
 // released each chunk, so most steps upload nothing (an update may still find its chunk held,
 // since GradsReady comes before Release, and then the upload goes as a copy).
-TEST(ZeroCopyTest, UpdatesWriteTheNewParametersInPlace) {
-  ScratchDir nvme;
-  const TinyModel model(kLayers, kWidth, kBatch);
-  const EngineOptions options =
-      MakeOptions({"states_host", Tier::kHost, Tier::kDevice}, nvme.path());
-  auto device = MakeDevice(64 << 20, kHostAccessible);
-  auto engine = MakeEngine(options, *device, model);
-  ASSERT_NE(engine, nullptr);
-  EngineTrainer trainer(*engine, model);
-  ReferenceTrainer reference(model, options);
+TEST_F(ZeroCopyHostStatesTest, UpdatesWriteTheNewParametersInPlace) {
+  EngineTrainer trainer(*engine_, model_);
+  ReferenceTrainer reference(model_, options_);
   for (int step = 0; step < kSteps; ++step) {
     double loss = 0.0;
     ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
     ASSERT_EQ(loss, reference.TrainStep(step)) << "step " << step;
   }
   uint64_t param_bytes = 0;
-  for (size_t i = 0; i < engine->chunk_count(); ++i) {
-    param_bytes += engine->layout().chunk(i).numel * sizeof(float);
+  for (size_t i = 0; i < engine_->chunk_count(); ++i) {
+    param_bytes += engine_->layout().chunk(i).numel * sizeof(float);
   }
-  const EngineCounters counters = engine->counters();
+  const EngineCounters counters = engine_->counters();
   EXPECT_LT(counters.host_to_device_bytes, kSteps * param_bytes / 2)
       << "most updates should have written their parameters in place";
   EXPECT_EQ(counters.device_to_host_bytes, 0u);
@@ -127,15 +137,8 @@ TEST(ZeroCopyTest, UpdatesWriteTheNewParametersInPlace) {
 // The device's parameters stay the trainer's while it holds a chunk and until the work it
 // queued on them before its Release has run: an update that comes earlier waits for that work
 // or goes through param_copy and an upload behind it, and never changes what that work reads.
-TEST(ZeroCopyTest, ParametersTheTrainerStillUsesAreNotWrittenInPlace) {
-  ScratchDir nvme;
-  const TinyModel model(kLayers, kWidth, kBatch);
-  const EngineOptions options =
-      MakeOptions({"states_host", Tier::kHost, Tier::kDevice}, nvme.path());
-  auto device = MakeDevice(64 << 20, kHostAccessible);
-  auto engine = MakeEngine(options, *device, model);
-  ASSERT_NE(engine, nullptr);
-  EngineTrainer trainer(*engine, model);
+TEST_F(ZeroCopyHostStatesTest, ParametersTheTrainerStillUsesAreNotWrittenInPlace) {
+  EngineTrainer trainer(*engine_, model_);
   double loss = 0.0;
   ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
 
@@ -151,15 +154,15 @@ TEST(ZeroCopyTest, ParametersTheTrainerStillUsesAreNotWrittenInPlace) {
   Kept kept[2];
   // Chunk 0 before chunk 1, so that its landing does not wait for chunk 1's kernel.
   std::vector<size_t> order;
-  for (size_t c = engine->chunk_count(); c-- > 2;) order.push_back(c);
+  for (size_t c = engine_->chunk_count(); c-- > 2;) order.push_back(c);
   order.push_back(0);
   order.push_back(1);
   for (const size_t c : order) {
-    Result<ChunkView> view = engine->Acquire(c);
+    Result<ChunkView> view = engine_->Acquire(c);
     ASSERT_TRUE(view.ok()) << view.status().ToString();
-    ASSERT_TRUE(engine->GradsReady(c, on).ok());
+    ASSERT_TRUE(engine_->GradsReady(c, on).ok());
     if (c > 1) {
-      engine->Release(c, on);
+      engine_->Release(c, on);
       continue;
     }
     Kept& k = kept[c];
@@ -173,15 +176,15 @@ TEST(ZeroCopyTest, ParametersTheTrainerStillUsesAreNotWrittenInPlace) {
         std::this_thread::sleep_for(100ms);
         std::memcpy(k.seen.data(), k.view.params, bytes);
       });
-      engine->Release(1, on);
+      engine_->Release(1, on);
     }
   }
   std::this_thread::sleep_for(50ms);  // Chunk 0's update has run by now.
   const size_t bytes0 = kept[0].view.numel * sizeof(float);
   EXPECT_EQ(std::memcmp(kept[0].view.params, kept[0].before.data(), bytes0), 0)
       << "the update wrote parameters the trainer holds";
-  engine->Release(0, on);
-  Result<StepReport> stepped = engine->Step().get();
+  engine_->Release(0, on);
+  Result<StepReport> stepped = engine_->Step().get();
   ASSERT_TRUE(stepped.ok()) << stepped.status().ToString();
   stream.Synchronize();
   const size_t bytes1 = kept[1].view.numel * sizeof(float);
@@ -195,18 +198,11 @@ TEST(ZeroCopyTest, ParametersTheTrainerStillUsesAreNotWrittenInPlace) {
 
 // A trainer whose backward runs on its own stream: the landing reads the gradients only after
 // the work queued there has written them.
-TEST(ZeroCopyTest, GradientsAreReadAfterTheTrainersQueuedBackward) {
-  ScratchDir nvme;
-  const TinyModel model(kLayers, kWidth, kBatch);
-  const EngineOptions options =
-      MakeOptions({"states_host", Tier::kHost, Tier::kDevice}, nvme.path());
-  auto device = MakeDevice(64 << 20, kHostAccessible);
-  auto engine = MakeEngine(options, *device, model);
-  ASSERT_NE(engine, nullptr);
+TEST_F(ZeroCopyHostStatesTest, GradientsAreReadAfterTheTrainersQueuedBackward) {
   HostStream stream;
-  EngineTrainer trainer(*engine, model);
+  EngineTrainer trainer(*engine_, model_);
   trainer.UseTrainerStream(&stream, 5ms);
-  ReferenceTrainer reference(model, options);
+  ReferenceTrainer reference(model_, options_);
   for (int step = 0; step < 4; ++step) {
     double loss = 0.0;
     ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
