@@ -112,9 +112,9 @@ class JobCounter {
 /// The threads that run AwaitJob's blocking jobs (optimizer steps, gradient sums, checksums).
 /// Plain threads, not oneTBB workers: a job that runs a parallel loop in a oneTBB arena of its
 /// own (CpuOptimizer's) joins that arena as one more thread. From a oneTBB worker it would
-/// instead take one of the workers the loop needs, of which oneTBB makes one fewer than there
-/// are cores: on two cores, the loop would run on the job's thread alone. Destruction runs the
-/// jobs already posted, then joins.
+/// instead take one of the workers its parallel loop needs, of which oneTBB makes one fewer than
+/// there are cores: on two cores, that loop would run on the job's thread alone. Destruction
+/// runs the jobs already posted, then joins.
 class JobThreads {
  public:
   explicit JobThreads(int threads) : pool_(size_t(std::max(1, threads))) {}
