@@ -96,14 +96,14 @@ def update_throughput(args) -> dict:
     times = interleaved({"fused": fused.step, "default": default.step,
                          "backward": backward_only, "strata": strata_update}, args.repeats)
     # Strata's update, each round: (backward + step) - backward alone.
-    update_times = [max(t - b, 1e-9) for t, b in zip(times["strata"], times["backward"])]
+    times["update"] = [max(t - b, 1e-9) for t, b in zip(times["strata"], times["backward"])]
     torch_step = statistics.median(times["fused"])
     torch_default_step = statistics.median(times["default"])
     backward_alone = statistics.median(times["backward"])
     total = statistics.median(times["strata"])
-    strata_update_seconds = statistics.median(update_times)
-    ratio = statistics.median(f / u for f, u in zip(times["fused"], update_times))
-    ratio_to_default = statistics.median(d / u for d, u in zip(times["default"], update_times))
+    strata_update_seconds = statistics.median(times["update"])
+    ratio = median_ratio(times, "fused", "update")
+    ratio_to_default = median_ratio(times, "default", "update")
     counters = strata.metrics()
     del strata, params, fused, default, fused_params, default_params, plain
 

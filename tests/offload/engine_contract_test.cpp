@@ -24,6 +24,7 @@ namespace {
 using strata::testing::ScratchDir;
 using testing::BitEqual;
 using testing::EngineTrainer;
+using testing::FaultyNvme;
 using testing::kBatch;
 using testing::kLayers;
 using testing::kSlotBytes;
@@ -36,15 +37,6 @@ using testing::ReferenceTrainer;
 using testing::TinyModel;
 using testing::WrappedDevice;
 using namespace std::chrono_literals;
-
-/// An environment whose NVMe backend obeys `plan`.
-EngineEnvironment FaultyNvme(const std::shared_ptr<nvme::FaultPlan>& plan) {
-  EngineEnvironment environment;
-  environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-    return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-  };
-  return environment;
-}
 
 /// Backward over every chunk without writing gradients, leaving `keep` acquired (its view is
 /// returned).

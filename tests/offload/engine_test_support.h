@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "strata/core/host_device.h"
+#include "strata/nvme/fault_injection.h"
 #include "strata/offload/engine.h"
 #include "tiny_model.h"
 
@@ -72,6 +73,15 @@ inline std::unique_ptr<Device> MakeDevice(uint64_t budget, bool host_accessible 
   return std::move(
              CreateHostDevice({.memory_budget_bytes = budget, .host_accessible = host_accessible}))
       .value();
+}
+
+/// An environment whose NVMe backend obeys `plan`.
+inline EngineEnvironment FaultyNvme(const std::shared_ptr<nvme::FaultPlan>& plan) {
+  EngineEnvironment environment;
+  environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
+    return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
+  };
+  return environment;
 }
 
 inline bool BitEqual(const std::vector<std::vector<float>>& a,

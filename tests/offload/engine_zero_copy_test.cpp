@@ -21,6 +21,7 @@ namespace {
 using strata::testing::ScratchDir;
 using testing::BitEqual;
 using testing::EngineTrainer;
+using testing::FaultyNvme;
 using testing::kBatch;
 using testing::kLayers;
 using testing::kWidth;
@@ -221,12 +222,8 @@ TEST(ZeroCopyTest, AFailedStepKeepsItsGradientsForTheRetry) {
   const EngineOptions options =
       MakeOptions({"states_nvme", Tier::kNvme, Tier::kDevice}, dir.path());
   auto plan = std::make_shared<nvme::FaultPlan>();
-  EngineEnvironment environment;
-  environment.wrap_io_backend = [plan](std::unique_ptr<nvme::IoBackend> inner) {
-    return nvme::CreateFaultInjectingBackend(std::move(inner), plan);
-  };
   auto device = MakeDevice(64 << 20, kHostAccessible);
-  auto engine = MakeEngine(options, *device, model, std::move(environment));
+  auto engine = MakeEngine(options, *device, model, FaultyNvme(plan));
   ASSERT_NE(engine, nullptr);
   EngineTrainer trainer(*engine, model);
   ReferenceTrainer reference(model, options);
