@@ -5,9 +5,6 @@
 // none crosses the API.
 #include "strata/core/config.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -30,6 +27,7 @@
 #include "deepspeed_keys.h"
 #include "strata/core/bytes.h"
 #include "strata/core/dtype.h"
+#include "strata/core/input_file.h"
 #include "strata/core/tier.h"
 
 namespace strata {
@@ -1163,27 +1161,7 @@ Result<LoadedConfig> ParseConfig(std::string_view json_text, ConfigFormat format
 }
 
 Result<LoadedConfig> LoadConfigFile(const std::string& path, ConfigFormat format, int world_size) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return NotFound("config file " + path + " does not exist");
-    return ErrnoError("cannot open config file " + path, err);
-  }
-  std::string text;
-  std::array<char, 65536> buffer{};
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
-    if (n > 0) {
-      text.append(buffer.data(), static_cast<size_t>(n));
-    } else if (n == 0) {
-      break;
-    } else if (errno != EINTR) {
-      const int err = errno;
-      ::close(fd);
-      return ErrnoError("cannot read config file " + path, err);
-    }
-  }
-  ::close(fd);
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadInputFile(path, kConfigInput));
   return ParseConfig(text, format, path, world_size);
 }
 

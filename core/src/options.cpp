@@ -109,9 +109,13 @@ Status ValidateNvme(const NvmeOptions& o) {
                              ", which is listed twice; list each directory once");
     }
   }
-  if (o.block_size == 0 || o.block_size % 4096 != 0) {
+  // Each request in flight holds a block of pinned memory: past 256MiB a block buys no
+  // bandwidth (devices reach their peak at a few MiB) and a queue of them exhausts the host.
+  constexpr uint64_t kMaxBlockSize = uint64_t{256} << 20;
+  if (o.block_size == 0 || o.block_size % 4096 != 0 || o.block_size > kMaxBlockSize) {
     return Bad("nvme.block_size", std::to_string(o.block_size),
-               "a positive multiple of 4096 (the O_DIRECT alignment), e.g. 1048576",
+               "a positive multiple of 4096 (the O_DIRECT alignment) up to 268435456 (256MiB), "
+               "e.g. 1048576",
                "aio.block_size");
   }
   if (o.queue_depth < 1 || o.queue_depth > 32768) {

@@ -3,12 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
-#include <iterator>
 #include <random>
 #include <set>
 
 #include "strata/core/dtype.h"
+#include "strata/core/input_file.h"
 
 namespace strata::examples {
 namespace {
@@ -30,11 +29,9 @@ uint64_t MixKey(uint64_t a, uint64_t b, uint64_t c) {
 }  // namespace
 
 Result<Corpus> Corpus::Load(const std::filesystem::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return NotFound("cannot open the training corpus " + path.string());
-  std::vector<uint8_t> data((std::istreambuf_iterator<char>(file)),
-                            std::istreambuf_iterator<char>());
-  if (file.bad()) return IoError("cannot read the training corpus " + path.string());
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadInputFile(path.string(), kCorpusInput));
+  const std::vector<uint8_t> data(text.begin(), text.end());
+  text = std::string();
   if (data.size() < 4096) {
     return InvalidArgument("the corpus " + path.string() + " has " + std::to_string(data.size()) +
                            " bytes; at least 4096 are needed to split it");
