@@ -60,6 +60,10 @@ inline constexpr std::string_view kCheckpointFormat = "strata-checkpoint";
 inline constexpr int kCheckpointFormatVersion = 2;
 /// Name of the manifest inside a checkpoint directory; not usable as a data file name.
 inline constexpr std::string_view kManifestFileName = "manifest.json";
+/// An empty file Begin creates in every staging directory, so that a leftover staging directory
+/// is recognised as Strata's by its content and not by its name alone. It stays in the committed
+/// checkpoint, listed in the manifest's "contents" like every other file.
+inline constexpr std::string_view kStagingMarkerName = ".strata-checkpoint";
 
 /// Size and XXH3-64 hash of a whole file's content. Recorded in the manifest by the engine and
 /// checked by CheckpointReader::ReadFile.
@@ -80,6 +84,27 @@ nlohmann::json NewManifest();
 /// blocks reserved for it). nullopt when the file system reports no capacity at all (some FUSE
 /// file systems), where no check can be made.
 std::optional<uint64_t> UsableBytes(const struct statvfs& space, bool privileged);
+
+/// The manifest's own checksum: "xxh3:" and 16 hex digits of the XXH3-64 of `manifest`'s compact
+/// JSON text without its "checksum" member. nlohmann::json keeps members sorted and prints
+/// numbers so that they parse back to the same value, so the text is canonical: any edit of a
+/// value changes it, whitespace does not. Commit adds it; CheckpointReader::Open checks it
+/// before any other field is read.
+std::string ManifestChecksum(const nlohmann::json& manifest);
+
+/// OK when a checkpoint may be committed at `dir` in place of what is there: nothing, an empty
+/// directory, or a Strata checkpoint and nothing else (a manifest whose checksum holds, and
+/// every other entry one of the files its "contents" lists). Strata never replaces or removes
+/// anything it cannot prove it wrote: FailedPrecondition otherwise, naming `dir`, what is in it and
+/// what to do. `dir` must already be resolved (ResolveCheckpointPath's).
+Status CheckReplaceable(const std::filesystem::path& dir);
+
+/// Everything Begin checks before it writes, without writing anything that stays: that `dir`
+/// names a directory whose parent exists, that a checkpoint may replace what is at `dir`
+/// (CheckReplaceable), that the parent's file system is writable (a scratch file is created and
+/// removed; a read-only file system says so) and has `bytes_needed` free. For a trainer to call
+/// before its first step, so that a run that cannot save fails before it trains.
+Status CheckCheckpointTarget(const std::filesystem::path& dir, uint64_t bytes_needed);
 
 /// Reads the whole file at `path` and returns its size and XXH3-64. NotFound when it does not
 /// exist, IoError on a read error. For tests and diagnostics.
@@ -186,8 +211,10 @@ class CheckpointWriter {
   /// replace a good checkpoint with one that cannot load.
   Status CheckFilesPresent(std::span<const std::pair<std::string, uint64_t>> files) const;
 
-  /// Writes `manifest` as manifest.json (2-space indent), makes it and the staging directory
-  /// durable and puts the checkpoint at `dir`, replacing any previous checkpoint there
+  /// Writes `manifest` as manifest.json (2-space indent) with two members of the file layer's
+  /// own, which it overwrites if present: "contents", every file of the staging directory (what
+  /// CheckReplaceable accepts later), and "checksum" (ManifestChecksum). Makes it and the staging
+  /// directory durable and puts the checkpoint at `dir`, replacing any previous checkpoint there
   /// atomically (see the file comment), then removes the previous one.
   ///
   /// InvalidArgument if `manifest` is not an object with "format": "strata-checkpoint" and an
@@ -237,11 +264,14 @@ class CheckpointWriter {
 /// at once, each ReadFile with its own buffer.
 class CheckpointReader {
  public:
-  /// Reads and checks `dir`/manifest.json. NotFound if `dir` or the manifest does not exist (the
+  /// Reads and checks `dir`/manifest.json (through OpenInputFile: a regular file, not a link,
+  /// within kManifestInput's size). NotFound if `dir` or the manifest does not exist (the
   /// message says it is not a Strata checkpoint); DataLoss if the manifest is not valid JSON
-  /// (with the parser's message) or not a JSON object; InvalidArgument if its "format" is not
-  /// "strata-checkpoint" or its "version" is not an integer from 1 to kCheckpointFormatVersion
-  /// (a newer version names both versions), or if `dir` is a file; IoError on a read error.
+  /// (with the parser's message), not a JSON object, or without a checksum that matches its
+  /// content (checked after the format and version, before anything else); InvalidArgument if its
+  /// "format" is not "strata-checkpoint" or its "version" is not an integer from 1 to
+  /// kCheckpointFormatVersion (a newer version names both versions), or if `dir` is a file; IoError
+  /// on a read error.
   static Result<CheckpointReader> Open(const std::filesystem::path& dir);
 
   /// Called by ReadFile with each piece of the file in order: `piece` is valid only during the

@@ -152,11 +152,16 @@ Status CheckLayoutMatches(const json& manifest, const ChunkLayout& layout) {
             "Freeze what fills whole chunks, or move the states across with "
             "ReadParameterState and WriteParameterState");
       }
+      // chunk_bytes counts working-parameter bytes, so another precision packs other chunks
+      // with the same chunk_bytes: both must be the checkpoint's.
+      const json& engine = Member(manifest, "", "engine");
       return InvalidArgument(
           "parameter '" + name +
-          "' is packed differently in the checkpoint; load it with the chunk_bytes it was saved "
-          "with (" +
-          Show(Member(Member(manifest, "", "engine"), "engine", "chunk_bytes")) + ")");
+          "' is packed differently in the checkpoint, which was saved with precision " +
+          Show(Member(engine, "engine", "working_dtype")) + " and chunk_bytes " +
+          Show(Member(engine, "engine", "chunk_bytes")) +
+          "; chunk_bytes counts bytes of working parameters, so another precision packs other "
+          "chunks: load it with that precision and chunk_bytes");
     }
   }
   if (chunks.size() != layout.chunk_count()) {

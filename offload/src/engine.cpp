@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "checkpoint_files.h"
 #include "engine_impl.h"
 #include "host_memory.h"
 #include "strata/core/bytes.h"
@@ -808,6 +809,9 @@ void Engine::SetLearningRate(double lr) { impl_->pipeline_.SetLearningRate(lr); 
 Status Engine::SetStepCount(int64_t steps) { return impl_->SetStepCount(steps); }
 Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   return impl_->Save(dir, save_options);
+}
+Status Engine::CheckSaveTarget(const std::filesystem::path& dir) const {
+  return internal::CheckCheckpointTarget(dir, impl_->CheckpointBytes());
 }
 Status Engine::Load(const std::filesystem::path& dir) { return impl_->Load(dir); }
 Status Engine::ReadMasterParameter(size_t parameter, std::span<float> out) {

@@ -366,14 +366,18 @@ json Engine::Impl::CheckpointManifest(std::span<const internal::FileDigest> dige
   return manifest;
 }
 
+uint64_t Engine::Impl::CheckpointBytes() const {
+  uint64_t bytes = 0;
+  for (const Chunk& c : chunks_) {
+    bytes += c.frozen() ? c.state_bytes() : c.state_bytes() * uint64_t(ranks());
+  }
+  return bytes;
+}
+
 Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   Status ready = pipeline_.CheckBetweenSteps("Save");
   if (ready.ok()) ready = pipeline_.FlushDelayedParameters();
-  // The whole checkpoint: every rank's shard of each trained chunk, frozen ones once.
-  uint64_t bytes_needed = 0;
-  for (const Chunk& c : chunks_) {
-    bytes_needed += c.frozen() ? c.state_bytes() : c.state_bytes() * uint64_t(ranks());
-  }
+  const uint64_t bytes_needed = CheckpointBytes();
   // Past the check in Begin the disk can still fill (another writer): the error then says how
   // much this checkpoint needed too.
   const std::string context =

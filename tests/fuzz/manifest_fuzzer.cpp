@@ -2,7 +2,11 @@
 // InvalidArgument), never a crash or an exception; a reader's files are then read by the names
 // the manifest gives, which must stay inside the checkpoint directory; and what Load reads from
 // it (ReadEngineManifest, for the layout of tests/offload/checkpoint_manifest_test.cpp) is a
-// clear error or values in range. Seed: tests/fuzz/corpus/manifest/engine.json.
+// clear error or values in range. Each input is tried as it is (the checksum path: almost every
+// mutation is refused there) and, when it is JSON, sealed again with its own checksum, so that
+// the fields behind the checksum are fuzzed too. CheckReplaceable, which decides whether a save
+// may replace the directory, answers OK or FailedPrecondition. Seed:
+// tests/fuzz/corpus/manifest/engine.json.
 #include <unistd.h>
 
 #include <cstddef>
@@ -75,15 +79,41 @@ void CheckEngineFields(const nlohmann::json& manifest) {
   }
 }
 
+void WriteManifest(const char* data, size_t size) {
+  std::ofstream out(Dir() / "manifest.json", std::ios::binary | std::ios::trunc);
+  out.write(data, std::streamsize(size));
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  {
-    std::ofstream out(Dir() / "manifest.json", std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(data), std::streamsize(size));
-  }
+  WriteManifest(reinterpret_cast<const char*>(data), size);
   auto reader = strata::offload::internal::CheckpointReader::Open(Dir());
-  if (!reader.ok()) return 0;
+  if (!reader.ok()) {
+    const strata::StatusCode code = reader.status().code();
+    if (code != strata::StatusCode::kDataLoss && code != strata::StatusCode::kInvalidArgument) {
+      __builtin_trap();
+    }
+    // Sealed with its own checksum: the same content gets past it to the fields.
+    nlohmann::json parsed = nlohmann::json::parse(data, data + size, nullptr, false);
+    if (parsed.is_discarded() || !parsed.is_object()) return 0;
+    const std::string checksum = strata::offload::internal::ManifestChecksum(parsed);
+    parsed["checksum"] = checksum;
+    std::string text;
+    try {
+      text = parsed.dump();
+    } catch (const nlohmann::json::exception&) {
+      return 0;  // Not UTF-8: never written by Commit.
+    }
+    WriteManifest(text.data(), text.size());
+    reader = strata::offload::internal::CheckpointReader::Open(Dir());
+    if (!reader.ok()) return 0;
+  }
+  const strata::StatusCode replaceable = strata::offload::internal::CheckReplaceable(Dir()).code();
+  if (replaceable != strata::StatusCode::kOk &&
+      replaceable != strata::StatusCode::kFailedPrecondition) {
+    __builtin_trap();
+  }
   const nlohmann::json& manifest = reader->manifest();
   CheckEngineFields(manifest);
   auto chunks = manifest.find("chunks");

@@ -1,6 +1,7 @@
 #include "checkpoint_files.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -42,9 +43,12 @@ FileDigest DigestOf(const std::vector<std::byte>& bytes) {
 }
 
 /// Names in `dir`, sorted.
+/// The entries of `dir`, sorted, but for the staging marker every checkpoint holds (its own
+/// tests check it).
 std::vector<std::string> List(const fs::path& dir) {
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename() == kStagingMarkerName) continue;
     names.push_back(entry.path().filename().string());
   }
   std::sort(names.begin(), names.end());
@@ -209,7 +213,11 @@ TEST(CheckpointFilesTest, RoundTripsStreamedFilesAndManifest) {
   EXPECT_EQ(List(tmp.path()), std::vector<std::string>{"step-100"});
   EXPECT_EQ(List(dir),
             (std::vector<std::string>{"b.bin", "c.bin", "chunk-000000.bin", "manifest.json"}));
-  EXPECT_EQ(ReadText(dir / "manifest.json"), manifest.dump(2) + "\n");
+  // The manifest as given, with the files the checkpoint holds and its checksum.
+  nlohmann::json sealed = manifest;
+  sealed["contents"] = {std::string(kStagingMarkerName), "b.bin", "c.bin", "chunk-000000.bin"};
+  sealed["checksum"] = ManifestChecksum(sealed);
+  EXPECT_EQ(ReadText(dir / "manifest.json"), sealed.dump(2) + "\n");
   EXPECT_NE(ReadText(dir / "manifest.json").find("\n  \"format\": \"strata-checkpoint\""),
             std::string::npos);
 
@@ -430,7 +438,9 @@ TEST(CheckpointFilesTest, OpenRejectsWrongFormatAndVersion) {
     EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument) << version;
   }
 
-  WriteText(dir / "manifest.json", R"({"format": "strata-checkpoint", "version": 1, "x": 5})");
+  nlohmann::json sealed = {{"format", "strata-checkpoint"}, {"version", 1}, {"x", 5}};
+  sealed["checksum"] = ManifestChecksum(sealed);
+  WriteText(dir / "manifest.json", sealed.dump());
   reader = CheckpointReader::Open(dir);
   ASSERT_TRUE(reader.ok()) << reader.status().ToString();
   EXPECT_EQ(reader->manifest()["x"], 5);
@@ -583,11 +593,14 @@ TEST(CheckpointFilesTest, BeginRemovesLeftoversOfDeadProcesses) {
   if (child == 0) _exit(0);
   ASSERT_EQ(waitpid(child, nullptr, 0), child);  // `child` is now a dead pid.
 
+  // Staging directories carry the marker Begin writes into each.
   const fs::path dead_staging = tmp.path() / ("ckpt.tmp-" + std::to_string(child));
   fs::create_directory(dead_staging);
+  WriteText(dead_staging / std::string(kStagingMarkerName), "");
   WriteText(dead_staging / "chunk-000000.bin", "partial");
   const fs::path own_stale = tmp.path() / ("ckpt.tmp-" + std::to_string(getpid()));
   fs::create_directory(own_stale);
+  WriteText(own_stale / std::string(kStagingMarkerName), "");
   WriteText(own_stale / "junk.bin", "junk");
   // A live process's staging dir (pid 1 always exists), another checkpoint's and a non-pid
   // suffix are left alone.
@@ -612,7 +625,7 @@ TEST(CheckpointFilesTest, BeginRemovesLeftoversOfDeadProcesses) {
   EXPECT_TRUE(fs::exists(not_pid));
   EXPECT_EQ(writer->staging_dir(), own_stale);
   EXPECT_TRUE(fs::is_directory(own_stale));
-  EXPECT_TRUE(fs::is_empty(own_stale)) << "the stale staging dir of the same name is recreated";
+  EXPECT_TRUE(List(own_stale).empty()) << "the stale staging dir of the same name is recreated";
   auto reader = CheckpointReader::Open(dir);
   ASSERT_TRUE(reader.ok());
   EXPECT_EQ(reader->manifest(), manifest);
@@ -651,7 +664,7 @@ TEST(CheckpointFilesTest, CreateFileRejectsBadNames) {
     EXPECT_EQ(sink.status().code(), StatusCode::kInvalidArgument) << name;
   }
   EXPECT_TRUE(Contains(writer->CreateFile("a/b.bin").status(), "no '/'"));
-  EXPECT_TRUE(fs::is_empty(writer->staging_dir()));
+  EXPECT_TRUE(List(writer->staging_dir()).empty());
 
   auto first = writer->CreateFile("dup.bin");
   ASSERT_TRUE(first.ok());
@@ -734,6 +747,191 @@ TEST(CheckpointFilesTest, BeginOnFileOrBadPathIsInvalidArgument) {
   writer = CheckpointWriter::Begin(tmp.path().string() + "/ckpt/");
   ASSERT_TRUE(writer.ok()) << writer.status().ToString();
   EXPECT_EQ(writer->dir(), tmp.path() / "ckpt");
+}
+
+// Strata replaces only what it can prove it wrote: an empty directory or a checkpoint whose
+// manifest lists everything in it. Anything else is refused before a byte is written, and left
+// exactly as it was.
+TEST(CheckpointFilesTest, BeginRefusesADirectoryThatIsNotItsCheckpoint) {
+  ScratchDir tmp;
+  const fs::path notes = tmp.path() / "notes";
+  fs::create_directory(notes);
+  WriteText(notes / "a.txt", "draft");
+  auto writer = CheckpointWriter::Begin(notes);
+  ASSERT_FALSE(writer.ok());
+  EXPECT_EQ(writer.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(writer.status(), "not a Strata checkpoint")) << writer.status().message();
+  EXPECT_TRUE(Contains(writer.status(), "\"a.txt\"")) << writer.status().message();
+  EXPECT_EQ(CheckCheckpointTarget(notes, 0).code(), StatusCode::kFailedPrecondition);
+  // Through a symbolic link: the same directory, the same answer.
+  fs::create_directory_symlink(notes, tmp.path() / "link");
+  EXPECT_EQ(CheckpointWriter::Begin(tmp.path() / "link").status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(List(notes), std::vector<std::string>{"a.txt"});
+  EXPECT_EQ(ReadText(notes / "a.txt"), "draft");
+  EXPECT_EQ(List(tmp.path()), (std::vector<std::string>{"link", "notes"})) << "nothing staged";
+
+  // A checkpoint with a file of someone else's added to it.
+  const fs::path dir = tmp.path() / "ckpt";
+  WriteCheckpoint(dir, {{"a.bin", Pattern(100, 1)}});
+  ASSERT_TRUE(CheckReplaceable(dir).ok());
+  WriteText(dir / "mine.txt", "keep me");
+  const Status refused = CheckpointWriter::Begin(dir).status();
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(refused, "\"mine.txt\", which the checkpoint did not write"))
+      << refused.message();
+  EXPECT_EQ(ReadText(dir / "mine.txt"), "keep me");
+  EXPECT_TRUE(CheckpointReader::Open(dir).ok());
+
+  // An empty directory is taken.
+  const fs::path empty = tmp.path() / "empty";
+  fs::create_directory(empty);
+  EXPECT_TRUE(CheckpointWriter::Begin(empty).ok());
+}
+
+// What a checkpoint directory holds when it is replaced is checked again at that moment: a file
+// put there during the save survives it.
+TEST(CheckpointFilesTest, ThePreviousCheckpointIsRemovedOnlyIfStillOnlyOurs) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  WriteCheckpoint(dir, {{"old.bin", Pattern(300, 2)}});
+  auto writer = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(writer.ok());
+  WriteText(dir / "late.txt", "written during the save");
+  std::vector<std::string> warnings;
+  SetLogSink([&](LogLevel level, std::string_view message) {
+    if (level == LogLevel::kWarning) warnings.emplace_back(message);
+  });
+  ASSERT_TRUE(writer->Commit(NewManifest()).ok());
+  SetLogSink(nullptr);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("late.txt"), std::string::npos) << warnings[0];
+  EXPECT_EQ(ReadText(writer->staging_dir() / "late.txt"), "written during the save");
+}
+
+// A leftover whose name is a staging directory's but which lacks Strata's marker is not
+// Strata's: Begin leaves it, and so does the restore of a fallback's old checkpoint.
+TEST(CheckpointFilesTest, LeftoversAreRecognisedByContentNotName) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);  // A dead pid.
+  const fs::path staging = tmp.path() / ("ckpt.tmp-" + std::to_string(child));
+  const fs::path old = tmp.path() / ("ckpt.old-" + std::to_string(child));
+  const fs::path own = tmp.path() / ("ckpt.tmp-" + std::to_string(getpid()));
+  for (const fs::path& path : {staging, old}) {
+    fs::create_directory(path);
+    WriteText(path / "thesis.tex", "years of work");
+  }
+  WriteCheckpoint(dir, {{"a.bin", Pattern(10, 3)}});  // So that `old` is not restored.
+  EXPECT_EQ(ReadText(staging / "thesis.tex"), "years of work");
+  EXPECT_EQ(ReadText(old / "thesis.tex"), "years of work");
+  fs::create_directory(own);
+  WriteText(own / "thesis.tex", "years of work");
+  const Status taken = CheckpointWriter::Begin(dir).status();
+  EXPECT_EQ(taken.code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(taken, "taken by something Strata did not create")) << taken.message();
+  EXPECT_EQ(ReadText(own / "thesis.tex"), "years of work");
+}
+
+// The manifest's checksum is checked before any of its fields is used: a hand edit of a value
+// is DataLoss; a manifest that only changed its layout is still read.
+TEST(CheckpointFilesTest, OpenChecksTheManifestChecksum) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  {
+    auto writer = CheckpointWriter::Begin(dir);
+    ASSERT_TRUE(writer.ok());
+    nlohmann::json manifest = NewManifest();
+    manifest["engine"] = {{"step_count", 7}, {"lr", 0.1}};
+    ASSERT_TRUE(writer->Commit(manifest).ok());
+  }
+  const fs::path path = dir / "manifest.json";
+  nlohmann::json saved = nlohmann::json::parse(ReadText(path));
+  WriteText(path, saved.dump(4));  // Other whitespace: the same content.
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->manifest()["engine"]["step_count"], 7);
+  EXPECT_FALSE(reader->manifest().contains("checksum"));
+
+  nlohmann::json edited = saved;
+  edited["engine"]["step_count"] = 8;
+  WriteText(path, edited.dump(2));
+  reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(reader.status(), "checksum")) << reader.status().message();
+
+  edited = saved;
+  edited.erase("checksum");
+  WriteText(path, edited.dump(2));
+  EXPECT_EQ(CheckpointReader::Open(dir).status().code(), StatusCode::kDataLoss);
+}
+
+// A manifest or data file that is not a regular file is refused at once, naming what it is:
+// a FIFO would block the read forever, /dev/zero would never end.
+TEST(CheckpointFilesTest, HostileFilesAreRefusedAtOnce) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  const auto data = Pattern(64, 4);
+  WriteCheckpoint(dir, {{"a.bin", data}});
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  std::vector<std::byte> out;
+
+  fs::remove(dir / "a.bin");
+  ASSERT_EQ(mkfifo((dir / "a.bin").c_str(), 0644), 0);
+  Status status = ReadAll(*reader, "a.bin", DigestOf(data), &out);
+  EXPECT_EQ(status.code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(Contains(status, "is not a regular file: it is a FIFO")) << status.message();
+
+  fs::remove(dir / "a.bin");
+  fs::create_directory(dir / "a.bin");
+  status = ReadAll(*reader, "a.bin", DigestOf(data), &out);
+  EXPECT_TRUE(Contains(status, "it is a directory")) << status.message();
+
+  fs::remove(dir / "a.bin");
+  fs::create_symlink("/dev/zero", dir / "a.bin");
+  status = ReadAll(*reader, "a.bin", DigestOf(data), &out);
+  EXPECT_TRUE(Contains(status, "symbolic link")) << status.message();
+
+  fs::remove(dir / "manifest.json");
+  ASSERT_EQ(mkfifo((dir / "manifest.json").c_str(), 0644), 0);
+  EXPECT_TRUE(Contains(CheckpointReader::Open(dir).status(), "it is a FIFO"));
+  fs::remove(dir / "manifest.json");
+  fs::create_symlink("/dev/zero", dir / "manifest.json");
+  EXPECT_TRUE(Contains(CheckpointReader::Open(dir).status(), "symbolic link"));
+}
+
+// A bare relative name is a directory in the working directory, as "./name" is.
+TEST(CheckpointFilesTest, RelativeNamesAreResolvedAgainstTheWorkingDirectory) {
+  ScratchDir tmp;
+  const fs::path cwd = fs::current_path();
+  fs::current_path(tmp.path());
+  for (int save = 0; save < 2; ++save) {
+    auto writer = CheckpointWriter::Begin("ck");
+    ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+    EXPECT_EQ(writer->dir(), fs::canonical(tmp.path()) / "ck");
+    const Status committed = writer->Commit(NewManifest());
+    EXPECT_TRUE(committed.ok()) << committed.ToString();
+  }
+  EXPECT_TRUE(CheckpointReader::Open("ck").ok());
+  fs::current_path(cwd);
+}
+
+// Checked before a trainer's first step: a read-only or missing place says so, without writing.
+TEST(CheckpointFilesTest, CheckCheckpointTargetWritesNothing) {
+  ScratchDir tmp;
+  EXPECT_TRUE(CheckCheckpointTarget(tmp.path() / "ck", 4096).ok());
+  EXPECT_TRUE(fs::is_empty(tmp.path()));
+  EXPECT_EQ(CheckCheckpointTarget(tmp.path() / "missing" / "ck", 0).code(), StatusCode::kNotFound);
+  EXPECT_EQ(CheckCheckpointTarget(tmp.path() / "ck", uint64_t{1} << 60).code(),
+            StatusCode::kResourceExhausted);
+  const Status proc = CheckCheckpointTarget("/proc/strata-checkpoint", 0);
+  EXPECT_FALSE(proc.ok());
+  EXPECT_TRUE(fs::is_empty(tmp.path()));
 }
 
 }  // namespace

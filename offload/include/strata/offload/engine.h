@@ -284,6 +284,13 @@ class Engine {
   /// when the file system cannot hold it next to the previous one; any later error (a disk that
   /// filled meanwhile) names the size it needed. On any error the previous checkpoint is intact.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options = {});
+  /// What Save would refuse before writing, checked now without writing anything that stays,
+  /// so that a trainer can fail before its first step rather than lose the run at its first
+  /// save: `dir`'s parent must exist and be writable, what is at `dir` must be nothing, an
+  /// empty directory or a Strata checkpoint and nothing else (Save never replaces anything
+  /// else: FailedPrecondition naming what is there), and the file system must have room for
+  /// this engine's checkpoint. Every rank may call it; it calls no collective.
+  Status CheckSaveTarget(const std::filesystem::path& dir) const;
   /// Loads a checkpoint written by Save, possibly with a different placement. DataLoss for a
   /// corrupted or incomplete checkpoint, or a manifest field missing, mistyped or out of range
   /// (the message names it); InvalidArgument when its parameters do not match the registered
