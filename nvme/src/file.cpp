@@ -52,6 +52,10 @@ Result<File> File::Open(const std::string& path, const FileOptions& options) {
   return OpenWithFlags(path, options, O_RDWR | O_CLOEXEC);
 }
 
+Result<File> File::OpenReadOnly(const std::string& path, const FileOptions& options) {
+  return OpenWithFlags(path, options, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+}
+
 Result<uint64_t> File::Size() const {
   struct stat st {};
   if (fstat(fd_, &st) != 0) return ErrnoError("fstat " + path_, errno);

@@ -1,17 +1,22 @@
 #include "strata/nvme/swap_space.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <string_view>
 
+#include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
 #include "strata/core/log.h"
 #include "strata/nvme/extent_allocator.h"
@@ -20,33 +25,81 @@
 namespace strata::nvme {
 namespace {
 
-constexpr const char* kSwapPrefix = "strata-swap-";
-constexpr const char* kSwapSuffix = ".bin";
+constexpr std::string_view kSwapPrefix = "strata-swap-";
+constexpr std::string_view kSwapSuffix = ".bin";
+/// The first bytes of every swap file, in a header block of its own that no extent uses: what
+/// proves a file Strata's, beside its name, before a later run removes it.
+constexpr std::string_view kSwapMagic = "STRATA-SWAP\n";
 
-/// Removes swap files in `directory` whose owning process no longer exists.
+/// The pid in "strata-swap-<pid>-<sequence>.bin" (both decimal, the pid positive), else 0.
+pid_t SwapFilePid(std::string_view name) {
+  if (!name.starts_with(kSwapPrefix) || !name.ends_with(kSwapSuffix)) return 0;
+  name.remove_prefix(kSwapPrefix.size());
+  name.remove_suffix(kSwapSuffix.size());
+  const size_t dash = name.find('-');
+  if (dash == std::string_view::npos || dash == 0 || dash + 1 == name.size()) return 0;
+  const std::string_view sequence = name.substr(dash + 1);
+  if (!std::all_of(sequence.begin(), sequence.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return 0;
+  }
+  int64_t pid = 0;
+  const auto [end, ec] = std::from_chars(name.data(), name.data() + dash, pid);
+  if (ec != std::errc() || end != name.data() + dash || pid <= 0 || pid > INT32_MAX) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+/// Whether `path` is a regular file (not a link) that starts with kSwapMagic.
+bool HasSwapMagic(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return false;
+  struct stat st {};
+  char head[kSwapMagic.size()] = {};
+  const bool ours = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+                    pread(fd, head, sizeof(head), 0) == static_cast<ssize_t>(sizeof(head)) &&
+                    std::string_view(head, sizeof(head)) == kSwapMagic;
+  close(fd);
+  return ours;
+}
+
+/// Removes the swap files in `directory` whose owning process no longer exists: only files of
+/// the exact name a SwapSpace gives (SwapFilePid) that carry its header (HasSwapMagic).
 void RemoveLeftovers(const std::string& directory) {
   DIR* dir = opendir(directory.c_str());
   if (dir == nullptr) return;
   while (dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;
-    if (name.rfind(kSwapPrefix, 0) != 0) continue;
-    const long pid = std::strtol(name.c_str() + std::strlen(kSwapPrefix), nullptr, 10);
-    if (pid <= 0 || (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)) {
-      const std::string path = directory + "/" + name;
-      if (unlink(path.c_str()) == 0) {
-        Log(LogLevel::kWarning, "removed swap file " + path + " left by a crashed run (pid " +
-                                    std::to_string(pid) + ")");
-      }
+    const pid_t pid = SwapFilePid(name);
+    if (pid == 0 || pid == getpid() || !(kill(pid, 0) != 0 && errno == ESRCH)) continue;
+    const std::string path = directory + "/" + name;
+    if (!HasSwapMagic(path)) continue;
+    if (unlink(path.c_str()) == 0) {
+      Log(LogLevel::kWarning,
+          "removed swap file " + path + " left by a crashed run (pid " + std::to_string(pid) + ")");
     }
   }
   closedir(dir);
 }
 
+/// Writes the header block (kSwapMagic and the owner's pid) at the start of `file`.
+Status WriteSwapHeader(File& file, uint64_t header_bytes) {
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer header, AlignedBuffer::Allocate(header_bytes));
+  std::memset(header.data(), 0, header_bytes);
+  const std::string text = std::string(kSwapMagic) + "pid " + std::to_string(getpid()) + "\n";
+  std::memcpy(header.data(), text.data(), text.size());
+  for (uint64_t done = 0; done < header_bytes;) {
+    const ssize_t n = pwrite(file.fd(), header.data() + done, header_bytes - done, off_t(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return ErrnoError("cannot write the header of swap file " + file.path(), errno);
+    done += uint64_t(n);
+  }
+  return Status();
+}
+
 /// A distinct name per SwapSpace, so several engines in one process can share a path.
 std::string SwapFileName(const std::string& directory) {
   static std::atomic<int> sequence{0};
-  return directory + "/" + kSwapPrefix + std::to_string(getpid()) + "-" +
-         std::to_string(sequence++) + kSwapSuffix;
+  return directory + "/" + std::string(kSwapPrefix) + std::to_string(getpid()) + "-" +
+         std::to_string(sequence++) + std::string(kSwapSuffix);
 }
 
 struct Part {
@@ -66,7 +119,8 @@ struct Extent {
 struct SwapFile {
   File file;
   FileId id;
-  ExtentAllocator allocator;
+  ExtentAllocator allocator;  ///< Offsets from the end of the header.
+  uint64_t header_bytes = 0;  ///< The header block before the extents: an O_DIRECT unit.
 };
 
 /// Several part requests that finish as one operation. Owns itself from submission until its
@@ -116,13 +170,16 @@ class SwapSpace::Impl {
                                   {.direct_io = options_.direct_io,
                                    .allow_buffered_fallback = options_.allow_buffered_fallback}));
       alignment_ = std::max<uint32_t>({alignment_, file.alignment(), 4096});
-      Status reserved = file.Reserve(options_.bytes_per_path);
+      const uint64_t header_bytes = std::max<uint64_t>(file.alignment(), 4096);
+      Status reserved = file.Reserve(header_bytes + options_.bytes_per_path);
+      if (reserved.ok()) reserved = WriteSwapHeader(file, header_bytes);
       if (!reserved.ok()) {
         unlink(file.path().c_str());
         return reserved;
       }
       STRATA_ASSIGN_OR_RETURN(FileId id, engine_.RegisterFile(file.fd(), file.path()));
-      files_.push_back({std::move(file), id, ExtentAllocator(options_.bytes_per_path, 4096)});
+      files_.push_back(
+          {std::move(file), id, ExtentAllocator(options_.bytes_per_path, 4096), header_bytes});
     }
     return Status();
   }
@@ -204,7 +261,7 @@ class SwapSpace::Impl {
         IoRequest request;
         request.op = op;
         request.file = files_[part.path].id;
-        request.offset = part.offset;
+        request.offset = files_[part.path].header_bytes + part.offset;
         request.length = std::min(part.length, transfer - position);
         request.buffer = data + position;
         request.registered_buffer = registered_buffer;
@@ -312,7 +369,8 @@ class SwapSpace::Impl {
     for (size_t i = 0; i < extent.parts.size(); ++i) {
       const Part& part = extent.parts[i];
       if (i > 0) text += ", ";
-      text += files_[part.path].file.path() + " at offset " + std::to_string(part.offset);
+      text += files_[part.path].file.path() + " at offset " +
+              std::to_string(files_[part.path].header_bytes + part.offset);
     }
     return text + ")";
   }

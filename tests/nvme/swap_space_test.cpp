@@ -160,9 +160,10 @@ TEST(SwapSpaceTest, ChecksumsCanBeTurnedOff) {
 
 TEST(SwapSpaceTest, FilesAreScratchAndLeftoversAreReplaced) {
   ScratchDir dir;
-  // A swap file from a process that no longer exists (pid 0x7fffffff is never used).
+  // A swap file from a process that no longer exists (pid 0x7fffffff is never used), with the
+  // header every swap file starts with.
   const std::string leftover = dir.path() / "strata-swap-2147483647-0.bin";
-  std::ofstream(leftover) << "stale";
+  std::ofstream(leftover) << "STRATA-SWAP\npid 2147483647\n";
   auto engine = MakeEngine();
   std::vector<std::string> paths;
   {
@@ -171,9 +172,41 @@ TEST(SwapSpaceTest, FilesAreScratchAndLeftoversAreReplaced) {
     paths = swap->file_paths();
     ASSERT_EQ(paths.size(), 1u);
     EXPECT_TRUE(std::filesystem::exists(paths[0]));
-    EXPECT_EQ(std::filesystem::file_size(paths[0]), 1u << 20) << "space preallocated";
+    // The extents' space, preallocated, after a header block of its own.
+    EXPECT_GE(std::filesystem::file_size(paths[0]), (1u << 20) + 4096) << "space preallocated";
+    std::ifstream in(paths[0]);
+    std::string magic(12, '\0');
+    in.read(magic.data(), 12);
+    EXPECT_EQ(magic, "STRATA-SWAP\n");
   }
   EXPECT_FALSE(std::filesystem::exists(paths[0])) << "removed on clean shutdown";
+}
+
+TEST(SwapSpaceTest, LeavesFilesItCannotProveItsOwn) {
+  ScratchDir dir;
+  // Names a swap file's prefix matches but its pattern does not, a dead pid's file without the
+  // header, a link to a file with it, and a live process's file: none is Strata's to remove.
+  const std::vector<std::string> names = {"strata-swap-notes.txt",
+                                          "strata-swap-0-1.bin",
+                                          "strata-swap-2147483647-0.bin",
+                                          "strata-swap-2147483647.bin",
+                                          "strata-swap-2147483647-0.bin.bak",
+                                          "strata-swap-" + std::to_string(getppid()) + "-0.bin"};
+  for (const std::string& name : names) {
+    const bool live = name == names.back();  // Only the live process's file has the header.
+    std::ofstream(dir.path() / name) << (live ? "STRATA-SWAP\n" : "my notes\n");
+  }
+  const std::string target = dir.path() / "elsewhere.bin";
+  std::ofstream(target) << "STRATA-SWAP\npid 2147483646\n";
+  const std::string link = dir.path() / "strata-swap-2147483646-0.bin";
+  std::filesystem::create_symlink(target, link);
+  auto engine = MakeEngine();
+  auto swap = *SwapSpace::Create({.paths = {dir.path()}, .bytes_per_path = 1 << 20}, *engine);
+  for (const std::string& name : names) {
+    EXPECT_TRUE(std::filesystem::exists(dir.path() / name)) << name;
+  }
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_TRUE(std::filesystem::exists(target));
 }
 
 TEST(SwapSpaceTest, BadPathsAreClearErrors) {

@@ -31,6 +31,9 @@ class File {
   static Result<File> Create(const std::string& path, const FileOptions& options);
   /// Opens an existing file for reading and writing.
   static Result<File> Open(const std::string& path, const FileOptions& options);
+  /// Opens an existing regular file for reading only (never a symbolic link): for measuring
+  /// reads of a file Strata must not change.
+  static Result<File> OpenReadOnly(const std::string& path, const FileOptions& options);
 
   /// Current size of the file in bytes.
   Result<uint64_t> Size() const;
