@@ -72,7 +72,10 @@ int RunBenchNvme(const std::vector<std::string>& args) {
   flags.AddInt("queue-depth", &queue_depth, "requests in flight (default 32)");
   flags.AddBytes("size", &s.size, "bytes per pass (default 4GiB)");
   flags.AddString("backend", &backend, "NAME", "auto (default), io_uring or posix");
-  flags.AddString("file", &s.file, "FILE", "use this file instead of a scratch file in --path");
+  flags.AddString("file", &s.file, "FILE",
+                  "use this file instead of a scratch file in --path: created if absent (and "
+                  "kept); an existing file is written only if strata bench created it, else "
+                  "only read (--rw read)");
   flags.AddBool("sweep", &sweep, "try block sizes 128KiB,1MiB,8MiB x queue depths 8,32,128");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
   if (Status st = flags.Parse(args); !st.ok()) return Fail(kExitUsage, st.message(), command);

@@ -1,16 +1,22 @@
 #include "nvme_bench.h"
 
+#include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <span>
 
 #include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
+#include "strata/core/input_file.h"
+#include "strata/core/log.h"
 #include "strata/nvme/file.h"
 #include "strata/nvme/io_engine.h"
 
@@ -108,6 +114,52 @@ class SequentialPass {
   Status error_;
 };
 
+/// The extended attribute that marks a --file this command created, and so may write again.
+constexpr const char* kBenchFileMark = "user.strata-bench-file";
+
+/// What a --file that was given is to the benchmark.
+enum class GivenFile {
+  kAbsent,   ///< Not there: created, marked, and kept afterwards.
+  kOurs,     ///< Created by an earlier run (marked): written and read.
+  kForeign,  ///< Someone else's, at least --size bytes, and only read is asked: read only.
+};
+
+/// Examines --file `path`. Refuses (FailedPrecondition) what is not a regular file, and
+/// someone else's file unless only reads of --size bytes it has are asked.
+Result<GivenFile> ExamineGivenFile(const std::string& path, uint64_t size, const std::string& rw) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return GivenFile::kAbsent;
+    return ErrnoError("--file " + path + ": cannot examine it", errno);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return FailedPrecondition("--file " + path + " is not a regular file: it is " +
+                              std::string(FileTypeName(st.st_mode)) +
+                              "; give the path of a regular file (or of one to create)");
+  }
+  char mark[8];
+  if (getxattr(path.c_str(), kBenchFileMark, mark, sizeof(mark)) >= 0) return GivenFile::kOurs;
+  if (rw == "read" && static_cast<uint64_t>(st.st_size) >= size) return GivenFile::kForeign;
+  return FailedPrecondition(
+      "--file " + path + " exists and was not created by strata bench nvme, so " +
+      (rw == "read" ? "it is only read, and it holds " + FormatBytes(uint64_t(st.st_size)) +
+                          ", less than --size " + FormatBytes(size)
+                    : std::string("writing to it would destroy what it holds")) +
+      "; give a path that does not exist (the benchmark creates the file there and may "
+      "write it again later), or --rw read with a --size the file holds");
+}
+
+/// Marks a --file this command created as its own. Where the file system keeps no extended
+/// attributes, a later run treats it as someone else's (and only reads it).
+void MarkOurs(const nvme::File& file, const std::string& path) {
+  const char value[] = "1";
+  if (fsetxattr(file.fd(), kBenchFileMark, value, 1, 0) != 0) {
+    Log(LogLevel::kWarning, "could not mark " + path + " as created by strata bench nvme (" +
+                                std::strerror(errno) +
+                                "); a later run will only read it, never write it");
+  }
+}
+
 /// Removes the benchmark's scratch file however the benchmark ends.
 struct RemoveOnExit {
   std::string path;  // Empty: nothing to remove.
@@ -126,22 +178,30 @@ Result<std::vector<NvmePass>> RunNvmeBench(const NvmeBenchSettings& s, const std
   const std::string path =
       scratch ? s.path + "/strata-bench-" + std::to_string(getpid()) + ".bin" : s.file;
   const RemoveOnExit cleanup{scratch ? path : std::string()};
-  // A given file that exists and is large enough is used as it is (fio does the same), so
-  // both tools measure overwrites of the same blocks.
-  Result<nvme::File> existing =
-      scratch ? Result<nvme::File>(NotFound(path)) : nvme::File::Open(path, {});
-  const Result<uint64_t> existing_size =
-      existing.ok() ? existing->Size() : Result<uint64_t>(existing.status());
-  const bool reuse = existing_size.ok() && *existing_size >= s.size;
+  // A given file is written only if this command created it (its mark says so); any other is
+  // at most read, and only when it already holds --size bytes: a benchmark never changes a
+  // file it did not create. An existing file of ours that is large enough is used as it is
+  // (fio does the same), so both tools measure overwrites of the same blocks.
+  GivenFile given = GivenFile::kAbsent;
+  if (!scratch) {
+    STRATA_ASSIGN_OR_RETURN(given, ExamineGivenFile(path, s.size, rw));
+  }
   nvme::File file;
-  if (reuse) {
-    file = std::move(existing).value();
+  bool reuse = false;
+  if (given == GivenFile::kForeign) {
+    STRATA_ASSIGN_OR_RETURN(file, nvme::File::OpenReadOnly(path, {}));
+    reuse = true;
+  } else if (given == GivenFile::kOurs) {
+    STRATA_ASSIGN_OR_RETURN(file, nvme::File::Open(path, {}));
+    STRATA_ASSIGN_OR_RETURN(uint64_t size, file.Size());
+    reuse = size >= s.size;
+    if (!reuse) STRATA_RETURN_IF_ERROR(file.Reserve(s.size));
   } else {
-    if (!scratch) unlink(path.c_str());
     STRATA_ASSIGN_OR_RETURN(file, nvme::File::Create(path, {}));
+    if (!scratch) MarkOurs(file, path);
     Status reserved = file.Reserve(s.size);
     if (!reserved.ok()) {
-      unlink(path.c_str());
+      unlink(path.c_str());  // Created by this call, just now.
       return reserved;
     }
   }
