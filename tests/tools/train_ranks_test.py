@@ -2,7 +2,8 @@
 """strata train under mpirun: two ranks with --batch 4 each train one model as one rank with
 --batch 8 does (the same samples; bf16 sums in another order, so the losses agree to a stated
 tolerance), stage 3 exactly as stage 2, three ranks (stage 3, states on NVMe) as one rank with
-the whole batch, a rank killed or stopped mid-training ends the job naming it, strata plan
+the whole batch, every stage x precision x placement trains on its defaults, a rank killed or
+stopped mid-training ends the job naming it, strata plan
 --measure times the link across the ranks, only rank 0 prints, a checkpoint two ranks save resumes on two ranks and on one, and
 an error on the ranks names each rank.
 
@@ -74,7 +75,31 @@ def lose_rank_one(how, sig):
                 pass
 
 
+def every_default_combination():
+    """Each ZeRO stage, precision and parameter placement trains on two ranks with nothing else
+    given (the device budget, the host budget and the chunks all the defaults'): the optimizer
+    states alternate between host memory and NVMe. Stage 3 keeps parameter shards off the
+    device (refused there, tested below)."""
+    combinations = 0
+    for stage in ("1", "2", "3"):
+        for precision in ("fp32", "bf16", "fp16"):
+            for params in ("device", "host", "nvme"):
+                if stage == "3" and params == "device":
+                    continue
+                states = ("host", "nvme")[combinations % 2]
+                command = MPI + [STRATA, "train", "--model", "tiny", "--steps", "2", "--json",
+                                 "--zero-stage", stage, "--precision", precision,
+                                 "--offload-params", params, "--offload-optimizer", states]
+                code, out, err = run(command)
+                assert code == 0, f"{' '.join(command[5:])} failed ({code}):\n{err}"
+                assert len(json.loads(out)["steps"]) == 2, out
+                combinations += 1
+    print(f"every stage x precision x parameter placement on 2 ranks with the defaults: "
+          f"{combinations} combinations trained")
+
+
 def main():
+    every_default_combination()
     code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4"])
     if code != 0:
         sys.exit(f"two ranks failed ({code}):\n{err}")

@@ -1,6 +1,8 @@
 // strata: the command-line tool of the Strata offload engine.
 #include <cstring>
+#include <exception>
 #include <iostream>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -57,9 +59,10 @@ int RunBench(const std::vector<std::string>& args) {
 
 }  // namespace strata::tools
 
-int main(int argc, char** argv) {
+namespace {
+
+int Run(std::vector<std::string> args) {
   using namespace strata::tools;
-  std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     std::cout << kUsage;
     return args.empty() ? kExitUsage : kExitOk;
@@ -76,4 +79,20 @@ int main(int argc, char** argv) {
   if (command == "config") return RunConfig(args);
   if (command == "bench") return RunBench(args);
   return Fail(kExitUsage, "unknown command \"" + command + "\"", "strata");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace strata::tools;
+  // Every command returns its errors as a Status; an exception reaching here is a bug, and
+  // still ends as an error line and exit code 1, never as an abort.
+  try {
+    return Run(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const std::bad_alloc&) {
+    return Fail(kExitFailure, "out of memory");
+  } catch (const std::exception& e) {
+    return Fail(kExitFailure, std::string("internal error: ") + e.what() +
+                                  " (please report it, with the command that caused it)");
+  }
 }

@@ -61,8 +61,20 @@ class MetricsServer::Impl {
       return InvalidArgument("metrics: request_timeout must be positive");
     }
     boost::system::error_code ec;
-    const asio::ip::address address = asio::ip::make_address(options_.address, ec);
-    if (ec) return InvalidArgument("--metrics-address " + options_.address + ": " + ec.message());
+    asio::ip::address address = asio::ip::make_address(options_.address, ec);
+    if (ec) {
+      // A host name ("localhost"): its first address, as a listening server resolves one.
+      tcp::resolver resolver(context_);
+      const auto resolved = resolver.resolve(options_.address, "", ec);
+      if (ec || resolved.empty()) {
+        return InvalidArgument("--metrics-address " + options_.address +
+                               ": not an IP address, nor a host name that resolves (" +
+                               (ec ? ec.message() : std::string("no address")) +
+                               "); give an address of this machine, such as 127.0.0.1, ::1 or "
+                               "0.0.0.0 (every interface)");
+      }
+      address = resolved.begin()->endpoint().address();
+    }
     const tcp::endpoint endpoint(address, options_.port);
     acceptor_.open(endpoint.protocol(), ec);
     if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);

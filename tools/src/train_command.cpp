@@ -1,6 +1,7 @@
 // `strata train`: the built-in byte-level language model trained through the offload engine on
 // the shipped corpus. Its defaults are the demo: optimizer states on NVMe in a temporary
 // folder, parameters offloaded to host memory, and a device budget a fraction of the model.
+#include <signal.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -18,7 +19,9 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "interrupt.h"
 #include "metrics_server.h"
+#include "scratch_dir.h"
 #include "strata/core/bytes.h"
 #include "strata/core/config.h"
 #include "strata/core/host_device.h"
@@ -40,13 +43,16 @@ constexpr const char* kCommand = "strata train";
 /// One residual block of the small model (width 128) per chunk.
 constexpr uint64_t kDefaultChunkBytes = 288 * kKiB;
 
-/// Everything the command line asked for; empty/negative/NaN means "not given".
+/// An integer flag's value when it was not given.
+constexpr int64_t kNotGiven = std::numeric_limits<int64_t>::min();
+
+/// Everything the command line asked for; empty/negative/NaN/kNotGiven means "not given".
 struct TrainFlags {
   std::string config, model = "small", offload_optimizer, offload_params, nvme_path, device,
                       precision, checkpoint, resume, data = STRATA_CORPUS_PATH,
                       metrics_address = "127.0.0.1";
   int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
-          checkpoint_every = 0, metrics_port = -1, eval_every = 50, zero_stage = -1,
+          checkpoint_every = 0, metrics_port = kNotGiven, eval_every = 50, zero_stage = -1,
           zero_quantized_gradient_bits = -1;
   uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
   int64_t delayed_update_from = -1;
@@ -54,23 +60,6 @@ struct TrainFlags {
   double collective_timeout = std::numeric_limits<double>::quiet_NaN();
   bool json = false, delayed_update = false, zero_quantized_weights = false,
        zero_quantized_gradients = false;
-};
-
-/// A scratch directory for NVMe swap, removed when the command ends.
-class ScratchDir {
- public:
-  ~ScratchDir() {
-    if (!path_.empty()) std::filesystem::remove_all(path_);
-  }
-  Result<std::string> Make() {
-    std::string pattern = TempDirectory() + "/strata-train-XXXXXX";
-    if (mkdtemp(pattern.data()) == nullptr) return ErrnoError("creating " + pattern, errno);
-    path_ = pattern;
-    return path_;
-  }
-
- private:
-  std::string path_;
 };
 
 Result<examples::ByteLmConfig> ModelConfig(const TrainFlags& f) {
@@ -159,19 +148,20 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   const bool uses_nvme =
       o.placement.optimizer_states == Tier::kNvme || o.placement.params == Tier::kNvme;
   if (uses_nvme && o.nvme.paths.empty()) {
-    STRATA_ASSIGN_OR_RETURN(std::string dir, scratch.Make());
+    STRATA_ASSIGN_OR_RETURN(std::string dir, scratch.Make("strata-train"));
     o.nvme.paths = {dir};
   }
   STRATA_RETURN_IF_ERROR(o.Validate());
 
   // Device budget: given; or, with offloaded parameters, three of the largest chunk's
   // parameters and gradients (a layer's chunks plus one fetched ahead): a fraction of the model;
-  // or, with parameters on the device, all of them with room to spare.
+  // or, with parameters on the device, all of them with room to spare. Chunks as the engine
+  // lays them out: padded to shards of equal size across the ranks.
   std::vector<offload::ParameterSpec> specs;
   for (const auto& p : examples::ByteLmParameters(model)) specs.push_back({p.name, p.shape, {}});
-  STRATA_ASSIGN_OR_RETURN(
-      offload::ChunkLayout layout,
-      offload::ChunkLayout::Build(specs, o.precision.working_dtype, o.placement.chunk_bytes));
+  STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
+                          offload::ChunkLayout::Build(specs, o.precision.working_dtype,
+                                                      o.placement.chunk_bytes, ranks));
   const uint64_t slot =
       offload::ChunkDeviceBytes(layout.max_chunk_numel(), o.precision.working_dtype);
   if (f.device_memory > 0) {
@@ -435,6 +425,40 @@ Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload
   return MetricsServer::Start(std::move(options));
 }
 
+/// Whether `inner` is `outer` or lies under it (both absolute and normal).
+bool Within(const std::filesystem::path& inner, const std::filesystem::path& outer) {
+  auto [o, i] = std::mismatch(outer.begin(), outer.end(), inner.begin(), inner.end());
+  return o == outer.end();
+}
+
+/// A checkpoint replaces its folder whole: it may share nothing with the swap folders, nor hold
+/// the training corpus. Checked before anything is created, with links resolved.
+Status CheckCheckpointApart(const std::string& checkpoint, const std::vector<std::string>& nvme,
+                            const std::string& data) {
+  if (checkpoint.empty()) return Status();
+  namespace fs = std::filesystem;
+  auto resolve = [](const std::string& path) {
+    std::error_code ec;
+    fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
+    return (ec ? fs::absolute(path, ec) : resolved).lexically_normal();
+  };
+  const fs::path dir = resolve(checkpoint);
+  for (const std::string& path : nvme) {
+    const fs::path swap = resolve(path);
+    if (Within(swap, dir) || Within(dir, swap)) {
+      return InvalidArgument("--checkpoint " + checkpoint + " and the nvme path " + path +
+                             (dir == swap ? " are the same folder" : " lie one inside the other") +
+                             ": a checkpoint replaces its folder whole, and the swap files are "
+                             "not part of it; give them separate folders");
+    }
+  }
+  if (Within(resolve(data), dir)) {
+    return InvalidArgument("--checkpoint " + checkpoint + " holds the training corpus " + data +
+                           ": a checkpoint replaces its folder whole; save it elsewhere");
+  }
+  return Status();
+}
+
 int Train(const TrainFlags& f) {
   // Started as one of several ranks (mpirun, srun): the ranks train one model, each keeping its
   // shard of the optimizer states (ZeRO stages 1 and 2) and its slice of every batch; rank 0
@@ -456,8 +480,11 @@ int Train(const TrainFlags& f) {
                                   " as one of several ranks, but this build has no MPI: install "
                                   "Open MPI (libopenmpi-dev) and build again");
   }
-  if (f.metrics_port > 65535) {
-    return fail(kExitUsage, "--metrics-port must be in [0, 65535]", kCommand);
+  if (f.metrics_port != kNotGiven && (f.metrics_port < 0 || f.metrics_port > 65535)) {
+    return fail(kExitUsage,
+                "--metrics-port must be in [0, 65535] (0: any free port), got " +
+                    std::to_string(f.metrics_port),
+                kCommand);
   }
   auto model = ModelConfig(f);
   if (!model.ok()) return fail(kExitUsage, model.status().message(), kCommand);
@@ -499,6 +526,9 @@ int Train(const TrainFlags& f) {
   ScratchDir scratch;
   auto options = EngineOptionsFor(f, config, scratch, *model, launched.size);
   if (!options.ok()) return fail(kExitUsage, options.status().message(), kCommand);
+  if (Status s = CheckCheckpointApart(f.checkpoint, options->nvme.paths, f.data); !s.ok()) {
+    return fail(kExitFailure, s.message());
+  }
   if (options->device.kind == DeviceKind::kCuda) {
     return fail(kExitFailure, examples::kHostComputeOnly);
   }
@@ -531,6 +561,12 @@ int Train(const TrainFlags& f) {
       ByteLmTrainer::Create(settings, *options, **device, *corpus, std::move(environment));
   if (!trainer.ok()) return fail(kExitFailure, trainer.status().message());
   offload::Engine& engine = (*trainer)->engine();
+  // A run that cannot save fails now, not after its last step.
+  if (!f.checkpoint.empty()) {
+    if (Status s = engine.CheckSaveTarget(f.checkpoint); !s.ok()) {
+      return fail(kExitFailure, "--checkpoint " + f.checkpoint + ": " + s.message());
+    }
+  }
   if (!f.resume.empty()) {
     if (Status s = engine.Load(f.resume); !s.ok()) {
       return fail(kExitFailure, "resuming from " + f.resume + ": " + s.message());
@@ -563,13 +599,23 @@ int Train(const TrainFlags& f) {
   // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
   // whose every step overflows (a fixed loss scale far too high) still ends.
   // `idle`: no step is running, so a checkpoint or an evaluation may follow.
+  // SIGINT and SIGTERM end the run after the step in flight (interrupt.h); `stop_signal` is
+  // the signal once every rank knows of it.
+  const InterruptHandlers interrupts;
+  int stop_signal = 0;
+  int64_t saved_step = -1;  // The step of the last checkpoint this run saved.
   auto report = [&](TrainStepRecord r, bool last, bool idle) -> Status {
+    const int received = InterruptHandlers::received();
     if (scalars) {
-      // The loss of the whole batch: the mean of the ranks' slices.
-      std::array<double, 1> loss = {r.loss};
-      STRATA_RETURN_IF_ERROR(scalars->AllReduceNow(loss, offload::ReduceOp::kSum)
+      // The loss of the whole batch: the mean of the ranks' slices; and whether any rank was
+      // signalled, so that all stop after this same step.
+      std::array<double, 2> sums = {r.loss, received != 0 ? 1.0 : 0.0};
+      STRATA_RETURN_IF_ERROR(scalars->AllReduceNow(sums, offload::ReduceOp::kSum)
                                  .WithContext("averaging the loss across ranks"));
-      r.loss = loss[0] / launched.size;
+      r.loss = sums[0] / launched.size;
+      if (sums[1] > 0) stop_signal = received != 0 ? received : SIGTERM;
+    } else {
+      stop_signal = received;
     }
     summary.records.push_back(r);
     gauges.step->Set(double(r.step));
@@ -592,6 +638,7 @@ int Train(const TrainFlags& f) {
       if (Status s = engine.Save(f.checkpoint); !s.ok()) {
         return s.WithContext("saving the checkpoint");
       }
+      saved_step = r.step;
     }
     if (!f.json && f.eval_every > 0 && r.step % f.eval_every == 0 && !last) {
       // Every rank evaluates (the same parameters, the same batches): the ranks stay in step,
@@ -606,7 +653,11 @@ int Train(const TrainFlags& f) {
   // run, except a step that a checkpoint or an evaluation follows: those need it complete.
   const bool overlap = options->optimizer.delayed_update;
   int64_t iteration = engine.iteration_count();
+  bool in_flight = false;  // A delayed update's step started and not yet finished.
   while (iteration < f.steps) {
+    // One rank alone may stop at once; several stop as they agreed in `report`.
+    if (!several && stop_signal == 0) stop_signal = InterruptHandlers::received();
+    if (stop_signal != 0) break;
     const int64_t number = ++iteration;
     const bool last = number >= f.steps;
     const bool pause =
@@ -621,12 +672,39 @@ int Train(const TrainFlags& f) {
         return fail(kExitFailure, s.message());
       }
     }
+    in_flight = true;
     if (overlap && !pause) continue;
     auto record = (*trainer)->FinishStep();
+    in_flight = false;
     if (!record.ok()) return fail(kExitFailure, record.status().message());
     if (Status s = report(*record, last, /*idle=*/true); !s.ok()) {
       return fail(kExitFailure, s.message());
     }
+  }
+  if (stop_signal != 0) {
+    // Finish the step in flight, so that its update is not left half applied, then go: the
+    // objects' destructors remove the swap files and the scratch folder.
+    if (in_flight) {
+      auto record = (*trainer)->FinishStep();
+      if (!record.ok()) return fail(kExitFailure, record.status().message());
+      if (Status s = report(*record, /*last=*/false, /*idle=*/false); !s.ok()) {
+        return fail(kExitFailure, s.message());
+      }
+    }
+    if (prints) {
+      const std::string saved = saved_step >= 0 ? "the last checkpoint is " + f.checkpoint +
+                                                      " (step " + std::to_string(saved_step) + ")"
+                                : f.checkpoint.empty()
+                                    ? std::string(
+                                          "no checkpoint was saved (--checkpoint DIR "
+                                          "--checkpoint-every K keeps progress)")
+                                    : "no checkpoint was saved by this run";
+      std::fprintf(
+          stderr, "strata train: interrupted by %s after step %lld; %s\n", SignalName(stop_signal),
+          static_cast<long long>(summary.records.empty() ? 0 : summary.records.back().step),
+          saved.c_str());
+    }
+    return 128 + stop_signal;
   }
   for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
     summary.peak_bytes[size_t(tier)] = engine.tier_usage(tier).peak_bytes;
