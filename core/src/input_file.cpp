@@ -59,17 +59,10 @@ Result<size_t> InputFile::Read(void* data, size_t size) {
 
 Result<InputFile> OpenInputFile(const std::string& path, const InputKind& kind) {
   const std::string what = std::string(kind.what) + " " + path;
-  int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
-  if (!kind.follow_links) flags |= O_NOFOLLOW;
-  const int fd = ::open(path.c_str(), flags);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return NotFound(what + " does not exist");
-    if (err == ELOOP && !kind.follow_links) {
-      return InvalidArgument(what +
-                             " is not a regular file: it is a symbolic link, which Strata "
-                             "never writes there");
-    }
     return ErrnoError("cannot open " + what, err);
   }
   InputFile file(fd, 0, path);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <set>
 #include <string_view>
 
 #include "strata/core/aligned_buffer.h"
@@ -30,6 +31,8 @@ constexpr std::string_view kSwapSuffix = ".bin";
 /// The first bytes of every swap file, in a header block of its own that no extent uses: what
 /// proves a file Strata's, beside its name, before a later run removes it.
 constexpr std::string_view kSwapMagic = "STRATA-SWAP\n";
+
+}  // namespace
 
 /// The pid in "strata-swap-<pid>-<sequence>.bin" (both decimal, the pid positive), else 0.
 pid_t SwapFilePid(std::string_view name) {
@@ -48,6 +51,8 @@ pid_t SwapFilePid(std::string_view name) {
   return static_cast<pid_t>(pid);
 }
 
+namespace {
+
 /// Whether `path` is a regular file (not a link) that starts with kSwapMagic.
 bool HasSwapMagic(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
@@ -61,17 +66,34 @@ bool HasSwapMagic(const std::string& path) {
   return ours;
 }
 
-/// Removes the swap files in `directory` whose owning process no longer exists: only files of
-/// the exact name a SwapSpace gives (SwapFilePid) that carry its header (HasSwapMagic).
+/// The swap files this process has open (their paths): a file of this pid that is not among
+/// them was left by an earlier process that had the same pid (containers reuse pids).
+std::mutex g_open_files_mutex;
+std::set<std::string> g_open_files;
+
+/// Removes the swap files in `directory` whose owner is gone: only files of the exact name a
+/// SwapSpace gives (SwapFilePid) that carry its header (HasSwapMagic), of a pid that no longer
+/// exists or of this one but not open here.
 void RemoveLeftovers(const std::string& directory) {
   DIR* dir = opendir(directory.c_str());
   if (dir == nullptr) return;
   while (dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;
     const pid_t pid = SwapFilePid(name);
-    if (pid == 0 || pid == getpid() || !(kill(pid, 0) != 0 && errno == ESRCH)) continue;
     const std::string path = directory + "/" + name;
-    if (!HasSwapMagic(path)) continue;
+    if (pid == 0) continue;
+    if (pid == getpid()) {
+      std::lock_guard lock(g_open_files_mutex);
+      if (g_open_files.contains(path)) continue;
+    } else if (!(kill(pid, 0) != 0 && errno == ESRCH)) {
+      continue;
+    }
+    if (!HasSwapMagic(path)) {
+      Log(LogLevel::kWarning, "left " + path +
+                                  ": it is named like a swap file of a run that is gone, but it "
+                                  "does not start with Strata's header, so it is not Strata's");
+      continue;
+    }
     if (unlink(path.c_str()) == 0) {
       Log(LogLevel::kWarning,
           "removed swap file " + path + " left by a crashed run (pid " + std::to_string(pid) + ")");
@@ -89,7 +111,9 @@ Status WriteSwapHeader(File& file, uint64_t header_bytes) {
   for (uint64_t done = 0; done < header_bytes;) {
     const ssize_t n = pwrite(file.fd(), header.data() + done, header_bytes - done, off_t(done));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return ErrnoError("cannot write the header of swap file " + file.path(), errno);
+    if (n <= 0) {
+      return ErrnoError("cannot write the header of swap file " + file.path(), n < 0 ? errno : EIO);
+    }
     done += uint64_t(n);
   }
   return Status();
@@ -155,6 +179,8 @@ class SwapSpace::Impl {
     for (SwapFile& swap : files_) {
       engine_.UnregisterFile(swap.id);
       unlink(swap.file.path().c_str());
+      std::lock_guard lock(g_open_files_mutex);
+      g_open_files.erase(swap.file.path());
     }
   }
 
@@ -178,6 +204,10 @@ class SwapSpace::Impl {
         return reserved;
       }
       STRATA_ASSIGN_OR_RETURN(FileId id, engine_.RegisterFile(file.fd(), file.path()));
+      {
+        std::lock_guard lock(g_open_files_mutex);
+        g_open_files.insert(file.path());
+      }
       files_.push_back(
           {std::move(file), id, ExtentAllocator(options_.bytes_per_path, 4096), header_bytes});
     }

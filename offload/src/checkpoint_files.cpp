@@ -125,21 +125,6 @@ int WriteAll(int fd, const std::byte* data, size_t size) {
   return 0;
 }
 
-/// Reads up to `size` bytes, stopping early only at end of file. Returns the count, or -errno.
-ssize_t ReadFull(int fd, std::byte* data, size_t size) {
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::read(fd, data + done, size - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (n == 0) break;
-    done += static_cast<size_t>(n);
-  }
-  return static_cast<ssize_t>(done);
-}
-
 int FsyncRetry(int fd) {
   while (::fsync(fd) != 0) {
     if (errno != EINTR) return errno;
@@ -225,11 +210,15 @@ bool ProcessIsGone(pid_t pid) {
 }
 
 /// Whether `staging` is a staging directory Strata made: it holds the marker Begin creates.
+/// A staging directory that holds a manifest is a committed checkpoint moved aside (the previous
+/// one after an exchange): it must also be nothing but that checkpoint.
 bool IsStagingDirectory(const fs::path& staging) {
   struct stat st {};
   const fs::path marker = staging / std::string(kStagingMarkerName);
+  const fs::path manifest = staging / std::string(kManifestFileName);
   return ::lstat(staging.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
-         ::lstat(marker.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+         ::lstat(marker.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+         (::lstat(manifest.c_str(), &st) != 0 || CheckReplaceable(staging).ok());
 }
 
 /// Cleans up after crashed writers of `dir`: removes "<name>.tmp-<pid>" of dead pids, and for
@@ -282,11 +271,11 @@ void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
   }
   for (const std::string& entry_name : stale_staging) {
     const fs::path staging = parent / entry_name;
+    if (::rmdir(staging.c_str()) == 0) continue;  // Empty: made, then the writer died.
     if (!IsStagingDirectory(staging)) {
       Log(LogLevel::kWarning, "left " + staging.string() +
                                   " in place: its name is that of a checkpoint's staging "
-                                  "directory, but Strata's marker " +
-                                  std::string(kStagingMarkerName) + " is not in it");
+                                  "directory, but it holds what Strata did not write there");
       continue;
     }
     std::error_code ec;
@@ -319,10 +308,18 @@ std::string ManifestChecksum(const nlohmann::json& manifest) {
 
 namespace {
 
+/// A manifest read and checked by ReadManifest.
+struct CheckedManifest {
+  nlohmann::json json;
+  /// Written before manifests carried a checksum and a "contents" list: nothing vouches for
+  /// its fields but the data files' own checksums, which Load still checks.
+  bool legacy = false;
+};
+
 /// Reads and checks the manifest at `path`: a regular file within the manifest's size limit
 /// (OpenInputFile), valid JSON, a Strata header (format, version), then its checksum, before
-/// anything else in it is used.
-Result<nlohmann::json> ReadManifest(const fs::path& path) {
+/// anything else in it is used. A manifest with no "checksum" member at all is a legacy one.
+Result<CheckedManifest> ReadManifest(const fs::path& path) {
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadInputFile(path.string(), kManifestInput));
   nlohmann::json manifest;
   try {
@@ -344,10 +341,10 @@ Result<nlohmann::json> ReadManifest(const fs::path& path) {
   }
   STRATA_RETURN_IF_ERROR(CheckManifestHeader(manifest, "checkpoint manifest " + path.string()));
   const auto checksum = manifest.find("checksum");
-  if (checksum == manifest.end() || !checksum->is_string()) {
-    return DataLoss("checkpoint manifest " + path.string() +
-                    " has no checksum, so its content cannot be trusted (it was edited, or "
-                    "written by a Strata release older than manifest checksums)");
+  if (checksum == manifest.end()) return CheckedManifest{std::move(manifest), /*legacy=*/true};
+  if (!checksum->is_string()) {
+    return DataLoss("checkpoint manifest " + path.string() + " is damaged: its checksum is " +
+                    Show(*checksum) + ", not a string");
   }
   const std::string expected = ManifestChecksum(manifest);
   if (checksum->get_ref<const std::string&>() != expected) {
@@ -356,7 +353,20 @@ Result<nlohmann::json> ReadManifest(const fs::path& path) {
                     " does not match its content (" + expected +
                     "); a checkpoint's manifest is not to be changed by hand");
   }
-  return manifest;
+  return CheckedManifest{std::move(manifest), /*legacy=*/false};
+}
+
+/// Every string a legacy manifest gives as a "file" (its chunks' and their shards'): the files
+/// that Strata wrote there, which its "contents" lists in newer manifests.
+void CollectFileNames(const nlohmann::json& value, std::vector<std::string>& names) {
+  if (value.is_object()) {
+    for (const auto& [key, member] : value.items()) {
+      if (key == "file" && member.is_string()) names.push_back(member.get<std::string>());
+      CollectFileNames(member, names);
+    }
+  } else if (value.is_array()) {
+    for (const nlohmann::json& element : value) CollectFileNames(element, names);
+  }
 }
 
 /// Up to five of `names`, quoted, for messages.
@@ -380,8 +390,9 @@ Status CheckReplaceable(const fs::path& dir) {
       "; Strata replaces only an empty directory or a checkpoint it wrote, so choose a new "
       "path, or move those files away yourself";
   if (!S_ISDIR(st.st_mode)) {
-    return FailedPrecondition(refuse + "it is " + std::string(FileTypeName(st.st_mode)) +
-                              ", not a directory" + what_to_do);
+    return InvalidArgument(refuse + "it is not a directory (it is " +
+                           std::string(FileTypeName(st.st_mode)) +
+                           "); a checkpoint is a directory, so choose another path");
   }
   std::vector<std::string> entries;
   std::error_code ec;
@@ -398,14 +409,16 @@ Status CheckReplaceable(const fs::path& dir) {
                               std::string(kManifestFileName) + ") and holds " + SomeNames(entries) +
                               what_to_do);
   }
-  Result<nlohmann::json> manifest = ReadManifest(dir / std::string(kManifestFileName));
+  Result<CheckedManifest> manifest = ReadManifest(dir / std::string(kManifestFileName));
   if (!manifest.ok()) {
     return FailedPrecondition(refuse + "it is not a Strata checkpoint that can be verified (" +
                               manifest.status().message() + ")" + what_to_do);
   }
   std::vector<std::string> listed;
-  if (const auto files = manifest->find("contents");
-      files != manifest->end() && files->is_array()) {
+  const nlohmann::json& json = manifest->json;
+  if (manifest->legacy) {
+    CollectFileNames(json, listed);
+  } else if (const auto files = json.find("contents"); files != json.end() && files->is_array()) {
     for (const nlohmann::json& name : *files) {
       if (name.is_string()) listed.push_back(name.get<std::string>());
     }
@@ -431,12 +444,7 @@ Status CheckReplaceable(const fs::path& dir) {
 }
 
 Result<FileDigest> DigestFile(const fs::path& path) {
-  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    const int err = errno;
-    if (err == ENOENT) return NotFound("file " + path.string() + " does not exist");
-    return FileError("open", path, err);
-  }
+  STRATA_ASSIGN_OR_RETURN(InputFile file, OpenInputFile(path.string(), kCheckpointDataInput));
   std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[kDigestBufferBytes]);
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
                                                                  &XXH3_freeState);
@@ -446,11 +454,10 @@ Result<FileDigest> DigestFile(const fs::path& path) {
   XXH3_64bits_reset(state.get());
   FileDigest digest;
   for (;;) {
-    const ssize_t n = ReadFull(fd.get(), buffer.get(), kDigestBufferBytes);
-    if (n < 0) return FileError("read", path, static_cast<int>(-n));
+    STRATA_ASSIGN_OR_RETURN(const size_t n, file.Read(buffer.get(), kDigestBufferBytes));
     if (n == 0) break;
-    XXH3_64bits_update(state.get(), buffer.get(), static_cast<size_t>(n));
-    digest.bytes += static_cast<uint64_t>(n);
+    XXH3_64bits_update(state.get(), buffer.get(), n);
+    digest.bytes += n;
   }
   digest.xxh3 = XXH3_64bits_digest(state.get());
   return digest;
@@ -687,29 +694,11 @@ Status CheckFreeSpace(const fs::path& dir, const fs::path& parent, uint64_t byte
   return Status::Ok();
 }
 
-/// What Begin and CheckCheckpointTarget both check of a resolved path: what is at `dir` may be
-/// replaced.
-Status CheckTarget(const CheckpointPath& path) {
-  struct stat st {};
-  if (::lstat(path.dir.c_str(), &st) == 0) {
-    if (!S_ISDIR(st.st_mode)) {
-      return InvalidArgument("cannot write checkpoint " + path.dir.string() +
-                             ": it exists and is not a directory (it is " +
-                             std::string(FileTypeName(st.st_mode)) +
-                             "); a checkpoint is a directory, so choose another path");
-    }
-  } else if (errno != ENOENT) {
-    return ErrnoError("cannot write checkpoint " + path.dir.string() + ": cannot examine it",
-                      errno);
-  }
-  return CheckReplaceable(path.dir);
-}
-
 }  // namespace
 
 Status CheckCheckpointTarget(const fs::path& requested_dir, uint64_t bytes_needed) {
   STRATA_ASSIGN_OR_RETURN(CheckpointPath path, ResolveCheckpointPath(requested_dir));
-  STRATA_RETURN_IF_ERROR(CheckTarget(path));
+  STRATA_RETURN_IF_ERROR(CheckReplaceable(path.dir));
   // Writable: a scratch file of a name no checkpoint uses, created and removed at once.
   std::string probe = (path.parent / (path.dir.filename().string() + ".probe-XXXXXX")).string();
   const int fd = ::mkostemp(probe.data(), O_CLOEXEC);
@@ -725,7 +714,7 @@ Status CheckCheckpointTarget(const fs::path& requested_dir, uint64_t bytes_neede
 Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
                                                  uint64_t bytes_needed) {
   STRATA_ASSIGN_OR_RETURN(CheckpointPath path, ResolveCheckpointPath(requested_dir));
-  STRATA_RETURN_IF_ERROR(CheckTarget(path));
+  STRATA_RETURN_IF_ERROR(CheckReplaceable(path.dir));
   const fs::path& dir = path.dir;
   const fs::path& parent = path.parent;
 
@@ -872,9 +861,8 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest, bool keep_previo
     if (ec) return FileError("list", staging_, ec.value()).WithContext(what);
     std::sort(files.begin(), files.end());
     sealed["contents"] = files;
-    text = sealed.dump(2);  // Throws on a string that is not UTF-8, before the checksum.
     sealed["checksum"] = ManifestChecksum(sealed);
-    text = sealed.dump(2);
+    text = sealed.dump(2);  // Throws on a string that is not UTF-8.
   } catch (const nlohmann::json::exception& e) {
     return InvalidArgument(what + ": the manifest cannot be written as JSON: " + e.what());
   }
@@ -906,10 +894,19 @@ void CheckpointWriter::RemovePrevious() {
   if (previous_.empty()) return;
   // Checked by Begin; checked again, since anything may have been put there meanwhile.
   if (const Status ours = CheckReplaceable(previous_); !ours.ok()) {
+    // Kept, under a name of its own that no cleanup matches, so that the next save's staging
+    // name is free.
+    std::string kept = (dir_.parent_path() / (dir_.filename().string() + ".kept-XXXXXX")).string();
+    // rename() replaces the empty directory mkdtemp made.
+    if (::mkdtemp(kept.data()) == nullptr) {
+      kept = previous_.string();
+    } else if (::rename(previous_.c_str(), kept.c_str()) != 0) {
+      ::rmdir(kept.c_str());
+      kept = previous_.string();
+    }
     Log(LogLevel::kWarning, "checkpoint " + dir_.string() +
-                                " was committed; its previous "
-                                "content, now at " +
-                                previous_.string() + ", is left there: " + ours.message());
+                                " was committed; what it replaced is kept at " + kept +
+                                " since it is not only Strata's: " + ours.message());
     previous_.clear();
     return;
   }
@@ -1003,13 +1000,19 @@ Result<CheckpointReader> CheckpointReader::Open(const fs::path& dir) {
   }
   const fs::path manifest_path = dir / std::string(kManifestFileName);
   try {
-    Result<nlohmann::json> manifest = ReadManifest(manifest_path);
+    Result<CheckedManifest> manifest = ReadManifest(manifest_path);
     if (!manifest.ok() && manifest.status().code() == StatusCode::kNotFound) {
       return NotFound(dir.string() + " is not a Strata checkpoint: its manifest " +
                       manifest_path.string() + " is missing");
     }
     STRATA_RETURN_IF_ERROR(manifest.status());
-    nlohmann::json checked = std::move(manifest).value();
+    if (manifest->legacy) {
+      Log(LogLevel::kWarning, "checkpoint manifest " + manifest_path.string() +
+                                  " has no checksum (written by an older Strata, or the checksum "
+                                  "was removed by hand): its fields are taken as they are; the "
+                                  "data files' checksums are still checked");
+    }
+    nlohmann::json checked = std::move(manifest->json);
     // The file layer's own members, verified and used here; the caller gets what it committed.
     checked.erase("checksum");
     checked.erase("contents");
@@ -1063,23 +1066,19 @@ Status CheckpointReader::ReadFile(std::string_view name, const FileDigest& expec
   while (offset < expected.bytes) {
     const size_t want =
         static_cast<size_t>(std::min<uint64_t>(buffer_bytes, expected.bytes - offset));
-    const ssize_t n = ReadFull(file->fd(), buffer.get(), want);
-    if (n < 0) {
-      return FileError("read checkpoint file", path, static_cast<int>(-n),
-                       " at offset " + std::to_string(offset));
-    }
-    if (static_cast<size_t>(n) < want) {  // Shrunk since fstat.
+    Result<size_t> n = file->Read(buffer.get(), want);
+    if (!n.ok()) return n.status().WithContext("at offset " + std::to_string(offset));
+    if (*n < want) {  // Shrunk since fstat.
       return DataLoss("checkpoint file " + path.string() + " is truncated: it ended after " +
-                      std::to_string(offset + static_cast<uint64_t>(n)) +
-                      " bytes, the manifest expects " + expected_text);
+                      std::to_string(offset + *n) + " bytes, the manifest expects " +
+                      expected_text);
     }
     XXH3_64bits_update(state.get(), buffer.get(), want);
     STRATA_RETURN_IF_ERROR(consume(std::span<const std::byte>(buffer.get(), want), offset));
     offset += want;
   }
   std::byte extra[1];
-  const ssize_t tail = ReadFull(file->fd(), extra, 1);
-  if (tail < 0) return FileError("read checkpoint file", path, static_cast<int>(-tail));
+  STRATA_ASSIGN_OR_RETURN(const size_t tail, file->Read(extra, 1));
   if (tail > 0) {  // Grew since fstat.
     return DataLoss("checkpoint file " + path.string() +
                     " is longer than written: it has more than the " + expected_text +

@@ -18,7 +18,8 @@
 //     checkpoint before) or the complete new one.
 //   - `dir` present: renameat2(staging, dir, RENAME_EXCHANGE) swaps the two directories in one
 //     atomic step, so `dir` holds the complete old or the complete new checkpoint, never a mix
-//     and never nothing. The old one is then at the staging name and is removed.
+//     and never nothing. The old one is then at the staging name and is removed (see
+//     Ownership).
 //   - File systems without RENAME_EXCHANGE (renameat2 fails with EINVAL, ENOSYS or EOPNOTSUPP)
 //     fall back to rename(dir, "<dir>.old-<pid>") then rename(staging, dir). A crash between the
 //     two renames leaves NO checkpoint at `dir`: the old one is complete at "<dir>.old-<pid>"
@@ -27,6 +28,15 @@
 //     loses the new checkpoint but never the old one. A reader inside the window gets NotFound.
 // Other leftovers of a crash ("<dir>.tmp-<pid>" of a dead pid: an unfinished staging directory
 // or a half-removed old checkpoint) are removed by the next Begin on the same `dir`.
+//
+// Ownership. Strata removes or replaces only what its content proves Strata's, never what a
+// name alone suggests: `dir` is replaced only if it is absent, empty, or a checkpoint and
+// nothing else (CheckReplaceable: a verified manifest whose "contents" lists every other
+// entry); a leftover "<dir>.tmp-<pid>" only if it holds the staging marker (and, if it holds a
+// manifest, nothing but that checkpoint) or is empty; a leftover "<dir>.old-<pid>" is put back
+// or removed only if CheckReplaceable accepts it. What fails these checks is left, with a
+// warning; a previous checkpoint that gained someone else's file during the save is moved to
+// "<dir>.kept-XXXXXX" instead of being removed.
 //
 // Only one writer at a time may target a given `dir` (the staging name is per process, and a
 // second writer in the same process would remove the first one's staging directory).
@@ -96,7 +106,9 @@ std::string ManifestChecksum(const nlohmann::json& manifest);
 /// directory, or a Strata checkpoint and nothing else (a manifest whose checksum holds, and
 /// every other entry one of the files its "contents" lists). Strata never replaces or removes
 /// anything it cannot prove it wrote: FailedPrecondition otherwise, naming `dir`, what is in it and
-/// what to do. `dir` must already be resolved (ResolveCheckpointPath's).
+/// what to do; InvalidArgument when it is not a directory. `dir` must already be resolved
+/// (symbolic links followed, as Begin does). A manifest without a checksum (written before
+/// manifests had one) vouches for the files its chunks name.
 Status CheckReplaceable(const std::filesystem::path& dir);
 
 /// Everything Begin checks before it writes, without writing anything that stays: that `dir`

@@ -811,7 +811,7 @@ Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_op
   return impl_->Save(dir, save_options);
 }
 Status Engine::CheckSaveTarget(const std::filesystem::path& dir) const {
-  return internal::CheckCheckpointTarget(dir, impl_->CheckpointBytes());
+  return impl_->CheckSaveTarget(dir);
 }
 Status Engine::Load(const std::filesystem::path& dir) { return impl_->Load(dir); }
 Status Engine::ReadMasterParameter(size_t parameter, std::span<float> out) {

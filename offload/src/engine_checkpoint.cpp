@@ -374,6 +374,15 @@ uint64_t Engine::Impl::CheckpointBytes() const {
   return bytes;
 }
 
+Status Engine::Impl::CheckSaveTarget(const std::filesystem::path& dir) const {
+  const Status mine = internal::CheckCheckpointTarget(dir, CheckpointBytes());
+  if (!sharded()) return mine;
+  // A rank whose view differs (a path that is not on a shared file system) fails every rank,
+  // here, rather than leaving the others in the first step's collectives.
+  return internal::AgreeAcrossRanks(*environment_.communicator, mine,
+                                    "checking the checkpoint path " + dir.string());
+}
+
 Status Engine::Impl::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   Status ready = pipeline_.CheckBetweenSteps("Save");
   if (ready.ok()) ready = pipeline_.FlushDelayedParameters();

@@ -68,6 +68,7 @@ class Engine::Impl {
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options);
   /// The whole checkpoint's bytes: every rank's shard of each trained chunk, frozen ones once.
   uint64_t CheckpointBytes() const;
+  Status CheckSaveTarget(const std::filesystem::path& dir) const;
   /// Save with several ranks: `ready` is this rank's readiness (an error fails it everywhere).
   Status SaveSharded(const std::filesystem::path& dir, uint64_t bytes_needed, Status ready,
                      const SaveOptions& save_options);

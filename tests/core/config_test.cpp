@@ -1,13 +1,16 @@
 #include "strata/core/config.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "strata/core/input_file.h"
 #include "strata/core/options.h"
 
 namespace strata {
@@ -579,9 +582,31 @@ TEST(ConfigTest, FileNotFound) {
   ExpectError(loaded, StatusCode::kNotFound, {"/nonexistent/strata/ds_config.json"});
 }
 
-TEST(ConfigTest, DirectoryIsAnIoError) {
+// What is not a regular file is refused at once, naming what it is: reading a directory fails,
+// a FIFO would block forever, /dev/zero would never end.
+TEST(ConfigTest, WhatIsNotARegularFileIsRefusedNamingIt) {
   const std::string dir = ::testing::TempDir();
-  ExpectError(LoadConfigFile(dir), StatusCode::kIoError, {dir});
+  ExpectError(LoadConfigFile(dir), StatusCode::kInvalidArgument, {dir, "it is a directory"});
+  ExpectError(LoadConfigFile("/dev/zero"), StatusCode::kInvalidArgument,
+              {"/dev/zero", "it is a character device"});
+  const std::string fifo =
+      ::testing::TempDir() + "strata_config_fifo_" + std::to_string(::getpid());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  ExpectError(LoadConfigFile(fifo), StatusCode::kInvalidArgument, {fifo, "it is a FIFO"});
+  ::unlink(fifo.c_str());
+}
+
+// A config larger than any config is refused before it is read.
+TEST(ConfigTest, AFileLargerThanTheLimitIsRefusedUnread) {
+  const std::string path =
+      ::testing::TempDir() + "strata_config_huge_" + std::to_string(::getpid()) + ".json";
+  {
+    std::ofstream out(path);
+    out << "{}";
+  }
+  std::filesystem::resize_file(path, kConfigInput.max_bytes + 1);  // Sparse: no disk used.
+  ExpectError(LoadConfigFile(path), StatusCode::kInvalidArgument, {path, "larger than"});
+  std::filesystem::remove(path);
 }
 
 TEST(ConfigTest, LoadsFileAndNamesItInErrors) {

@@ -182,6 +182,20 @@ TEST(SwapSpaceTest, FilesAreScratchAndLeftoversAreReplaced) {
   EXPECT_FALSE(std::filesystem::exists(paths[0])) << "removed on clean shutdown";
 }
 
+// Containers reuse pids: a crashed run's file may carry this process's pid. One that this
+// process does not have open is a leftover all the same; one it has open is not.
+TEST(SwapSpaceTest, ALeftoverOfThisPidThatIsNotOpenHereIsRemoved) {
+  ScratchDir dir;
+  const std::string leftover =
+      dir.path() / ("strata-swap-" + std::to_string(getpid()) + "-999999.bin");
+  std::ofstream(leftover) << "STRATA-SWAP\npid " << getpid() << "\n";
+  auto engine = MakeEngine();
+  auto first = *SwapSpace::Create({.paths = {dir.path()}, .bytes_per_path = 1 << 20}, *engine);
+  EXPECT_FALSE(std::filesystem::exists(leftover));
+  auto second = *SwapSpace::Create({.paths = {dir.path()}, .bytes_per_path = 1 << 20}, *engine);
+  EXPECT_TRUE(std::filesystem::exists(first->file_paths()[0])) << "in use by this process";
+}
+
 TEST(SwapSpaceTest, LeavesFilesItCannotProveItsOwn) {
   ScratchDir dir;
   // Names a swap file's prefix matches but its pattern does not, a dead pid's file without the

@@ -806,7 +806,17 @@ TEST(CheckpointFilesTest, ThePreviousCheckpointIsRemovedOnlyIfStillOnlyOurs) {
   SetLogSink(nullptr);
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("late.txt"), std::string::npos) << warnings[0];
-  EXPECT_EQ(ReadText(writer->staging_dir() / "late.txt"), "written during the save");
+  // Kept under a name of its own, which no later save or cleanup takes for a leftover.
+  std::vector<std::string> names = List(tmp.path());
+  ASSERT_EQ(names.size(), 2u) << ::testing::PrintToString(names);
+  EXPECT_EQ(names[0], "ckpt");
+  EXPECT_EQ(names[1].rfind("ckpt.kept-", 0), 0u) << names[1];
+  const fs::path kept = tmp.path() / names[1];
+  EXPECT_EQ(ReadText(kept / "late.txt"), "written during the save");
+  for (int save = 0; save < 2; ++save) {
+    WriteCheckpoint(dir, {{"new.bin", Pattern(30, 3)}});
+    EXPECT_EQ(ReadText(kept / "late.txt"), "written during the save");
+  }
 }
 
 // A leftover whose name is a staging directory's but which lacks Strata's marker is not
@@ -865,9 +875,45 @@ TEST(CheckpointFilesTest, OpenChecksTheManifestChecksum) {
   EXPECT_TRUE(Contains(reader.status(), "checksum")) << reader.status().message();
 
   edited = saved;
-  edited.erase("checksum");
+  edited["checksum"] = 12;
   WriteText(path, edited.dump(2));
   EXPECT_EQ(CheckpointReader::Open(dir).status().code(), StatusCode::kDataLoss);
+}
+
+// A manifest written before manifests had a checksum and a "contents" list still loads (with a
+// warning: only its data files' checksums vouch for it), and a save may replace its directory
+// when that holds nothing but the files its chunks name.
+TEST(CheckpointFilesTest, ManifestsWithoutAChecksumStillLoadAndAreReplaced) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "old";
+  fs::create_directory(dir);
+  const auto data = Pattern(32, 5);
+  {
+    std::ofstream out(dir / "chunk-000000.bin", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size()));
+  }
+  const nlohmann::json legacy = {
+      {"format", "strata-checkpoint"},
+      {"version", 1},
+      {"chunks", {{{"file", "chunk-000000.bin"}, {"bytes", 32}, {"xxh3", DigestOf(data).xxh3}}}}};
+  WriteText(dir / "manifest.json", legacy.dump(2));
+  std::vector<std::string> warnings;
+  SetLogSink([&](LogLevel level, std::string_view message) {
+    if (level == LogLevel::kWarning) warnings.emplace_back(message);
+  });
+  auto reader = CheckpointReader::Open(dir);
+  SetLogSink(nullptr);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  EXPECT_EQ(reader->manifest(), legacy);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("has no checksum"), std::string::npos) << warnings[0];
+  EXPECT_TRUE(CheckReplaceable(dir).ok());
+
+  WriteText(dir / "mine.txt", "not a checkpoint's");
+  EXPECT_EQ(CheckReplaceable(dir).code(), StatusCode::kFailedPrecondition);
+  fs::remove(dir / "mine.txt");
+  WriteCheckpoint(dir, {{"a.bin", Pattern(8, 6)}});
+  EXPECT_EQ(List(dir), (std::vector<std::string>{"a.bin", "manifest.json"}));
 }
 
 // A manifest or data file that is not a regular file is refused at once, naming what it is:
@@ -895,14 +941,24 @@ TEST(CheckpointFilesTest, HostileFilesAreRefusedAtOnce) {
   fs::remove(dir / "a.bin");
   fs::create_symlink("/dev/zero", dir / "a.bin");
   status = ReadAll(*reader, "a.bin", DigestOf(data), &out);
-  EXPECT_TRUE(Contains(status, "symbolic link")) << status.message();
+  EXPECT_TRUE(Contains(status, "it is a character device")) << status.message();
+  // A link to a regular file is read (a checkpoint in a cache of links to blobs): its content
+  // is what the checksum checks.
+  fs::remove(dir / "a.bin");
+  {
+    std::ofstream blob(tmp.path() / "blob", std::ios::binary);
+    blob.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size()));
+  }
+  fs::create_symlink(tmp.path() / "blob", dir / "a.bin");
+  EXPECT_TRUE(ReadAll(*reader, "a.bin", DigestOf(data), &out).ok());
+  EXPECT_EQ(out, data);
 
   fs::remove(dir / "manifest.json");
   ASSERT_EQ(mkfifo((dir / "manifest.json").c_str(), 0644), 0);
   EXPECT_TRUE(Contains(CheckpointReader::Open(dir).status(), "it is a FIFO"));
   fs::remove(dir / "manifest.json");
   fs::create_symlink("/dev/zero", dir / "manifest.json");
-  EXPECT_TRUE(Contains(CheckpointReader::Open(dir).status(), "symbolic link"));
+  EXPECT_TRUE(Contains(CheckpointReader::Open(dir).status(), "it is a character device"));
 }
 
 // A bare relative name is a directory in the working directory, as "./name" is.

@@ -262,15 +262,18 @@ def test_metrics_count_what_moved(tmp_path):
 def test_cpu_tensors_are_updated_in_place():
     # Zero copy: gradients are read where the hooks placed them and the updates write the new
     # parameters into the tensors themselves; only an update that finds its chunk not yet handed
-    # back by the hooks goes through a copy.
+    # back by the hooks goes through a copy. Which of the two an update takes is a race with the
+    # hook (on a loaded machine most updates may win it), so what is asserted is that gradients
+    # never move and that not every update was copied.
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), offload="cpu", chunk_size="64KiB")
-    steps = 5
+    steps = 20
     run(model, opt, steps)
     metrics = opt.metrics()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    numel = sum(p.numel() for p in model.parameters())
+    chunk_bytes = 4 * math.ceil(numel / 1024) * 1024  # One chunk, padded to 1024 elements.
     assert metrics["device_to_host_bytes"] == 0
-    assert metrics["host_to_device_bytes"] < steps * param_bytes / 2
+    assert metrics["host_to_device_bytes"] < steps * chunk_bytes
 
 
 def test_an_nvme_path_too_small_for_the_states_is_a_memory_error(tmp_path):

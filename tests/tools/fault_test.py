@@ -119,7 +119,8 @@ def disk_fills_while_training(reference):
                 time.sleep(0.05)
             time.sleep(0.5)  # Into training.
             filler = 0
-            with open(f"{nvme}/filler", "wb") as f:
+            # Unbuffered: a buffered file would try the tail again on close and raise ENOSPC.
+            with open(f"{nvme}/filler", "wb", buffering=0) as f:
                 try:
                     while True:
                         f.write(b"\0" * (1 << 20))

@@ -2,8 +2,9 @@
 """strata train under mpirun: two ranks with --batch 4 each train one model as one rank with
 --batch 8 does (the same samples; bf16 sums in another order, so the losses agree to a stated
 tolerance), stage 3 exactly as stage 2, three ranks (stage 3, states on NVMe) as one rank with
-the whole batch, every stage x precision x placement trains on its defaults, a rank killed or
-stopped mid-training ends the job naming it, strata plan
+the whole batch, every stage x precision x placement trains on its defaults, Ctrl-C stops the
+ranks together and cleanly, a rank killed or stopped mid-training ends the job naming it, strata
+plan
 --measure times the link across the ranks, only rank 0 prints, a checkpoint two ranks save resumes on two ranks and on one, and
 an error on the ranks names each rank.
 
@@ -77,16 +78,15 @@ def lose_rank_one(how, sig):
 
 def every_default_combination():
     """Each ZeRO stage, precision and parameter placement trains on two ranks with nothing else
-    given (the device budget, the host budget and the chunks all the defaults'): the optimizer
-    states alternate between host memory and NVMe. Stage 3 keeps parameter shards off the
-    device (refused there, tested below)."""
+    given (the device budget, the host budget and the chunks all the defaults'), with the
+    optimizer states in host memory and on NVMe. Stages 1 and 2 keep the parameters on the
+    device (they refuse offloaded ones) and stage 3 keeps its shards off it (on the device it
+    is refused, tested below)."""
     combinations = 0
     for stage in ("1", "2", "3"):
         for precision in ("fp32", "bf16", "fp16"):
-            for params in ("device", "host", "nvme"):
-                if stage == "3" and params == "device":
-                    continue
-                states = ("host", "nvme")[combinations % 2]
+            for params, states in (("device", "host"), ("device", "nvme")) if stage != "3" else (
+                    ("host", "host"), ("host", "nvme"), ("nvme", "host"), ("nvme", "nvme")):
                 command = MPI + [STRATA, "train", "--model", "tiny", "--steps", "2", "--json",
                                  "--zero-stage", stage, "--precision", precision,
                                  "--offload-params", params, "--offload-optimizer", states]
@@ -98,8 +98,29 @@ def every_default_combination():
           f"{combinations} combinations trained")
 
 
+def interrupted_ranks():
+    """Ctrl-C to mpirun (which passes SIGTERM on to the ranks): every rank stops after the same
+    step, removes its scratch swap, rank 0 says so, and nothing is left in TMPDIR."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = MPI + [STRATA, "train", "--model", "tiny", "--steps", "1000000",
+                         "--eval-every", "0"]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=dict(os.environ, TMPDIR=tmp))
+        for line in process.stdout:
+            if line.startswith("step     3"):
+                break
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+        assert process.returncode != 0, (process.returncode, err)
+        assert "strata train: interrupted by" in err, err
+        assert err.count("interrupted by") == 1, f"only rank 0 prints: {err}"
+        assert not os.listdir(tmp), f"left in TMPDIR: {os.listdir(tmp)}"
+    print("Ctrl-C to mpirun: the ranks stopped together, rank 0 said so, TMPDIR empty")
+
+
 def main():
     every_default_combination()
+    interrupted_ranks()
     code, out, err = run(MPI + [STRATA] + COMMON + ["--batch", "4"])
     if code != 0:
         sys.exit(f"two ranks failed ({code}):\n{err}")

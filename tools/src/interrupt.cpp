@@ -23,16 +23,23 @@ void OnSignal(int signal) {
   }
 }
 
-}  // namespace
-
-InterruptHandlers::InterruptHandlers() {
-  g_received.store(0);
+/// Installs OnSignal for `signal` unless it is ignored; `previous` gets what was there.
+void Install(int signal, struct sigaction* previous) {
+  sigaction(signal, nullptr, previous);
+  if (previous->sa_handler == SIG_IGN) return;
   struct sigaction action {};
   action.sa_handler = OnSignal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;  // The engine's threads' system calls go on undisturbed.
-  sigaction(SIGINT, &action, &g_previous_int);
-  sigaction(SIGTERM, &action, &g_previous_term);
+  sigaction(signal, &action, nullptr);
+}
+
+}  // namespace
+
+InterruptHandlers::InterruptHandlers() {
+  g_received.store(0);
+  Install(SIGINT, &g_previous_int);
+  Install(SIGTERM, &g_previous_term);
 }
 
 InterruptHandlers::~InterruptHandlers() {
@@ -48,6 +55,15 @@ const char* SignalName(int signal) {
     case SIGTERM: return "SIGTERM";
     default: return "a signal";
   }
+}
+
+int InterruptedExitCode(int signal) { return 128 + signal; }
+
+void FinishInterrupted(int exit_code) {
+  const int signal = g_received.load();
+  if (signal == 0 || exit_code != InterruptedExitCode(signal)) return;
+  ::signal(signal, SIG_DFL);
+  ::raise(signal);
 }
 
 }  // namespace strata::tools

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "interrupt.h"
 
 namespace strata::tools {
 namespace {
@@ -88,7 +89,9 @@ int main(int argc, char** argv) {
   // Every command returns its errors as a Status; an exception reaching here is a bug, and
   // still ends as an error line and exit code 1, never as an abort.
   try {
-    return Run(std::vector<std::string>(argv + 1, argv + argc));
+    const int exit_code = Run(std::vector<std::string>(argv + 1, argv + argc));
+    FinishInterrupted(exit_code);
+    return exit_code;
   } catch (const std::bad_alloc&) {
     return Fail(kExitFailure, "out of memory");
   } catch (const std::exception& e) {

@@ -1,5 +1,6 @@
 #include "nvme_bench.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
@@ -124,22 +125,43 @@ enum class GivenFile {
   kForeign,  ///< Someone else's, at least --size bytes, and only read is asked: read only.
 };
 
-/// Examines --file `path`. Refuses (FailedPrecondition) what is not a regular file, and
+/// What a --file that was given is, and which file it was when examined.
+struct Examined {
+  GivenFile given = GivenFile::kAbsent;
+  dev_t device = 0;
+  ino_t inode = 0;
+};
+
+/// Examines --file `path` through a descriptor of its own (no link followed), so that the
+/// mark read is the file's. Refuses (FailedPrecondition) what is not a regular file, and
 /// someone else's file unless only reads of --size bytes it has are asked.
-Result<GivenFile> ExamineGivenFile(const std::string& path, uint64_t size, const std::string& rw) {
+Result<Examined> ExamineGivenFile(const std::string& path, uint64_t size, const std::string& rw) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
   struct stat st {};
-  if (lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return GivenFile::kAbsent;
-    return ErrnoError("--file " + path + ": cannot examine it", errno);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return Examined{};
+    if (err != ELOOP || lstat(path.c_str(), &st) != 0) {
+      return ErrnoError("--file " + path + ": cannot examine it", err);
+    }
+  } else if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoError("--file " + path + ": cannot examine it", err);
   }
+  char mark[8];
+  const bool ours = fd >= 0 && fgetxattr(fd, kBenchFileMark, mark, sizeof(mark)) >= 0;
+  if (fd >= 0) close(fd);
   if (!S_ISREG(st.st_mode)) {
     return FailedPrecondition("--file " + path + " is not a regular file: it is " +
                               std::string(FileTypeName(st.st_mode)) +
                               "; give the path of a regular file (or of one to create)");
   }
-  char mark[8];
-  if (getxattr(path.c_str(), kBenchFileMark, mark, sizeof(mark)) >= 0) return GivenFile::kOurs;
-  if (rw == "read" && static_cast<uint64_t>(st.st_size) >= size) return GivenFile::kForeign;
+  const Examined examined{.device = st.st_dev, .inode = st.st_ino};
+  if (ours) return Examined{GivenFile::kOurs, examined.device, examined.inode};
+  if (rw == "read" && static_cast<uint64_t>(st.st_size) >= size) {
+    return Examined{GivenFile::kForeign, examined.device, examined.inode};
+  }
   return FailedPrecondition(
       "--file " + path + " exists and was not created by strata bench nvme, so " +
       (rw == "read" ? "it is only read, and it holds " + FormatBytes(uint64_t(st.st_size)) +
@@ -147,6 +169,16 @@ Result<GivenFile> ExamineGivenFile(const std::string& path, uint64_t size, const
                     : std::string("writing to it would destroy what it holds")) +
       "; give a path that does not exist (the benchmark creates the file there and may "
       "write it again later), or --rw read with a --size the file holds");
+}
+
+/// FailedPrecondition unless `file` is the one ExamineGivenFile saw at its path.
+Status CheckSameFile(const nvme::File& file, const Examined& examined) {
+  struct stat st {};
+  if (fstat(file.fd(), &st) != 0 || st.st_dev != examined.device || st.st_ino != examined.inode) {
+    return FailedPrecondition("--file " + file.path() +
+                              " was replaced while the benchmark examined it; run it again");
+  }
+  return Status();
 }
 
 /// Marks a --file this command created as its own. Where the file system keeps no extended
@@ -182,17 +214,20 @@ Result<std::vector<NvmePass>> RunNvmeBench(const NvmeBenchSettings& s, const std
   // at most read, and only when it already holds --size bytes: a benchmark never changes a
   // file it did not create. An existing file of ours that is large enough is used as it is
   // (fio does the same), so both tools measure overwrites of the same blocks.
-  GivenFile given = GivenFile::kAbsent;
+  Examined examined;
   if (!scratch) {
-    STRATA_ASSIGN_OR_RETURN(given, ExamineGivenFile(path, s.size, rw));
+    STRATA_ASSIGN_OR_RETURN(examined, ExamineGivenFile(path, s.size, rw));
   }
+  const GivenFile given = examined.given;
   nvme::File file;
   bool reuse = false;
   if (given == GivenFile::kForeign) {
     STRATA_ASSIGN_OR_RETURN(file, nvme::File::OpenReadOnly(path, {}));
+    STRATA_RETURN_IF_ERROR(CheckSameFile(file, examined));
     reuse = true;
   } else if (given == GivenFile::kOurs) {
     STRATA_ASSIGN_OR_RETURN(file, nvme::File::Open(path, {}));
+    STRATA_RETURN_IF_ERROR(CheckSameFile(file, examined));
     STRATA_ASSIGN_OR_RETURN(uint64_t size, file.Size());
     reuse = size >= s.size;
     if (!reuse) STRATA_RETURN_IF_ERROR(file.Reserve(s.size));

@@ -14,6 +14,7 @@
 
 #include "commands.h"
 #include "strata/core/log.h"
+#include "strata/nvme/swap_space.h"
 
 namespace strata::tools {
 namespace {
@@ -36,10 +37,6 @@ pid_t OwnerPid(std::string_view name, const std::string& prefix) {
   return static_cast<pid_t>(pid);
 }
 
-bool IsSwapFileName(std::string_view name) {
-  return name.starts_with("strata-swap-") && name.ends_with(".bin");
-}
-
 /// Removes a scratch folder's marker and swap files, then the folder if that emptied it.
 /// False (and nothing more removed) when it has no marker, so is not provably Strata's.
 bool RemoveScratch(const fs::path& dir) {
@@ -48,7 +45,7 @@ bool RemoveScratch(const fs::path& dir) {
   std::vector<fs::path> ours;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name == kMarker || IsSwapFileName(name)) ours.push_back(it->path());
+    if (name == kMarker || nvme::SwapFilePid(name) != 0) ours.push_back(it->path());
   }
   for (const fs::path& path : ours) fs::remove(path, ec);
   return fs::remove(dir, ec);  // Fails, leaving it, if anything else is in it.
@@ -74,12 +71,15 @@ void RemoveDeadRuns(const fs::path& parent, const std::string& prefix) {
 
 }  // namespace
 
-ScratchDir::~ScratchDir() {
+ScratchDir::~ScratchDir() { Remove(); }
+
+void ScratchDir::Remove() {
   if (path_.empty()) return;
   if (!RemoveScratch(path_)) {
     Log(LogLevel::kWarning,
         "left the scratch folder " + path_ + ": it holds files Strata did not put there");
   }
+  path_.clear();
 }
 
 Result<std::string> ScratchDir::Make(const std::string& prefix) {

@@ -16,8 +16,7 @@ namespace strata::tools {
 class ScratchDir {
  public:
   ScratchDir() = default;
-  /// Removes the folder: the marker and the folder itself, which the swap space (destroyed
-  /// first) has emptied. Left, with a warning, if anything else is in it.
+  /// Remove().
   ~ScratchDir();
   ScratchDir(const ScratchDir&) = delete;
   ScratchDir& operator=(const ScratchDir&) = delete;
@@ -25,6 +24,10 @@ class ScratchDir {
   /// Removes dead runs' scratch folders under `prefix`'s directory, then makes this one.
   /// `prefix`: "strata-train" makes "$TMPDIR/strata-train-<pid>-XXXXXX".
   Result<std::string> Make(const std::string& prefix);
+
+  /// Removes the folder: the marker and the folder itself, which the swap space (destroyed
+  /// first) has emptied. Left, with a warning, if anything else is in it. Once.
+  void Remove();
 
  private:
   std::string path_;

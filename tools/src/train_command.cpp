@@ -431,8 +431,10 @@ bool Within(const std::filesystem::path& inner, const std::filesystem::path& out
   return o == outer.end();
 }
 
-/// A checkpoint replaces its folder whole: it may share nothing with the swap folders, nor hold
-/// the training corpus. Checked before anything is created, with links resolved.
+/// A checkpoint replaces its folder whole, so it may not hold a swap folder, whose files would
+/// only appear once training runs (the save would then refuse the folder after the last step),
+/// nor the training corpus (refused anyway as not Strata's; said here in so many words).
+/// Checked before anything is created, with links resolved.
 Status CheckCheckpointApart(const std::string& checkpoint, const std::vector<std::string>& nvme,
                             const std::string& data) {
   if (checkpoint.empty()) return Status();
@@ -444,12 +446,10 @@ Status CheckCheckpointApart(const std::string& checkpoint, const std::vector<std
   };
   const fs::path dir = resolve(checkpoint);
   for (const std::string& path : nvme) {
-    const fs::path swap = resolve(path);
-    if (Within(swap, dir) || Within(dir, swap)) {
-      return InvalidArgument("--checkpoint " + checkpoint + " and the nvme path " + path +
-                             (dir == swap ? " are the same folder" : " lie one inside the other") +
+    if (Within(resolve(path), dir)) {
+      return InvalidArgument("--checkpoint " + checkpoint + " holds the nvme path " + path +
                              ": a checkpoint replaces its folder whole, and the swap files are "
-                             "not part of it; give them separate folders");
+                             "not part of it; give the swap files a folder of their own");
     }
   }
   if (Within(resolve(data), dir)) {
@@ -523,6 +523,9 @@ int Train(const TrainFlags& f) {
 
   auto corpus = Corpus::Load(f.data);
   if (!corpus.ok()) return fail(kExitFailure, corpus.status().message());
+  // SIGINT and SIGTERM end the run after the step in flight (interrupt.h); installed before
+  // anything is created, so that a signal during teardown ends it at once, not half-way.
+  const InterruptHandlers interrupts;
   ScratchDir scratch;
   auto options = EngineOptionsFor(f, config, scratch, *model, launched.size);
   if (!options.ok()) return fail(kExitUsage, options.status().message(), kCommand);
@@ -596,14 +599,12 @@ int Train(const TrainFlags& f) {
         static_cast<long long>(f.steps), options->optimizer.gradient_accumulation_steps,
         settings.batch, settings.seq, options->optimizer.lr, engine.loss_scale());
   }
+  // The signal that stops the run, once every rank knows of it.
+  int stop_signal = 0;
+  int64_t saved_step = -1;  // The step of the last checkpoint this run saved.
   // Iterations, as DeepSpeed counts them: an fp16 step skipped for overflow is one too, so a run
   // whose every step overflows (a fixed loss scale far too high) still ends.
   // `idle`: no step is running, so a checkpoint or an evaluation may follow.
-  // SIGINT and SIGTERM end the run after the step in flight (interrupt.h); `stop_signal` is
-  // the signal once every rank knows of it.
-  const InterruptHandlers interrupts;
-  int stop_signal = 0;
-  int64_t saved_step = -1;  // The step of the last checkpoint this run saved.
   auto report = [&](TrainStepRecord r, bool last, bool idle) -> Status {
     const int received = InterruptHandlers::received();
     if (scalars) {
@@ -682,8 +683,7 @@ int Train(const TrainFlags& f) {
     }
   }
   if (stop_signal != 0) {
-    // Finish the step in flight, so that its update is not left half applied, then go: the
-    // objects' destructors remove the swap files and the scratch folder.
+    // Finish the step in flight, so that its update is not left half applied, then go.
     if (in_flight) {
       auto record = (*trainer)->FinishStep();
       if (!record.ok()) return fail(kExitFailure, record.status().message());
@@ -704,7 +704,16 @@ int Train(const TrainFlags& f) {
           static_cast<long long>(summary.records.empty() ? 0 : summary.records.back().step),
           saved.c_str());
     }
-    return 128 + stop_signal;
+    // The swap files and the scratch folder go now; under mpirun the ranks then wait for each
+    // other, since the launcher ends every rank as soon as one exits.
+    server.reset();
+    trainer->reset();
+    scratch.Remove();
+    if (scalars) {
+      std::array<double, 1> done = {0.0};
+      scalars->AllReduceNow(done, offload::ReduceOp::kSum).IgnoreError();
+    }
+    return InterruptedExitCode(stop_signal);
   }
   for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
     summary.peak_bytes[size_t(tier)] = engine.tier_usage(tier).peak_bytes;

@@ -2,16 +2,18 @@
 // data files, the training corpus).
 //
 // Outside input may be anything a path can name: a FIFO that blocks open() or read() forever,
-// /dev/zero that never ends, a directory, a symbolic link planted in a checkpoint. Every reader
-// therefore goes through OpenInputFile, which
+// /dev/zero that never ends, a directory. Every reader therefore goes through OpenInputFile,
+// which
 //   - opens with O_NONBLOCK, so that opening a FIFO returns at once instead of waiting for a
 //     writer (the flag means nothing for a regular file's reads),
 //   - refuses anything but a regular file, saying what it is ("a FIFO", "a character device",
 //     "a directory", ...),
-//   - with `follow_links = false` (files inside a checkpoint, which Strata writes as plain
-//     files) opens with O_NOFOLLOW and refuses a symbolic link,
 //   - refuses a file larger than the limit of its kind before reading a byte,
 // and ReadInputFile reads at most that limit, so no input can make Strata read without bound.
+// Symbolic links are followed (a checkpoint in a Hugging Face or DVC cache is links to blobs):
+// what is checked is what they lead to, and reading through a link changes nothing. Links
+// matter where Strata removes or writes, and are refused there (checkpoint_files.cpp, swap
+// space, bench nvme --file).
 #pragma once
 
 #include <cstdint>
@@ -26,19 +28,16 @@ namespace strata {
 struct InputKind {
   std::string_view what;
   uint64_t max_bytes = 0;
-  /// False for files that Strata wrote itself as plain files (a checkpoint's): a symbolic link
-  /// there is not Strata's and is refused.
-  bool follow_links = true;
 };
 
 /// Configs are a few KiB; 16 MiB is far beyond any real one.
 inline constexpr InputKind kConfigInput{"config file", uint64_t{16} << 20};
 /// A manifest lists every parameter: about 150 bytes each, so 256 MiB covers 1.7 M parameter
 /// tensors, far beyond any model.
-inline constexpr InputKind kManifestInput{"checkpoint manifest", uint64_t{256} << 20, false};
+inline constexpr InputKind kManifestInput{"checkpoint manifest", uint64_t{256} << 20};
 /// A checkpoint's data file: one chunk's states (the manifest names its exact size, which the
 /// reader checks; this is the outer bound).
-inline constexpr InputKind kCheckpointDataInput{"checkpoint file", uint64_t{1} << 40, false};
+inline constexpr InputKind kCheckpointDataInput{"checkpoint file", uint64_t{1} << 40};
 /// The training text of `strata train`, held in memory whole.
 inline constexpr InputKind kCorpusInput{"training corpus", uint64_t{4} << 30};
 
@@ -72,8 +71,8 @@ class InputFile {
 };
 
 /// Opens `path` as described in the file comment. NotFound when it does not exist;
-/// InvalidArgument when it is not a regular file (naming what it is), a symbolic link where
-/// `kind` follows none, or larger than `kind.max_bytes`; IoError for other open failures.
+/// InvalidArgument when it is not a regular file (naming what it is) or larger than
+/// `kind.max_bytes`; IoError for other open failures.
 Result<InputFile> OpenInputFile(const std::string& path, const InputKind& kind);
 
 /// The whole content of `path`, opened with OpenInputFile. InvalidArgument also when the file

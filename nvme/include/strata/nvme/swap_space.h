@@ -7,8 +7,12 @@
 // match returns DataLoss naming the extent, never silently wrong bytes.
 //
 // Swap files are scratch: removed when the SwapSpace is destroyed. Files left by a crashed run
-// (their process is gone) are detected at creation and removed, never trusted.
+// (their process is gone) are detected at creation and removed, never trusted: only regular
+// files named exactly "strata-swap-<pid>-<n>.bin" that start with the header block every swap
+// file has (its first extent starts after it); anything else of a similar name is left.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -16,12 +20,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "strata/core/status.h"
 #include "strata/nvme/io_engine.h"
 
 namespace strata::nvme {
+
+/// The owner's pid in a swap file's name, "strata-swap-<pid>-<n>.bin" (both decimal), or 0 when
+/// `name` is not exactly of that form.
+pid_t SwapFilePid(std::string_view name);
 
 struct SwapSpaceOptions {
   /// Directories on the NVMe devices (DeepSpeed's nvme_path). At least one.

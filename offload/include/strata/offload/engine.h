@@ -281,15 +281,19 @@ class Engine {
 
   /// Writes a crash-consistent checkpoint of every tier into `dir` (replacing an existing one
   /// atomically). Must not be called while a step is running. ResourceExhausted, before writing,
-  /// when the file system cannot hold it next to the previous one; any later error (a disk that
-  /// filled meanwhile) names the size it needed. On any error the previous checkpoint is intact.
+  /// when the file system cannot hold it next to the previous one; FailedPrecondition when `dir`
+  /// holds anything but a Strata checkpoint or nothing (Save never replaces what it did not
+  /// write); any later error (a disk that filled meanwhile) names the size it needed. On any
+  /// error the previous checkpoint is intact.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options = {});
   /// What Save would refuse before writing, checked now without writing anything that stays,
   /// so that a trainer can fail before its first step rather than lose the run at its first
   /// save: `dir`'s parent must exist and be writable, what is at `dir` must be nothing, an
   /// empty directory or a Strata checkpoint and nothing else (Save never replaces anything
   /// else: FailedPrecondition naming what is there), and the file system must have room for
-  /// this engine's checkpoint. Every rank may call it; it calls no collective.
+  /// this engine's checkpoint. Writes nothing but a scratch file in the parent, removed at once.
+  /// With several ranks a collective, between steps: every rank checks, and all fail if one
+  /// does (its error on that rank, Unavailable naming it on the others).
   Status CheckSaveTarget(const std::filesystem::path& dir) const;
   /// Loads a checkpoint written by Save, possibly with a different placement. DataLoss for a
   /// corrupted or incomplete checkpoint, or a manifest field missing, mistyped or out of range
