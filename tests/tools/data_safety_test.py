@@ -15,6 +15,8 @@ line), and cleans up after itself however a run ends, SIGINT and SIGTERM include
  2b F a user's 16 MiB file: write and both refused, read runs (exit 0); F unchanged.
  2c F a symbolic link to a user's file, or /dev/null: refused ("not a regular file").
  2d F absent: created (exit 0); written again, as Strata's own now (exit 0).
+ 2e `bench all --out DIR` where DIR holds a user's tiers.csv or bench.json: refused before
+    measuring, the file unchanged.
  3  user files named like swap files in --nvme-path: unchanged, and nothing else left there.
  4a SIGINT while training with --checkpoint-every 2 and --nvme-path: after cleaning up, the
     process ends by SIGINT (the shell's 130, so a script stops too) in time, naming the
@@ -433,6 +435,23 @@ def bench_own_file(c):
     check(os.path.isfile(f), f"{f} is gone after a second run")
 
 
+def bench_all_out_foreign(c):
+    # A folder holding files of the names `bench all --out` writes, not written by it: refused
+    # before any measuring, each file as it was. (Writing a new folder, and over its own output,
+    # is bench_all_test.py's.)
+    out = c.path("results")
+    os.mkdir(out)
+    for name, text in (("tiers.csv", "quarter,revenue\nQ1,10\n"),
+                       ("bench.json", '{"my": "own results"}\n')):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+        before = snapshot(out)
+        r = c.strata("bench", "all", "--quick", "--out", out, "--nvme-path", c.dir)
+        expect_refused(c, r, 1, "not written by strata bench all", name)
+        assert_unchanged(before, snapshot(out), out)
+        os.remove(os.path.join(out, name))
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Swap leftovers
 
@@ -785,6 +804,7 @@ CASES = [
     ("2b", "bench nvme on a user's 16 MiB file", bench_user_file_large),
     ("2c", "bench nvme on a link and /dev/null", bench_not_regular),
     ("2d", "bench nvme on its own file", bench_own_file),
+    ("2e", "bench all --out over a user's files", bench_all_out_foreign),
     ("3", "user files named like swap files", swap_leftovers),
     ("4a", "SIGINT with a checkpoint", sigint_with_checkpoint),
     ("4b", "SIGTERM with a checkpoint", sigterm_with_checkpoint),

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -23,6 +24,7 @@
 #include "flags.h"
 #include "nvme_bench.h"
 #include "strata/core/bytes.h"
+#include "strata/core/input_file.h"
 #include "system_info.h"
 
 namespace strata::tools {
@@ -73,8 +75,14 @@ Status RunAdam(const BenchAllFlags& f, ordered_json& report) {
 Status RunNvme(const BenchAllFlags& f, ordered_json& report) {
   NvmeBenchSettings s;
   s.path = f.nvme_path;
-  // One file for every setting: laid out once, then overwritten and read by each.
+  // One file for every setting: laid out once, then overwritten and read by each; created
+  // here, so removed after (a file of that name that was there already is not ours: refused).
   s.file = f.nvme_path + "/strata-bench-all-" + std::to_string(getpid()) + ".bin";
+  if (std::error_code ec;
+      std::filesystem::symlink_status(s.file, ec).type() != std::filesystem::file_type::not_found) {
+    return FailedPrecondition("measuring NVMe: " + s.file +
+                              " exists and this run did not create it; move it away");
+  }
   s.size = f.quick ? 256 * kMiB : kGiB;
   s.progress = false;
   Progress(2, "nvme: sequential O_DIRECT read and write in " + f.nvme_path + ", " +
@@ -210,12 +218,18 @@ std::string CsvField(const ordered_json& value) {
   return quoted + "\"";
 }
 
+/// The header line of a CSV of `columns`.
+std::string CsvHeader(const std::vector<std::string>& columns) {
+  std::string header;
+  for (size_t c = 0; c < columns.size(); ++c) header += (c ? "," : "") + columns[c];
+  return header;
+}
+
 /// One CSV: a header of `columns`, then a row per entry (nested values as JSON text).
 Status WriteCsv(const std::filesystem::path& file, const ordered_json& entries,
                 const std::vector<std::string>& columns) {
   std::ofstream out(file);
-  for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << columns[c];
-  out << "\n";
+  out << CsvHeader(columns) << "\n";
   for (const ordered_json& e : entries) {
     for (size_t c = 0; c < columns.size(); ++c) {
       const ordered_json& v = e.contains(columns[c]) ? e[columns[c]] : ordered_json();
@@ -228,10 +242,70 @@ Status WriteCsv(const std::filesystem::path& file, const ordered_json& entries,
   return Status();
 }
 
+/// One CSV that --out holds: its file, the report's member whose entries are its rows, and its
+/// columns (its header line).
+struct CsvOutput {
+  const char* file;
+  const char* rows;
+  std::vector<std::string> columns;
+};
+
+const std::vector<CsvOutput>& CsvOutputs() {
+  static const std::vector<CsvOutput> outputs = {
+      {"tiers.csv", "tiers", {"from", "to", "bytes_per_second", "setting"}},
+      {"adam.csv",
+       "adam",
+       {"optimizer", "numel", "grad_dtype", "param_copy", "simd", "threads", "bytes_per_param",
+        "params_per_second", "bytes_per_second", "roofline_params_per_second",
+        "roofline_bytes_per_second", "ratio"}},
+      {"nvme.csv",
+       "nvme",
+       {"rw", "block_size", "queue_depth", "bytes", "seconds", "bytes_per_second", "backend"}},
+      {"copies.csv", "copies", {"direction", "bytes", "copies", "seconds", "bytes_per_second"}},
+      {"pipeline.csv",
+       "pipeline",
+       {"offload_optimizer", "params", "slowest", "slowest_seconds", "serial_seconds",
+        "step_median_seconds", "ratio_to_slowest", "ratio_to_serial"}}};
+  return outputs;
+}
+
+/// An earlier run's output, read back to tell whether it is one.
+constexpr InputKind kBenchOutput{"bench all output", uint64_t{64} << 20};
+
+/// Whether what is at `path` may be overwritten: nothing, or a regular file this command wrote
+/// (`written` says, from its content). FailedPrecondition otherwise, naming it.
+Status CheckOverwritable(const std::filesystem::path& path,
+                         const std::function<bool(const std::string&)>& written) {
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::symlink_status(path, ec);
+  if (status.type() == std::filesystem::file_type::not_found) return Status();
+  Result<std::string> text = status.type() == std::filesystem::file_type::regular
+                                 ? ReadInputFile(path.string(), kBenchOutput)
+                                 : Result<std::string>(InvalidArgument("not a regular file"));
+  if (text.ok() && written(*text)) return Status();
+  return FailedPrecondition("--out: " + path.string() +
+                            " exists and was not written by strata bench all, so it is not "
+                            "Strata's to overwrite; give --out a new or empty folder, or move "
+                            "that file away");
+}
+
+/// Makes --out `dir` and checks, before minutes of measuring, that every file the run writes
+/// there is absent or one an earlier run wrote.
 Status MakeOutDir(const std::filesystem::path& dir) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   if (error) return IoError("creating " + dir.string() + ": " + error.message());
+  STRATA_RETURN_IF_ERROR(CheckOverwritable(dir / "bench.json", [](const std::string& text) {
+    const ordered_json json = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+    return json.is_object() && json.contains("version") && json.contains("machine") &&
+           json.contains("tiers");
+  }));
+  for (const CsvOutput& csv : CsvOutputs()) {
+    const std::string header = CsvHeader(csv.columns);
+    STRATA_RETURN_IF_ERROR(CheckOverwritable(dir / csv.file, [&](const std::string& text) {
+      return text.substr(0, text.find('\n')) == header;
+    }));
+  }
   return Status();
 }
 
@@ -242,21 +316,11 @@ Status WriteOut(const std::filesystem::path& dir, const ordered_json& report) {
     json.close();
     if (!json) return IoError("writing " + (dir / "bench.json").string());
   }
-  STRATA_RETURN_IF_ERROR(
-      WriteCsv(dir / "tiers.csv", report["tiers"], {"from", "to", "bytes_per_second", "setting"}));
-  STRATA_RETURN_IF_ERROR(
-      WriteCsv(dir / "adam.csv", report.value("adam", ordered_json::array()),
-               {"optimizer", "numel", "grad_dtype", "param_copy", "simd", "threads",
-                "bytes_per_param", "params_per_second", "bytes_per_second",
-                "roofline_params_per_second", "roofline_bytes_per_second", "ratio"}));
-  STRATA_RETURN_IF_ERROR(WriteCsv(
-      dir / "nvme.csv", report.value("nvme", ordered_json::array()),
-      {"rw", "block_size", "queue_depth", "bytes", "seconds", "bytes_per_second", "backend"}));
-  STRATA_RETURN_IF_ERROR(WriteCsv(dir / "copies.csv", report.value("copies", ordered_json::array()),
-                                  {"direction", "bytes", "copies", "seconds", "bytes_per_second"}));
-  return WriteCsv(dir / "pipeline.csv", report.value("pipeline", ordered_json::array()),
-                  {"offload_optimizer", "params", "slowest", "slowest_seconds", "serial_seconds",
-                   "step_median_seconds", "ratio_to_slowest", "ratio_to_serial"});
+  for (const CsvOutput& csv : CsvOutputs()) {
+    STRATA_RETURN_IF_ERROR(
+        WriteCsv(dir / csv.file, report.value(csv.rows, ordered_json::array()), csv.columns));
+  }
+  return Status();
 }
 
 }  // namespace

@@ -12,7 +12,9 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <set>
 #include <span>
+#include <utility>
 
 #include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
@@ -125,6 +127,13 @@ enum class GivenFile {
   kForeign,  ///< Someone else's, at least --size bytes, and only read is asked: read only.
 };
 
+/// The files this process created (bench all measures one file at every setting): its own even
+/// where the file system keeps no extended attributes for the mark.
+std::set<std::pair<dev_t, ino_t>>& CreatedHere() {
+  static std::set<std::pair<dev_t, ino_t>> files;
+  return files;
+}
+
 /// What a --file that was given is, and which file it was when examined.
 struct Examined {
   GivenFile given = GivenFile::kAbsent;
@@ -150,7 +159,8 @@ Result<Examined> ExamineGivenFile(const std::string& path, uint64_t size, const 
     return ErrnoError("--file " + path + ": cannot examine it", err);
   }
   char mark[8];
-  const bool ours = fd >= 0 && fgetxattr(fd, kBenchFileMark, mark, sizeof(mark)) >= 0;
+  const bool ours = fd >= 0 && (fgetxattr(fd, kBenchFileMark, mark, sizeof(mark)) >= 0 ||
+                                CreatedHere().contains({st.st_dev, st.st_ino}));
   if (fd >= 0) close(fd);
   if (!S_ISREG(st.st_mode)) {
     return FailedPrecondition("--file " + path + " is not a regular file: it is " +
@@ -184,6 +194,8 @@ Status CheckSameFile(const nvme::File& file, const Examined& examined) {
 /// Marks a --file this command created as its own. Where the file system keeps no extended
 /// attributes, a later run treats it as someone else's (and only reads it).
 void MarkOurs(const nvme::File& file, const std::string& path) {
+  struct stat st {};
+  if (fstat(file.fd(), &st) == 0) CreatedHere().insert({st.st_dev, st.st_ino});
   const char value[] = "1";
   if (fsetxattr(file.fd(), kBenchFileMark, value, 1, 0) != 0) {
     Log(LogLevel::kWarning, "could not mark " + path + " as created by strata bench nvme (" +
