@@ -1,4 +1,4 @@
-"""examples/python/train_gpt.py runs as the README shows: a progress line per step and a
+"""examples/python/train_gpt.py runs as docs/python.md shows: a progress line per step and a
 validation loss below the corpus' unigram entropy, with the optimizer states on NVMe."""
 
 import re

@@ -493,7 +493,7 @@ int Train(const TrainFlags& f) {
   }
   if (f.checkpoint_every < 0) return fail(kExitUsage, "--checkpoint-every must be >= 0", kCommand);
 
-  // A config file's content errors exit as `strata config check` does (the README's table).
+  // A config file's content errors exit as `strata config check` does (docs/cli.md's table).
   std::optional<LoadedConfig> config;
   if (!f.config.empty()) {
     // A DeepSpeed config's batch sizes count every rank (train_batch_size).
