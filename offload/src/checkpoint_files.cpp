@@ -324,15 +324,17 @@ Result<CheckedManifest> ReadManifest(const fs::path& path) {
   nlohmann::json manifest;
   try {
     manifest = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // A parse error, or a number beyond a double (1e400: out_of_range).
     std::string message = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
     if (auto end = message.find("] ");
         !message.empty() && message[0] == '[' && end != std::string::npos) {
       message.erase(0, end + 2);
     }
-    return DataLoss("checkpoint manifest " + path.string() +
-                    " is damaged: malformed JSON at byte " + std::to_string(e.byte) + ": " +
+    const auto* parse = dynamic_cast<const nlohmann::json::parse_error*>(&e);
+    return DataLoss("checkpoint manifest " + path.string() + " is damaged: malformed JSON" +
+                    (parse != nullptr ? " at byte " + std::to_string(parse->byte) : "") + ": " +
                     message);
   }
   if (!manifest.is_object()) {

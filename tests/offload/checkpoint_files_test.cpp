@@ -405,6 +405,19 @@ TEST(CheckpointFilesTest, OpenMalformedManifestIsDataLoss) {
   EXPECT_TRUE(Contains(reader.status(), "JSON object")) << reader.status().message();
 }
 
+// A number beyond a double is damage too (nlohmann reports it as out_of_range, not a parse
+// error): found by the manifest fuzzer.
+TEST(CheckpointFilesTest, OpenCallsANumberBeyondADoubleDamage) {
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  fs::create_directory(dir);
+  WriteText(dir / "manifest.json", R"({"format": "strata-checkpoint", "version": 1, "x": 1e400})");
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kDataLoss) << reader.status().ToString();
+  EXPECT_TRUE(Contains(reader.status(), "malformed JSON")) << reader.status().message();
+}
+
 TEST(CheckpointFilesTest, OpenRejectsWrongFormatAndVersion) {
   ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";
