@@ -15,6 +15,7 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "launcher.h"
 #include "plan_measure.h"
 #include "strata/core/bytes.h"
 #include "strata/offload/memory_plan.h"
@@ -389,16 +390,11 @@ int RunPlan(const std::vector<std::string>& args) {
   if (several && !flags.was_set("gpus")) gpus = launched->size;
   std::unique_ptr<offload::Communicator> ranks;
   if (several && machine.measure && !(machine.link_gbps > 0)) {
-    auto created = offload::CreateMpiCommunicator({});
+    auto created = ConnectLaunchedRanks(*launched, {});
     if (!created.ok()) {
       return Fail(kExitFailure, "measuring the link across " + std::to_string(launched->size) +
-                                    " ranks: " + created.status().message());
-    }
-    if ((*created)->size() != launched->size) {
-      return Fail(kExitFailure,
-                  "measuring the link: MPI has " + std::to_string((*created)->size()) +
-                      " ranks, the launcher's variables say " + std::to_string(launched->size) +
-                      " (start the ranks with mpirun or srun, or give --link-gbps)");
+                                    " ranks: " + created.status().message() +
+                                    "; or give --link-gbps");
     }
     ranks = std::move(*created);
   }

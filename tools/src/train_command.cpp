@@ -1,18 +1,15 @@
 // `strata train`: the built-in byte-level language model trained through the offload engine on
 // the shipped corpus. Its defaults are the demo: optimizer states on NVMe in a temporary
 // folder, parameters offloaded to host memory, and a device budget a fraction of the model.
+// This file is the command and its loop; train_setup.h makes the options, train_report.h
+// reports.
 #include <signal.h>
-#include <stdlib.h>
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <iostream>
 #include <limits>
-#include <map>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +17,7 @@
 #include "commands.h"
 #include "flags.h"
 #include "interrupt.h"
+#include "launcher.h"
 #include "metrics_server.h"
 #include "scratch_dir.h"
 #include "strata/core/bytes.h"
@@ -29,6 +27,9 @@
 #include "strata/examples/byte_lm_trainer.h"
 #include "strata/offload/mpi_communicator.h"
 #include "strata/offload/ranks.h"
+#include "train_flags.h"
+#include "train_report.h"
+#include "train_setup.h"
 
 namespace strata::tools {
 namespace {
@@ -37,427 +38,8 @@ using examples::ByteLmTrainer;
 using examples::Corpus;
 using examples::TrainSettings;
 using examples::TrainStepRecord;
-using nlohmann::ordered_json;
 
 constexpr const char* kCommand = "strata train";
-/// One residual block of the small model (width 128) per chunk.
-constexpr uint64_t kDefaultChunkBytes = 288 * kKiB;
-
-/// An integer flag's value when it was not given.
-constexpr int64_t kNotGiven = std::numeric_limits<int64_t>::min();
-
-/// Everything the command line asked for; empty/negative/NaN/kNotGiven means "not given".
-struct TrainFlags {
-  std::string config, model = "small", offload_optimizer, offload_params, nvme_path, device,
-                      precision, checkpoint, resume, data = STRATA_CORPUS_PATH,
-                      metrics_address = "127.0.0.1";
-  int64_t layers = -1, width = -1, context = -1, steps = 150, batch = -1, seq = 128, seed = 1,
-          checkpoint_every = 0, metrics_port = kNotGiven, eval_every = 50, zero_stage = -1,
-          zero_quantized_gradient_bits = -1;
-  uint64_t device_memory = 0, host_memory = 0, chunk_size = 0, max_states_in_host = 0;
-  int64_t delayed_update_from = -1;
-  double lr = std::numeric_limits<double>::quiet_NaN();
-  double collective_timeout = std::numeric_limits<double>::quiet_NaN();
-  bool json = false, delayed_update = false, zero_quantized_weights = false,
-       zero_quantized_gradients = false;
-};
-
-Result<examples::ByteLmConfig> ModelConfig(const TrainFlags& f) {
-  examples::ByteLmConfig config;
-  if (f.model == "tiny") {
-    config = {.context = 4, .width = 64, .layers = 2};
-  } else if (f.model == "small") {
-    config = {.context = 4, .width = 128, .layers = 10};
-  } else if (f.model == "medium") {
-    config = {.context = 6, .width = 384, .layers = 8};
-  } else {
-    return InvalidArgument("unknown model \"" + f.model + "\"; choose tiny, small or medium");
-  }
-  if (f.layers >= 0) config.layers = int(std::min<int64_t>(f.layers, 1 << 20));
-  if (f.width >= 0) config.width = int(std::min<int64_t>(f.width, 1 << 20));
-  if (f.context >= 0) config.context = int(std::min<int64_t>(f.context, 1 << 20));
-  STRATA_RETURN_IF_ERROR(config.Validate());
-  return config;
-}
-
-/// The engine's options: the config file's (`config`, read and validated by the caller, as
-/// `strata config check` reads it), then the flags given over them, then the demo's defaults
-/// for what neither said.
-Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
-                                       const std::optional<LoadedConfig>& config,
-                                       ScratchDir& scratch, const examples::ByteLmConfig& model,
-                                       int ranks) {
-  EngineOptions o;
-  o.optimizer.lr = 2e-3;
-  o.optimizer.weight_decay = 0.0;
-  o.placement.optimizer_states = Tier::kNvme;
-  o.placement.params = Tier::kHost;
-  o.placement.chunk_bytes = kDefaultChunkBytes;
-  if (config) {
-    const EngineOptions own = o;
-    o = config->options;
-    if (!config->has_optimizer) {  // The optimizer is the trainer's, as in DeepSpeed.
-      o.optimizer.lr = own.optimizer.lr;
-      o.optimizer.weight_decay = own.optimizer.weight_decay;
-    }
-    // The engine's 64MiB default would put the whole built-in model in one chunk, and no
-    // chunk's update could overlap another's backward.
-    if (!config->has_chunk_bytes) o.placement.chunk_bytes = own.placement.chunk_bytes;
-  }
-  if (!std::isnan(f.lr)) o.optimizer.lr = f.lr;
-  if (!f.offload_optimizer.empty()) {
-    STRATA_ASSIGN_OR_RETURN(o.placement.optimizer_states, ParseTier(f.offload_optimizer));
-  }
-  if (f.zero_stage >= 0) o.placement.zero_stage = int(std::min<int64_t>(f.zero_stage, 1 << 30));
-  if (f.zero_quantized_weights) o.placement.quantized_weights = true;
-  if (f.zero_quantized_gradients) o.placement.quantized_gradients = true;
-  if (f.zero_quantized_gradient_bits != -1) {  // Validation refuses widths other than 8 and 4.
-    o.placement.quantized_gradient_bits =
-        int(std::clamp<int64_t>(f.zero_quantized_gradient_bits, std::numeric_limits<int>::min(),
-                                std::numeric_limits<int>::max()));
-  }
-  // Several ranks shard the optimizer states (ZeRO stages 1 and 2), which keeps the working
-  // parameters on each rank's device, or the parameters too (stage 3), each rank keeping its
-  // shard in host memory: those are their defaults there.
-  if (ranks > 1 && !config) {
-    o.placement.params = o.placement.zero_stage == 3 ? Tier::kHost : Tier::kDevice;
-  }
-  if (!f.offload_params.empty()) {
-    STRATA_ASSIGN_OR_RETURN(o.placement.params, ParseTier(f.offload_params));
-  }
-  if (!f.precision.empty()) {
-    STRATA_ASSIGN_OR_RETURN(o.precision.working_dtype, ParseDType(f.precision));
-  }
-  if (!f.device.empty()) {
-    STRATA_ASSIGN_OR_RETURN(o.device.kind, ParseDeviceKind(f.device));
-  }
-  if (f.host_memory > 0) o.host.pinned_memory_bytes = f.host_memory;
-  if (f.max_states_in_host > 0) o.placement.max_states_in_host = f.max_states_in_host;
-  if (f.chunk_size > 0) o.placement.chunk_bytes = f.chunk_size;
-  if (f.delayed_update) o.optimizer.delayed_update = true;
-  if (f.delayed_update_from >= 0) {
-    if (!o.optimizer.delayed_update) {
-      return InvalidArgument("--delayed-update-from is a setting of --delayed-update");
-    }
-    o.optimizer.delayed_update_from_step = int(std::min<int64_t>(f.delayed_update_from, 1 << 30));
-  }
-  if (!f.nvme_path.empty()) o.nvme.paths = {f.nvme_path};
-  if (!std::isnan(f.collective_timeout)) {
-    o.placement.collective_timeout_seconds = f.collective_timeout;
-  }
-  const bool uses_nvme =
-      o.placement.optimizer_states == Tier::kNvme || o.placement.params == Tier::kNvme;
-  if (uses_nvme && o.nvme.paths.empty()) {
-    STRATA_ASSIGN_OR_RETURN(std::string dir, scratch.Make("strata-train"));
-    o.nvme.paths = {dir};
-  }
-  STRATA_RETURN_IF_ERROR(o.Validate());
-
-  // Device budget: given; or, with offloaded parameters, three of the largest chunk's
-  // parameters and gradients (a layer's chunks plus one fetched ahead): a fraction of the model;
-  // or, with parameters on the device, all of them with room to spare. Chunks as the engine
-  // lays them out: padded to shards of equal size across the ranks.
-  std::vector<offload::ParameterSpec> specs;
-  for (const auto& p : examples::ByteLmParameters(model)) specs.push_back({p.name, p.shape, {}});
-  STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
-                          offload::ChunkLayout::Build(specs, o.precision.working_dtype,
-                                                      o.placement.chunk_bytes, ranks));
-  const uint64_t slot =
-      offload::ChunkDeviceBytes(layout.max_chunk_numel(), o.precision.working_dtype);
-  if (f.device_memory > 0) {
-    o.device.host_device_memory_bytes = f.device_memory;
-    o.device.cuda_memory_bytes = f.device_memory;
-  } else if (o.placement.params != Tier::kDevice) {
-    o.device.host_device_memory_bytes = 3 * slot;
-  } else {
-    o.device.host_device_memory_bytes =
-        2 * layout.total_numel() * (DTypeSize(o.precision.working_dtype) + 12) + 16 * kMiB;
-  }
-  return o;
-}
-
-std::string FormatRate(double bytes, double seconds) {
-  return seconds > 0 ? FormatBandwidth(bytes / seconds) : "-";
-}
-
-struct RunSummary {
-  std::vector<TrainStepRecord> records;
-  double validation_loss = 0.0;
-  double unigram_entropy = 0.0;
-  int ranks = 1;
-  /// Peak use of each tier (device, host, NVMe): the largest over the ranks.
-  std::array<uint64_t, 3> peak_bytes{};
-};
-
-/// Sums over the steps of a run, for the summary table and the JSON document.
-struct RunTotals {
-  offload::EngineCounters moved;  ///< Bytes per tier pair and CPU optimizer busy time.
-  double compute_seconds = 0.0;   ///< Model forward/backward.
-  double step_seconds = 0.0;      ///< Wall time of the steps.
-
-  /// Step time over the slowest resource timed in the run (0 when nothing was timed).
-  double StepOverSlowest() const {
-    const double slowest = std::max(compute_seconds, moved.optimizer_seconds);
-    return slowest > 0 ? step_seconds / slowest : 0.0;
-  }
-};
-
-RunTotals Totals(const std::vector<TrainStepRecord>& records) {
-  RunTotals t;
-  for (const TrainStepRecord& r : records) {
-    t.moved += r.counters;
-    t.compute_seconds += r.compute_seconds;
-    t.step_seconds += r.seconds;
-  }
-  return t;
-}
-
-/// Chunks by the tier holding their optimizer states ("none": frozen chunks, which have none).
-std::map<std::string, size_t> StateChunks(const offload::Engine& engine) {
-  std::map<std::string, size_t> chunks;
-  for (size_t c = 0; c < engine.chunk_count(); ++c) {
-    const std::optional<Tier> tier = engine.placement(c).optimizer_states;
-    ++chunks[tier ? std::string(TierName(*tier)) : "none"];
-  }
-  return chunks;
-}
-
-/// Where the optimizer states really are, chunk by chunk: "host", or "host (3 chunks), device
-/// (1 chunk)" when offload_optimizer.ratio < 1 split them, or "none (frozen)".
-std::string StatesPlacement(const offload::Engine& engine) {
-  const std::map<std::string, size_t> chunks = StateChunks(engine);
-  auto name = [](const std::string& tier) { return tier == "none" ? tier + " (frozen)" : tier; };
-  if (chunks.size() == 1) return name(chunks.begin()->first);
-  std::string out;
-  for (const auto& [tier, count] : chunks) {
-    if (!out.empty()) out += ", ";
-    out += name(tier) + " (" + std::to_string(count) + (count == 1 ? " chunk)" : " chunks)");
-  }
-  return out;
-}
-
-ordered_json ToJson(const TrainFlags& f, const TrainSettings& settings,
-                    const examples::ByteLmConfig& model, const EngineOptions& o,
-                    ByteLmTrainer& trainer, const RunSummary& s) {
-  ordered_json j;
-  j["model"] = {{"name", f.model},
-                {"context", model.context},
-                {"width", model.width},
-                {"layers", model.layers},
-                {"parameters", trainer.parameter_count()}};
-  j["placement"] = {
-      {"optimizer_states", StatesPlacement(trainer.engine())},
-      {"params", TierName(o.placement.params)},
-      {"precision", DTypeName(o.precision.working_dtype)},
-      {"device_memory_bytes", trainer.engine().tier_usage(Tier::kDevice).budget_bytes},
-      {"chunks", trainer.engine().chunk_count()}};
-  j["placement"]["optimizer_state_chunks"] = StateChunks(trainer.engine());
-  j["optimizer"] = {{"type", OptimizerTypeName(o.optimizer.type)},
-                    {"lr", o.optimizer.lr},
-                    {"weight_decay", o.optimizer.weight_decay},
-                    {"gradient_clipping", o.optimizer.gradient_clipping},
-                    {"gradient_accumulation_steps", o.optimizer.gradient_accumulation_steps},
-                    {"delayed_update", o.optimizer.delayed_update},
-                    {"delayed_update_from_step", o.optimizer.delayed_update_from_step},
-                    {"micro_batch", settings.batch},
-                    {"seq", settings.seq}};
-  ordered_json steps = ordered_json::array();
-  for (const TrainStepRecord& r : s.records) {
-    steps.push_back({{"step", r.step},
-                     {"iteration", r.iteration},
-                     {"loss", r.loss},
-                     {"skipped", r.skipped},
-                     {"rolled_back", r.rolled_back},
-                     {"grad_norm", std::isfinite(r.grad_norm) ? ordered_json(r.grad_norm)
-                                                              : ordered_json(nullptr)},
-                     {"loss_scale", r.loss_scale},
-                     {"seconds", r.seconds},
-                     {"compute_seconds", r.compute_seconds},
-                     {"tokens_per_second", r.tokens_per_second},
-                     {"device_to_host_bytes", r.counters.device_to_host_bytes},
-                     {"host_to_device_bytes", r.counters.host_to_device_bytes},
-                     {"nvme_read_bytes", r.counters.nvme_read_bytes},
-                     {"nvme_write_bytes", r.counters.nvme_write_bytes}});
-  }
-  j["steps"] = std::move(steps);
-  const RunTotals t = Totals(s.records);
-  const size_t skipped = size_t(std::count_if(s.records.begin(), s.records.end(),
-                                              [](const TrainStepRecord& r) { return r.skipped; }));
-  const size_t rolled_back = size_t(std::count_if(
-      s.records.begin(), s.records.end(), [](const TrainStepRecord& r) { return r.rolled_back; }));
-  j["summary"] = {{"steps", s.records.size()},
-                  {"skipped_steps", skipped},
-                  {"rolled_back_steps", rolled_back},
-                  {"train_seconds", t.step_seconds},
-                  {"compute_seconds", t.compute_seconds},
-                  {"optimizer_seconds", t.moved.optimizer_seconds},
-                  {"step_time_over_slowest_resource", t.StepOverSlowest()},
-                  {"device_to_host_bytes", t.moved.device_to_host_bytes},
-                  {"host_to_device_bytes", t.moved.host_to_device_bytes},
-                  {"nvme_read_bytes", t.moved.nvme_read_bytes},
-                  {"nvme_write_bytes", t.moved.nvme_write_bytes},
-                  // This rank's share of the collectives (ZeRO's Ψ per step: divide by steps).
-                  {"reduce_scatter_bytes", t.moved.reduce_scatter_bytes},
-                  {"all_gather_bytes", t.moved.all_gather_bytes}};
-  j["validation_loss"] = s.validation_loss;
-  j["unigram_entropy"] = s.unigram_entropy;
-  j["ranks"] = {
-      {"world_size", s.ranks},
-      {"zero_stage", o.placement.zero_stage},
-      {"quantized_weights", o.placement.quantized_weights},
-      {"quantized_gradients", o.placement.quantized_gradients},
-      {"quantized_gradient_bits", o.placement.quantized_gradient_bits},
-      {"peak_bytes",
-       {{"device", s.peak_bytes[0]}, {"host", s.peak_bytes[1]}, {"nvme", s.peak_bytes[2]}}}};
-  return j;
-}
-
-void PrintSummary(const TrainFlags& f, const EngineOptions& o, ByteLmTrainer& trainer,
-                  const RunSummary& s) {
-  offload::Engine& engine = trainer.engine();
-  const RunTotals t = Totals(s.records);
-  const offload::EngineCounters& total = t.moved;
-  const double step_time = t.step_seconds;
-  const uint64_t model_bytes = 2 * trainer.parameter_count() * DTypeSize(o.precision.working_dtype);
-  const uint64_t device_budget = engine.tier_usage(Tier::kDevice).budget_bytes;
-  std::printf("\nWhere the state lived (%s model: %s params, %zu chunks)\n", f.model.c_str(),
-              FormatCount(trainer.parameter_count()).c_str(), engine.chunk_count());
-  std::printf("  %-34s %s\n", "fp32 master + Adam moments", StatesPlacement(engine).c_str());
-  std::printf("  %-34s %s (%s)\n", "working parameters",
-              std::string(TierName(o.placement.params)).c_str(),
-              std::string(DTypeName(o.precision.working_dtype)).c_str());
-  std::printf("  %-34s %s budget for %s of params + grads (%.1fx)\n", "device memory",
-              FormatBytes(device_budget).c_str(), FormatBytes(model_bytes).c_str(),
-              double(model_bytes) / double(device_budget));
-  for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-    const offload::TierUsage u = engine.tier_usage(tier);
-    if (u.budget_bytes == 0) continue;
-    std::printf(
-        "  %-34s peak %s of %s%s\n", (std::string(TierName(tier)) + " use").c_str(),
-        FormatBytes(s.peak_bytes[size_t(tier)]).c_str(), FormatBytes(u.budget_bytes).c_str(),
-        s.ranks > 1 ? (" (the largest of " + std::to_string(s.ranks) + " ranks)").c_str() : "");
-  }
-  std::printf("\nBytes moved (rate over %.1f s of training)\n", step_time);
-  auto moved = [&](const char* name, uint64_t bytes) {
-    std::printf("  %-34s %12s %14s\n", name, FormatBytes(bytes).c_str(),
-                FormatRate(double(bytes), step_time).c_str());
-  };
-  moved("device -> host (gradients)", total.device_to_host_bytes);
-  moved("host -> device (params+zero grads)", total.host_to_device_bytes);
-  moved("nvme -> host", total.nvme_read_bytes);
-  moved("host -> nvme", total.nvme_write_bytes);
-  std::printf("\nTime per resource\n");
-  std::printf("  %-34s %10.2f s\n", "steps (wall)", step_time);
-  const auto skipped = std::count_if(s.records.begin(), s.records.end(),
-                                     [](const TrainStepRecord& r) { return r.skipped; });
-  if (skipped > 0) {
-    std::printf("  %-34s %10lld of %zu\n", "steps skipped (fp16 overflow)",
-                static_cast<long long>(skipped), s.records.size());
-  }
-  const auto rolled_back = std::count_if(s.records.begin(), s.records.end(),
-                                         [](const TrainStepRecord& r) { return r.rolled_back; });
-  if (rolled_back > 0) {
-    std::printf("  %-34s %10lld of %zu\n", "steps that redid updates (clip)",
-                static_cast<long long>(rolled_back), s.records.size());
-  }
-  std::printf("  %-34s %10.2f s\n", "model forward/backward", t.compute_seconds);
-  std::printf("  %-34s %10.2f s\n", "CPU optimizer (busy)", total.optimizer_seconds);
-  std::printf("  %-34s %10.2f\n", "step time / slowest resource", t.StepOverSlowest());
-  // The unigram entropy is the best a model that ignores context can do: below it, the model
-  // has learned to use its context.
-  const bool below = s.validation_loss < s.unigram_entropy;
-  std::printf("\nValidation loss %.4f nats/byte: %s the corpus' unigram entropy %.4f%s\n",
-              s.validation_loss, below ? "below" : "not below", s.unigram_entropy,
-              below ? " (the model uses its context)" : "");
-}
-
-/// The training loop's own series, next to the engine's in its registry (so one scrape has both).
-struct TrainGauges {
-  Gauge* step;
-  Gauge* loss;
-  Gauge* tokens_per_second;
-  Gauge* step_seconds;
-  Gauge* validation_loss;
-
-  explicit TrainGauges(MetricsRegistry& r)
-      : step(&r.GetGauge("strata_train_step", "Optimizer steps taken by strata train.")),
-        loss(&r.GetGauge("strata_train_loss", "Training loss of the last step, nats per byte.")),
-        tokens_per_second(&r.GetGauge("strata_train_tokens_per_second",
-                                      "Bytes of text trained on per second, last step.")),
-        step_seconds(
-            &r.GetGauge("strata_train_step_wall_seconds", "Wall time of the last training step.")),
-        validation_loss(&r.GetGauge("strata_train_validation_loss",
-                                    "Last validation loss, nats per byte (0 before any).")) {}
-};
-
-/// Serves /metrics (the engine's registry) and /status (JSON) while training runs.
-Result<std::unique_ptr<MetricsServer>> ServeMetrics(const TrainFlags& f, offload::Engine& engine,
-                                                    const TrainGauges& gauges,
-                                                    const EngineOptions& o) {
-  MetricsServerOptions options;
-  options.address = f.metrics_address;
-  options.port = uint16_t(f.metrics_port);
-  options.handlers.render_metrics = [&engine] { return engine.metrics().RenderPrometheus(); };
-  const std::string model = f.model;
-  const int64_t steps = f.steps;
-  const std::string states = StatesPlacement(engine);  // Where they are, not what was asked.
-  const std::string params(TierName(o.placement.params));
-  options.handlers.render_status = [&engine, gauges, model, steps, states, params] {
-    ordered_json j;
-    j["model"] = model;
-    j["step"] = int64_t(gauges.step->Value());
-    j["steps"] = steps;
-    j["loss"] = gauges.loss->Value();
-    j["validation_loss"] = gauges.validation_loss->Value();
-    j["tokens_per_second"] = gauges.tokens_per_second->Value();
-    j["step_seconds"] = gauges.step_seconds->Value();
-    j["placement"] = {{"optimizer_states", states}, {"params", params}};
-    ordered_json tiers = ordered_json::object();
-    for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
-      const offload::TierUsage u = engine.tier_usage(tier);
-      tiers[std::string(TierName(tier))] = {{"budget_bytes", u.budget_bytes},
-                                            {"used_bytes", u.used_bytes},
-                                            {"peak_bytes", u.peak_bytes}};
-    }
-    j["tiers"] = std::move(tiers);
-    return j.dump() + "\n";
-  };
-  return MetricsServer::Start(std::move(options));
-}
-
-/// Whether `inner` is `outer` or lies under it (both absolute and normal).
-bool Within(const std::filesystem::path& inner, const std::filesystem::path& outer) {
-  auto [o, i] = std::mismatch(outer.begin(), outer.end(), inner.begin(), inner.end());
-  return o == outer.end();
-}
-
-/// A checkpoint replaces its folder whole, so it may not hold a swap folder, whose files would
-/// only appear once training runs (the save would then refuse the folder after the last step),
-/// nor the training corpus (refused anyway as not Strata's; said here in so many words).
-/// Checked before anything is created, with links resolved.
-Status CheckCheckpointApart(const std::string& checkpoint, const std::vector<std::string>& nvme,
-                            const std::string& data) {
-  if (checkpoint.empty()) return Status();
-  namespace fs = std::filesystem;
-  auto resolve = [](const std::string& path) {
-    std::error_code ec;
-    fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
-    return (ec ? fs::absolute(path, ec) : resolved).lexically_normal();
-  };
-  const fs::path dir = resolve(checkpoint);
-  for (const std::string& path : nvme) {
-    if (Within(resolve(path), dir)) {
-      return InvalidArgument("--checkpoint " + checkpoint + " holds the nvme path " + path +
-                             ": a checkpoint replaces its folder whole, and the swap files are "
-                             "not part of it; give the swap files a folder of their own");
-    }
-  }
-  if (Within(resolve(data), dir)) {
-    return InvalidArgument("--checkpoint " + checkpoint + " holds the training corpus " + data +
-                           ": a checkpoint replaces its folder whole; save it elsewhere");
-  }
-  return Status();
-}
 
 int Train(const TrainFlags& f) {
   // Started as one of several ranks (mpirun, srun): the ranks train one model, each keeping its
@@ -475,11 +57,7 @@ int Train(const TrainFlags& f) {
                         : message,
                 command);
   };
-  if (several && !offload::MpiAvailable()) {
-    return fail(kExitFailure, "started by " + launched.launcher +
-                                  " as one of several ranks, but this build has no MPI: install "
-                                  "Open MPI (libopenmpi-dev) and build again");
-  }
+  if (Status s = CheckLaunchable(launched); !s.ok()) return fail(kExitFailure, s.message());
   if (f.metrics_port != kNotGiven && (f.metrics_port < 0 || f.metrics_port > 65535)) {
     return fail(kExitUsage,
                 "--metrics-port must be in [0, 65535] (0: any free port), got " +
@@ -546,15 +124,10 @@ int Train(const TrainFlags& f) {
   if (several) {
     const offload::MpiCommunicatorOptions mpi{.timeout_seconds =
                                                   options->placement.collective_timeout_seconds};
-    auto engine_comm = offload::CreateMpiCommunicator(mpi);
+    auto engine_comm = ConnectLaunchedRanks(launched, mpi);
     if (!engine_comm.ok()) return fail(kExitFailure, engine_comm.status().message());
-    auto own = offload::CreateMpiCommunicator(mpi);
+    auto own = ConnectLaunchedRanks(launched, mpi);
     if (!own.ok()) return fail(kExitFailure, own.status().message());
-    if ((*engine_comm)->size() != launched.size) {
-      return fail(kExitFailure, "MPI has " + std::to_string((*engine_comm)->size()) +
-                                    " ranks, the launcher's variables say " +
-                                    std::to_string(launched.size));
-    }
     environment.communicator = std::move(*engine_comm);
     scalars = std::move(*own);
     settings.rank = launched.rank;
