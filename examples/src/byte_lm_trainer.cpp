@@ -29,9 +29,7 @@ uint64_t MixKey(uint64_t a, uint64_t b, uint64_t c) {
 }  // namespace
 
 Result<Corpus> Corpus::Load(const std::filesystem::path& path) {
-  STRATA_ASSIGN_OR_RETURN(std::string text, ReadInputFile(path.string(), kCorpusInput));
-  const std::vector<uint8_t> data(text.begin(), text.end());
-  text = std::string();
+  STRATA_ASSIGN_OR_RETURN(const std::string data, ReadInputFile(path.string(), kCorpusInput));
   if (data.size() < 4096) {
     return InvalidArgument("the corpus " + path.string() + " has " + std::to_string(data.size()) +
                            " bytes; at least 4096 are needed to split it");

@@ -102,21 +102,19 @@ void RemoveLeftovers(const std::string& directory) {
   closedir(dir);
 }
 
-/// Writes the header block (kSwapMagic and the owner's pid) at the start of `file`.
-Status WriteSwapHeader(File& file, uint64_t header_bytes) {
+/// Writes the header block (kSwapMagic and the owner's pid) at the start of registered file
+/// `id`, through the engine like every other swap write.
+Status WriteSwapHeader(IoEngine& engine, FileId id, uint64_t header_bytes) {
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer header, AlignedBuffer::Allocate(header_bytes));
   std::memset(header.data(), 0, header_bytes);
   const std::string text = std::string(kSwapMagic) + "pid " + std::to_string(getpid()) + "\n";
   std::memcpy(header.data(), text.data(), text.size());
-  for (uint64_t done = 0; done < header_bytes;) {
-    const ssize_t n = pwrite(file.fd(), header.data() + done, header_bytes - done, off_t(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return ErrnoError("cannot write the header of swap file " + file.path(), n < 0 ? errno : EIO);
-    }
-    done += uint64_t(n);
-  }
-  return Status();
+  IoRequest request;
+  request.op = IoOp::kWrite;
+  request.file = id;
+  request.length = header_bytes;
+  request.buffer = header.data();
+  return engine.Execute(request).WithContext("writing the header of a swap file");
 }
 
 /// A distinct name per SwapSpace, so several engines in one process can share a path.
@@ -198,12 +196,16 @@ class SwapSpace::Impl {
       alignment_ = std::max<uint32_t>({alignment_, file.alignment(), 4096});
       const uint64_t header_bytes = std::max<uint64_t>(file.alignment(), 4096);
       Status reserved = file.Reserve(header_bytes + options_.bytes_per_path);
-      if (reserved.ok()) reserved = WriteSwapHeader(file, header_bytes);
       if (!reserved.ok()) {
         unlink(file.path().c_str());
         return reserved;
       }
       STRATA_ASSIGN_OR_RETURN(FileId id, engine_.RegisterFile(file.fd(), file.path()));
+      if (Status header = WriteSwapHeader(engine_, id, header_bytes); !header.ok()) {
+        engine_.UnregisterFile(id);
+        unlink(file.path().c_str());
+        return header;
+      }
       {
         std::lock_guard lock(g_open_files_mutex);
         g_open_files.insert(file.path());

@@ -371,6 +371,18 @@ void CollectFileNames(const nlohmann::json& value, std::vector<std::string>& nam
   }
 }
 
+/// The names in `dir`, sorted.
+Result<std::vector<std::string>> SortedEntries(const fs::path& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    names.push_back(it->path().filename().string());
+  }
+  if (ec) return ErrnoError("cannot list " + dir.string(), ec.value());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 /// Up to five of `names`, quoted, for messages.
 std::string SomeNames(const std::vector<std::string>& names) {
   std::string out;
@@ -396,14 +408,8 @@ Status CheckReplaceable(const fs::path& dir) {
                            std::string(FileTypeName(st.st_mode)) +
                            "); a checkpoint is a directory, so choose another path");
   }
-  std::vector<std::string> entries;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    entries.push_back(it->path().filename().string());
-  }
-  if (ec) return ErrnoError("cannot list " + dir.string(), ec.value());
+  STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> entries, SortedEntries(dir));
   if (entries.empty()) return Status::Ok();
-  std::sort(entries.begin(), entries.end());
   const bool has_manifest =
       std::find(entries.begin(), entries.end(), kManifestFileName) != entries.end();
   if (!has_manifest) {
@@ -854,15 +860,10 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest, bool keep_previo
     // Every file of the staging directory, so that the next save can prove the directory holds
     // nothing but this checkpoint before it replaces it (CheckReplaceable).
     nlohmann::json sealed = manifest;
-    std::vector<std::string> files;
-    std::error_code ec;
-    for (fs::directory_iterator it(staging_, ec), end; !ec && it != end; it.increment(ec)) {
-      std::string name = it->path().filename().string();
-      if (name != kManifestFileName) files.push_back(std::move(name));
-    }
-    if (ec) return FileError("list", staging_, ec.value()).WithContext(what);
-    std::sort(files.begin(), files.end());
-    sealed["contents"] = files;
+    Result<std::vector<std::string>> files = SortedEntries(staging_);
+    if (!files.ok()) return files.status().WithContext(what);
+    std::erase(*files, std::string(kManifestFileName));  // A retried Commit's.
+    sealed["contents"] = *files;
     sealed["checksum"] = ManifestChecksum(sealed);
     text = sealed.dump(2);  // Throws on a string that is not UTF-8.
   } catch (const nlohmann::json::exception& e) {

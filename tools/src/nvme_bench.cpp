@@ -167,10 +167,9 @@ Result<Examined> ExamineGivenFile(const std::string& path, uint64_t size, const 
                               std::string(FileTypeName(st.st_mode)) +
                               "; give the path of a regular file (or of one to create)");
   }
-  const Examined examined{.device = st.st_dev, .inode = st.st_ino};
-  if (ours) return Examined{GivenFile::kOurs, examined.device, examined.inode};
+  if (ours) return Examined{GivenFile::kOurs, st.st_dev, st.st_ino};
   if (rw == "read" && static_cast<uint64_t>(st.st_size) >= size) {
-    return Examined{GivenFile::kForeign, examined.device, examined.inode};
+    return Examined{GivenFile::kForeign, st.st_dev, st.st_ino};
   }
   return FailedPrecondition(
       "--file " + path + " exists and was not created by strata bench nvme, so " +
