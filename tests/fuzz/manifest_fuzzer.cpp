@@ -15,8 +15,8 @@
 #include <fstream>
 #include <string>
 
-#include "checkpoint_files.h"
-#include "checkpoint_manifest.h"
+#include "checkpoint/checkpoint_files.h"
+#include "checkpoint/checkpoint_manifest.h"
 
 namespace {
 

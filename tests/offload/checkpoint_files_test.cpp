@@ -1,4 +1,4 @@
-#include "checkpoint_files.h"
+#include "checkpoint/checkpoint_files.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -1,6 +1,6 @@
 // ReadEngineManifest: a manifest as Save writes it reads back, and each field that is missing,
 // mistyped or out of range is DataLoss naming it, before Load touches anything.
-#include "checkpoint_manifest.h"
+#include "checkpoint/checkpoint_manifest.h"
 
 #include <gtest/gtest.h>
 

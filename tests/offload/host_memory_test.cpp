@@ -1,4 +1,4 @@
-#include "host_memory.h"
+#include "engine/host_memory.h"
 
 #include <gtest/gtest.h>
 

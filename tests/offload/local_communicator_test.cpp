@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "collective_peers.h"
+#include "comm/collective_peers.h"
 #include "communicator_conformance.h"
 #include "strata/core/dtype.h"
 

@@ -1,6 +1,6 @@
 // Sharing NCCL's unique id from rank 0: over a bootstrap communicator, or through a file every
 // rank sees. No GPU is needed: the id is bytes.
-#include "nccl_bootstrap.h"
+#include "comm/nccl_bootstrap.h"
 
 #include <gtest/gtest.h>
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda_quantize.h"
+#include "sharding/cuda_quantize.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
 
 namespace strata::offload {

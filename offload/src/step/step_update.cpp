@@ -1,0 +1,553 @@
+// A chunk's journey through a step, from its last micro-step's gradients to "staged for the
+// commit": land, wait for the gate, read the states, step them, write them back, and send the
+// new working parameters toward the device. See step_pipeline.h for the picture.
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "engine/engine_impl.h"
+
+namespace strata::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// AdamW's and Adam's hyper-parameters, which have the same fields, from the options.
+template <typename HyperParams>
+HyperParams AdamFamily(const OptimizerOptions& o, double lr, double weight_decay, int64_t step,
+                       double grad_scale) {
+  return {.lr = lr,
+          .beta1 = o.beta1,
+          .beta2 = o.beta2,
+          .eps = o.eps,
+          .weight_decay = weight_decay,
+          .bias_correction = o.bias_correction,
+          .step = step,
+          .grad_scale = grad_scale};
+}
+
+/// One optimizer step of `o.type` over `buffers`.
+Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, double lr,
+                double weight_decay, int64_t step, double grad_scale,
+                const cpu_adam::StepBuffers& buffers) {
+  switch (o.type) {
+    case OptimizerType::kAdamW:
+      return optimizer.Step(
+          AdamFamily<cpu_adam::AdamWHyperParams>(o, lr, weight_decay, step, grad_scale), buffers);
+    case OptimizerType::kAdam:
+      return optimizer.Step(
+          AdamFamily<cpu_adam::AdamHyperParams>(o, lr, weight_decay, step, grad_scale), buffers);
+    case OptimizerType::kAdagrad:
+      return optimizer.Step(cpu_adam::AdagradHyperParams{.lr = lr,
+                                                         .weight_decay = weight_decay,
+                                                         .eps = o.eps,
+                                                         .step = step,
+                                                         .grad_scale = grad_scale},
+                            buffers);
+    case OptimizerType::kLion:
+      return optimizer.Step(cpu_adam::LionHyperParams{.lr = lr,
+                                                      .beta1 = o.beta1,
+                                                      .beta2 = o.beta2,
+                                                      .weight_decay = weight_decay,
+                                                      .grad_scale = grad_scale},
+                            buffers);
+  }
+  return Internal("unknown optimizer type");
+}
+
+}  // namespace
+
+Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
+  co_await LandGrads(chunk, micro_step, /*last=*/true);
+  if (sharded()) co_await ReduceGrads(chunk, micro_step);
+  Arrive(chunk);
+  if (gated()) {
+    if (CanSpeculate(chunk)) co_await Update(chunk, /*speculative=*/true);
+    co_await gate_.Wait();
+    if (engine_.chunks_[chunk].speculated) co_await ResolveSpeculation(chunk);
+  }
+  if (!step_.skip && !step_.cancelled) co_await Update(chunk);
+  if (sharded()) co_await GatherParams(chunk);
+  MaybeFinish();
+}
+
+bool StepPipeline::CanSpeculate(size_t chunk) const {
+  if (!engine_.Speculates() || step_.decided || step_.cancelled) return false;
+  // A speculation the verdict is sure to roll back is work thrown away: the step overflows, or
+  // the norm of the gradients arrived so far (it only grows) already needs clipping.
+  if (loss_scaler_.checks_overflow() && step_.arrived_non_finite) return false;
+  if (ClipCoefficient(std::sqrt(step_.arrived_sum_of_squares) / loss_scale()) < 1.0) return false;
+  const Chunk& c = engine_.chunks_[chunk];
+  const Tier states = *c.placement.optimizer_states;
+  return states == Tier::kNvme || (states == Tier::kHost && !c.host_state_shadow.empty());
+}
+
+Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  const ChunkPhase from = c.phase_now();
+  // Only one update per chunk at a time, and only where one is left to do (a retry may race
+  // the journey resumed by the gate: whoever comes first updates).
+  if (from != ChunkPhase::kArrived && from != ChunkPhase::kStepped) co_return;
+  // Left to the commit, or the commit has begun: it updates what is left, not a late journey.
+  if (c.update_at_commit || step_.committing) co_return;
+  // This attempt failed already, or failed and ended: Step() again retries.
+  if (!step_.error.ok() || attempt_failed_) co_return;
+  const bool on_device = c.placement.optimizer_states == Tier::kDevice;
+  if (on_device) {
+    // Device-kept states are stepped in place, with nothing to undo them by: where a step can
+    // fail after its updates (states or parameters on NVMe), they are updated at the commit,
+    // once everything else has succeeded.
+    // Otherwise the device's optimizer rewrites the chunk's parameters in place now, after the
+    // trainer's last use of them, or at the commit while the trainer still holds the chunk.
+    bool now = !e.transactional_;
+    if (now) {
+      Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kCompute);
+      if (!released.ok()) {
+        KeepFirstError(released.status());
+        co_return;
+      }
+      now = *released;
+    }
+    if (!now) {
+      c.update_at_commit = true;
+      co_return;
+    }
+  }
+  {
+    std::lock_guard lock(mutex_);
+    c.MoveTo(ChunkPhase::kUpdating);
+  }
+  ++step_.updates_running;
+  if (speculative) {
+    c.speculated = true;
+    ++step_.speculations_open;
+    e.m_.speculative_updates->Increment(1.0);
+  }
+  Status status;
+  bool stepped = false;
+  if (on_device) {
+    status = co_await UpdateOnDevice(chunk);
+  } else {
+    status = co_await UpdateOnHost(chunk, /*republish=*/from == ChunkPhase::kStepped, speculative,
+                                   stepped);
+  }
+  --step_.updates_running;
+  {
+    std::lock_guard lock(mutex_);
+    c.MoveTo(status.ok() ? ChunkPhase::kUpdated
+             : stepped   ? ChunkPhase::kStepped
+                         : ChunkPhase::kArrived);
+  }
+  if (!status.ok()) KeepFirstError(status.WithContext("updating chunk " + std::to_string(chunk)));
+}
+
+Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  c.speculated = false;
+  const bool updated = c.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
+  const bool kept = !step_.skip && !step_.clipped && !step_.cancelled;
+  if (updated && kept) {
+    // The update stands; parameters that waited for the verdict go up now.
+    if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
+      KeepFirstError(
+          uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk)));
+    }
+  } else if (updated) {
+    // The update wrote its states elsewhere — a staging buffer and the NVMe shadow extent, or
+    // the host shadow buffer — and left the current ones as they were: dropping it is all it
+    // takes.
+    c.states_in_shadow = false;
+    step_.rolled_back = true;
+    e.m_.rolled_back_updates->Increment(1.0);
+    if (c.params_uploaded) {
+      // The device has the speculative parameters (they go up early). Put back what the
+      // current master rounds to, which is what it held before, so that however this attempt
+      // ends the device never keeps an update the verdict rolled back; a redo uploads its own
+      // after. If that upload fails, the commit of a skipped step (or the redo) makes it.
+      if (Status restored = co_await RestoreParameters(chunk); !restored.ok()) {
+        KeepFirstError(
+            restored.WithContext("restoring the parameters of chunk " + std::to_string(chunk)));
+      }
+    }
+    // Only now open to a redo: one started meanwhile (Step()'s, for chunks in kArrived) would
+    // write param_copy under the put-back, which would then overwrite the redo's parameters.
+    std::lock_guard lock(mutex_);
+    c.MoveTo(ChunkPhase::kArrived);
+  }
+  --step_.speculations_open;
+}
+
+Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  // The speculative upload has read param_copy once the stream is through it.
+  Status status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  // The current master, rounded: from host memory, or kept in params_before by the update of
+  // NVMe-kept states (only those with it upload speculatively).
+  auto round = [&e, &c] {
+    if (c.placement.optimizer_states == Tier::kNvme) {
+      std::memcpy(c.param_copy.data(), c.params_before.data(), c.working_bytes(e.working_size()));
+    } else {
+      Fp32ToDType({reinterpret_cast<const float*>(c.host_states.data()), c.numel},
+                  e.working_dtype(), c.param_copy.data());
+    }
+  };
+  co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);  // What any later upload must send.
+  c.params_uploaded = false;
+  if (status.ok()) status = UploadEarly(chunk);
+  // Read before a redo rewrites param_copy.
+  if (status.ok()) status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  c.params_uploaded = false;  // Not this step's parameters: a redo or the commit sends those.
+  c.restore_params = !status.ok();
+  co_return status;
+}
+
+Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
+                                  DType grad_dtype, void* param_copy, double grad_scale) const {
+  const OptimizerOptions& o = options_.optimizer;
+  const Chunk& c = engine_.chunks_[chunk];
+  const size_t numel = c.shard.numel();  // The elements this rank updates.
+  const DType wdtype = engine_.working_dtype();
+  const bool copy_out = wdtype != DType::kFp32 && param_copy != nullptr;
+  // Out of place, the states the optimizer has go to states_out; one it lacks (Lion's second,
+  // Adagrad's first) is left alone there as in place (WriteMemoryHome keeps both buffers' equal).
+  const bool out_of_place = states_out != states;
+  // One call per run of parameters that share their group settings (one run in most models).
+  for (const ChunkSegment& segment : c.segments) {
+    const size_t begin = segment.begin;
+    const cpu_adam::StepBuffers buffers{
+        .numel = segment.end - begin,
+        .params = states + begin,
+        .grads = static_cast<const std::byte*>(grads) + begin * DTypeSize(grad_dtype),
+        .grad_dtype = grad_dtype,
+        .exp_avg = states + numel + begin,
+        .exp_avg_sq = states + 2 * numel + begin,
+        .param_copy =
+            copy_out ? static_cast<std::byte*>(param_copy) + begin * DTypeSize(wdtype) : nullptr,
+        .param_copy_dtype = copy_out ? wdtype : DType::kBf16,
+        .params_out = out_of_place ? states_out + begin : nullptr,
+        .exp_avg_out = out_of_place && UsesExpAvg(o.type) ? states_out + numel + begin : nullptr,
+        .exp_avg_sq_out =
+            out_of_place && UsesExpAvgSq(o.type) ? states_out + 2 * numel + begin : nullptr};
+    STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
+                                    segment.weight_decay.value_or(o.weight_decay),
+                                    c.steps_taken + 1, grad_scale, buffers));
+  }
+  if (wdtype == DType::kFp32 && param_copy != nullptr) {
+    // On the optimizer's threads, as the kernel wrote them: one thread's memcpy is a fraction
+    // of the memory bandwidth.
+    engine_.optimizer_->ParallelFor(numel, [&](size_t begin, size_t end) {
+      std::memcpy(static_cast<float*>(param_copy) + begin, states_out + begin,
+                  (end - begin) * sizeof(float));
+    });
+  }
+  return Status();
+}
+
+Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool speculative,
+                                             bool& stepped) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  EngineMetrics& m = e.m_;
+  const size_t home_bytes = c.param_home_bytes(e.working_size());  // Stage 3: the shard.
+  const bool nvme_states = c.placement.optimizer_states == Tier::kNvme;
+  const bool nvme_params = c.placement.params == Tier::kNvme;
+  // Ahead of the verdict: the scale of a step that neither clips (coefficient 1) nor overflows,
+  // computed as Decide computes it, so that a verdict that agrees gives the same bits.
+  const double grad_scale = speculative ? 1.0 / loss_scale() : step_.grad_scale;
+  Status status;
+  stepped = republish;
+
+  StagingBuffer state_buffer;
+  float* states = reinterpret_cast<float*>(c.host_states.data());
+  // Host-home states are stepped in place, except ahead of the verdict: then the update writes
+  // them into the shadow buffer and leaves the current ones for a roll-back.
+  float* states_out =
+      speculative && !nvme_states ? reinterpret_cast<float*>(c.host_state_shadow.data()) : states;
+  if (nvme_states) {
+    Preload& preload = preloads_[chunk];
+    if (!preload.active) StartPreload(chunk);
+    {
+      WaitTimer waiting(m.wait_of(UpdateWait::kNvmeRead));
+      co_await preload.ready->Acquire();
+    }
+    status = preload.status;
+    state_buffer = std::move(preload.buffer);
+    preload = {};
+    states = reinterpret_cast<float*>(state_buffer.data());
+    states_out = states;
+  }
+  StagingBuffer param_buffer;
+  // This rank's shard of the new parameters (the whole chunk with one rank); the all-gather
+  // brings the other ranks' shards (GatherParams), or with stage 3 the next Acquire does, from
+  // a param_copy that holds the shard alone.
+  void* param_copy =
+      c.param_copy.data() + (c.params_sharded ? 0 : c.shard.begin * e.working_size());
+  bool in_place = false;
+  if (status.ok()) in_place = co_await ClaimParamsInPlace(chunk, speculative);
+  if (in_place) param_copy = c.params.data();
+  if (status.ok() && nvme_params) {
+    {
+      WaitTimer waiting(m.wait_of(UpdateWait::kStagingBuffer));
+      param_buffer = co_await e.param_staging_->Acquire();
+    }
+    param_copy = param_buffer.data();
+  }
+  // The optimizer, then the checksums of what goes to NVMe: both on a job, off the loop.
+  uint64_t state_checksum = 0;
+  uint64_t param_checksum = 0;
+  if (status.ok()) {
+    const void* grads = sharded()  ? c.grads_shard.data()
+                        : gas_ > 1 ? c.grads_sum.data()
+                                   : c.landed_grads;
+    const DType grad_dtype = sharded() || gas_ > 1 ? DType::kFp32 : e.working_dtype();
+    auto update = [&] {
+      Status s;
+      if (republish) {
+        // The states already hold this step: only the working parameters are made again.
+        Fp32ToDType({states, c.shard.numel()}, e.working_dtype(), param_copy);
+      } else {
+        if (speculative && nvme_states && !c.params_before.empty()) {
+          Fp32ToDType({states, c.numel}, e.working_dtype(), c.params_before.data());
+        }
+        const auto start = Clock::now();
+        s = RunOptimizer(chunk, states, states_out, grads, grad_dtype, param_copy, grad_scale);
+        m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      if (s.ok() && nvme_states) {
+        state_checksum = e.swap_->Checksum(state_buffer.data(), c.state_bytes());
+      }
+      if (s.ok() && nvme_params)
+        param_checksum = e.swap_->Checksum(param_buffer.data(), home_bytes);
+      return s;
+    };
+    {
+      OptimizerBusyGuard updating(m);
+      WaitTimer waiting(m.wait_of(UpdateWait::kCpuOptimizer));
+      status = co_await AwaitJob(e.jobs_, update, &e.jobs_in_flight_);
+    }
+    if (status.ok() && !republish) m.optimizer_params->Increment(double(c.shard.numel()));
+    // Host-home states stepped in place: from here on a failure must not step them again.
+    stepped = !nvme_states && states_out == states && (republish || status.ok());
+    // Stepped into the shadow: the commit makes them current, unless the verdict drops them.
+    c.states_in_shadow = status.ok() && states_out != states;
+  }
+  // Write-behind into the shadow extents; the commit makes them current.
+  std::optional<InFlightGuard> writing;
+  std::optional<WaitTimer> write_time;
+  if (status.ok() && (nvme_states || nvme_params)) {
+    writing.emplace(m.in_flight_of(InFlightKind::kNvmeWrite));
+    write_time.emplace(m.wait_of(UpdateWait::kNvmeWrite));
+  }
+  if (status.ok() && nvme_states) {
+    const int registered = e.state_staging_registered_ ? int(state_buffer.index()) : -1;
+    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.state_shadow(), state_buffer.data(),
+                                           c.state_bytes(), registered, state_checksum);
+    if (status.ok()) m.nvme_write_bytes->Increment(double(c.state_bytes()));
+  }
+  if (status.ok() && nvme_params) {
+    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.param_shadow(), param_buffer.data(),
+                                           home_bytes, -1, param_checksum);
+    if (status.ok()) m.nvme_write_bytes->Increment(double(home_bytes));
+  }
+  writing.reset();
+  write_time.reset();
+  if (e.state_staging_) e.state_staging_->Release(state_buffer);
+  if (nvme_states) StartPreloads();  // The buffer reads ahead for a chunk to come.
+  if (e.param_staging_) e.param_staging_->Release(param_buffer);
+  // Speculative parameters go up early too: ResolveSpeculation puts back what the device held
+  // if the verdict rolls the update back (the master in host memory, rounded, or the NVMe-kept
+  // chunk's params_before; one without waits for the verdict, as reading the states back would
+  // cost more than the wait).
+  // (Several ranks upload once the other shards are in: GatherParams.)
+  const bool can_restore = !speculative || !nvme_states || !c.params_before.empty();
+  if (status.ok() && in_place) {
+    c.params_uploaded = true;  // The optimizer wrote them into the device's.
+    c.restore_params = false;
+  } else if (status.ok() && can_restore && !sharded()) {
+    status = UploadEarly(chunk);
+  }
+  // A speculative update that failed leaves the current states as they were: the retry's
+  // verdict may want another scale.
+  if (!status.ok()) c.states_in_shadow = false;
+  co_return status;
+}
+
+Awaitable<bool> StepPipeline::ClaimParamsInPlace(size_t chunk, bool speculative) {
+  Engine::Impl& e = engine_;
+  const Chunk& c = e.chunks_[chunk];
+  // Only an update that nothing after it can undo: host-kept states stepped in place (a failed
+  // NVMe write would leave the device with parameters whose states did not commit), not ahead
+  // of the verdict.
+  if (!e.ZeroCopy(c) || speculative || c.placement.optimizer_states != Tier::kHost) co_return false;
+  // The device's parameters are the trainer's until it has released the chunk (else the upload
+  // waits, as a copy would: UploadEarly, the commit) and its work queued on them has run, which
+  // the stream passes once it has (on a host-accessible device, at once or nearly: the
+  // trainer's work is what its own thread did). Acquire refuses the chunk from its last
+  // GradsReady until the step completes.
+  Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice);
+  if (!released.ok() || !*released) co_return false;
+  const Status passed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  co_return passed.ok();
+}
+
+Status StepPipeline::UploadEarly(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  // Device-home parameters go up as soon as their chunk's update is complete, behind the
+  // trainer's last use of them; the commit uploads those the trainer still holds. A step that
+  // fails later leaves these new: its retry does not update the chunk again, and the commit
+  // makes its states (NVMe shadows included) current with them.
+  if (c.placement.params != Tier::kDevice || c.params_uploaded) return Status();
+  // A delayed step's parameters wait (the commit holds them back); so do a later step's while
+  // older ones are still held back, which must reach the device first.
+  if (hyper_.delayed) return Status();
+  {
+    std::lock_guard lock(mutex_);
+    if (c.params_delayed) return Status();
+  }
+  STRATA_ASSIGN_OR_RETURN(const bool released,
+                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+  if (!released) return Status();
+  const size_t wbytes = c.working_bytes(e.working_size());
+  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
+  e.m_.h2d_bytes->Increment(double(wbytes));
+  c.params_uploaded = true;
+  c.restore_params = false;
+  return Status();
+}
+
+Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  const void* grads = gas_ > 1 ? c.device_grads_sum.data() : c.grads.data();
+  const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
+  const double grad_scale = step_.grad_scale;
+  auto result = std::make_shared<Status>();
+  Status queued = e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, chunk, grads,
+                                                                  grad_dtype, grad_scale, result] {
+    auto* states = static_cast<float*>(c.device_states.data());
+    *result = RunOptimizer(chunk, states, states, grads, grad_dtype, c.params.data(), grad_scale);
+  });
+  if (!queued.ok()) co_return queued;
+  Status done = co_await AwaitStream(e.device_, Stream::kCompute);
+  if (!done.ok()) co_return done;
+  if (result->ok()) {
+    e.m_.device_optimizer_params->Increment(double(c.numel));
+    c.params_uploaded = true;  // The kernel wrote the device's parameters itself.
+  }
+  co_return *result;
+}
+
+Status StepPipeline::UploadDelayedLocked(size_t chunk) {
+  Engine::Impl& e = engine_;
+  Chunk& c = e.chunks_[chunk];
+  if (!c.params_delayed) return Status();
+  STRATA_ASSIGN_OR_RETURN(const bool released,
+                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+  if (!released) return Status();  // Its Release, or the next Step(), sends them.
+  const size_t wbytes = c.working_bytes(e.working_size());
+  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
+  e.m_.h2d_bytes->Increment(double(wbytes));
+  c.params_delayed = false;
+  return Status();
+}
+
+void StepPipeline::Released(size_t chunk) {
+  std::lock_guard lock(mutex_);
+  const Chunk& c = engine_.chunks_[chunk];
+  // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
+  // still use the parameters. A failure leaves them held back: the next Step() tries again
+  // and reports it.
+  if (!c.params_delayed || c.micro_steps != gas_ || step_running_) return;
+  UploadDelayedLocked(chunk).IgnoreError();
+}
+
+Status StepPipeline::FlushDelayedParameters() {
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+      STRATA_RETURN_IF_ERROR(UploadDelayedLocked(i));
+      if (engine_.chunks_[i].params_delayed) {
+        return FailedPrecondition("chunk " + std::to_string(i) +
+                                  " is acquired; Release every chunk first");
+      }
+    }
+  }
+  return engine_.device_.SynchronizeStream(Stream::kHostToDevice);
+}
+
+void StepPipeline::StartPreloads() {
+  if (!engine_.state_staging_) return;
+  // Leave one staging buffer for a chunk that arrives out of the expected order, counting the
+  // preloads still held (by chunks that sat the last step out).
+  const int depth = int(engine_.state_staging_->pool().buffer_count()) - 1;
+  int held = 0;
+  for (const Preload& preload : preloads_) held += preload.active ? 1 : 0;
+  // In the order backward produces gradients (the last chunk first), the chunks whose update
+  // still has to read its states: reading ahead of backward, so that the last chunks' reads
+  // are not left to the end of the step.
+  for (size_t i = preloads_.size(); i-- > 0 && held < depth;) {
+    const Chunk& c = engine_.chunks_[i];
+    if (c.placement.optimizer_states != Tier::kNvme || preloads_[i].active) continue;
+    const ChunkPhase phase = c.phase_now();
+    if (phase == ChunkPhase::kUpdating || phase == ChunkPhase::kUpdated) continue;  // Read.
+    // Sits this step out (known once Step() is called; at the commit every count is reset for
+    // the next step, whose chunks are the ones to read).
+    if (step_.requested && !step_.committing && c.micro_steps == 0) continue;
+    StartPreload(i);
+    ++held;
+  }
+}
+
+void StepPipeline::StartPreload(size_t chunk) {
+  Preload& preload = preloads_[chunk];
+  preload.active = true;
+  preload.ready.emplace(0);
+  engine_.Spawn(PreloadStates(chunk));
+}
+
+Awaitable<void> StepPipeline::PreloadStates(size_t chunk) {
+  Engine::Impl& e = engine_;
+  const Chunk& c = e.chunks_[chunk];
+  Preload& preload = preloads_[chunk];
+  StagingBuffer buffer = co_await e.state_staging_->Acquire();
+  const int registered = e.state_staging_registered_ ? int(buffer.index()) : -1;
+  Status status;
+  {
+    InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
+    status = co_await nvme::AwaitSwapRead(*e.swap_, c.state_extents[c.state_current], buffer.data(),
+                                          registered);
+  }
+  if (status.ok()) {
+    e.m_.nvme_read_bytes->Increment(double(c.state_bytes()));
+    preload.buffer = std::move(buffer);
+  } else {
+    e.state_staging_->Release(buffer);
+  }
+  preload.status = status;
+  preload.done = true;
+  preload.ready->Release();
+}
+
+Awaitable<void> StepPipeline::DropPreload(size_t chunk) {
+  Preload& preload = preloads_[chunk];
+  if (!preload.active) co_return;
+  co_await preload.ready->Acquire();
+  engine_.state_staging_->Release(preload.buffer);
+  preload = {};
+}
+
+Awaitable<void> StepPipeline::DropPreloads() {
+  // Finished reads first: their buffers may be what the reads still in flight wait for.
+  for (Preload& preload : preloads_) {
+    if (!preload.active || !preload.done) continue;
+    engine_.state_staging_->Release(preload.buffer);
+    preload = {};
+  }
+  for (size_t i = 0; i < preloads_.size(); ++i) co_await DropPreload(i);
+}
+
+}  // namespace strata::offload
