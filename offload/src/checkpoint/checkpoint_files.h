@@ -41,6 +41,10 @@
 // Only one writer at a time may target a given `dir` (the staging name is per process, and a
 // second writer in the same process would remove the first one's staging directory).
 //
+// Where it is written: checkpoint_writer.cpp (staging, sinks, the commit), checkpoint_reader.cpp
+// (verified reads), checkpoint_ownership.cpp (manifests checked, what may be replaced or
+// removed) and checkpoint_io.cpp (the POSIX calls and their errors).
+//
 // None of these classes is thread-safe: use each object from one thread at a time. Distinct
 // CheckpointFileSinks of one writer may be used on different threads at once.
 #pragma once
