@@ -43,8 +43,8 @@ constexpr const char* kCommand = "strata train";
 
 int Train(const TrainFlags& f) {
   // Started as one of several ranks (mpirun, srun): the ranks train one model, each keeping its
-  // shard of the optimizer states (ZeRO stages 1 and 2) and its slice of every batch; rank 0
-  // prints, and every rank's errors say which rank it is.
+  // shard of the optimizer states (ZeRO stages 1 and 2; with stage 3 of the parameters too) and
+  // its slice of every batch; rank 0 prints, and every rank's errors say which rank it is.
   Result<offload::RankInfo> ranks = offload::DetectRanks();
   if (!ranks.ok()) return Fail(kExitUsage, ranks.status().message(), kCommand);
   const offload::RankInfo launched = *ranks;
