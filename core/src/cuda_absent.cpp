@@ -1,4 +1,4 @@
-// Compiled instead of core/cuda/ when this build has no CUDA toolkit.
+// Compiled instead of cuda_device.cpp when this build has no CUDA toolkit.
 #include "strata/core/cuda_device.h"
 
 namespace strata {
