@@ -13,7 +13,9 @@
 // fp32 host arrays. No torch header or library is needed to build this file.
 //
 // Every call that can wait (Acquire, GradsReady, Step, state reads and writes, destruction)
-// releases the GIL; no Python code ever runs on an engine thread. Errors become Python
+// releases the GIL; no Python code ever runs on an engine thread. The engine's messages, which
+// any of its threads may log, wait in a queue (LogRelay) and go to Python's `logging` and
+// `warnings` (strata/_log.py) when a call returns, with the GIL held. Errors become Python
 // exceptions carrying the engine's message: ValueError (InvalidArgument), FileNotFoundError,
 // MemoryError (ResourceExhausted), OSError (IoError), NotImplementedError (Unavailable) and
 // RuntimeError for the rest.
@@ -26,7 +28,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -37,6 +41,7 @@
 #include "strata/core/config.h"
 #include "strata/core/cuda_device.h"
 #include "strata/core/host_device.h"
+#include "strata/core/log.h"
 #include "strata/core/status.h"
 #include "strata/cpu_adam/adam_benchmark.h"
 #include "strata/offload/engine.h"
@@ -79,12 +84,76 @@ T Check(Result<T> result) {
   return std::move(result).value();
 }
 
+/// The engine's log messages on their way to Python. The engine logs from any of its threads,
+/// which must never take the GIL (the trainer thread may hold it while it waits for them), so
+/// the sink only queues; Deliver, with the GIL held, hands the queue to strata._log.emit, which
+/// sends warnings through `warnings` and the rest through the `strata` logger. A message waits
+/// at most until the next engine call returns (or strata._log.flush, at exit).
+class LogRelay {
+ public:
+  static LogRelay& Get() {
+    static LogRelay* const relay = new LogRelay;  // Never destroyed: engine threads may log late.
+    return *relay;
+  }
+
+  /// Makes the relay the process's log sink (once, at import).
+  void Install() {
+    SetLogSink([this](LogLevel level, std::string_view message) { Push(level, message); });
+  }
+
+  /// Any thread, without the GIL.
+  void Push(LogLevel level, std::string_view message) {
+    std::lock_guard lock(mutex_);
+    if (queue_.size() == kMaxQueued) {
+      queue_.pop_front();
+      ++dropped_;
+    }
+    queue_.emplace_back(level, std::string(message));
+  }
+
+  /// With the GIL: every queued message to strata._log.emit, in order. A handler that raises
+  /// (warnings turned into errors, say) is reported as unraisable rather than thrown out of an
+  /// engine call that has already succeeded.
+  void Deliver() {
+    std::deque<std::pair<LogLevel, std::string>> batch;
+    size_t dropped = 0;
+    {
+      std::lock_guard lock(mutex_);
+      if (queue_.empty() && dropped_ == 0) return;
+      batch.swap(queue_);
+      dropped = std::exchange(dropped_, 0);
+    }
+    try {
+      nb::object emit = nb::module_::import_("strata._log").attr("emit");
+      if (dropped > 0) {
+        emit(int(LogLevel::kWarning), std::to_string(dropped) +
+                                          " earlier engine messages were dropped (more than " +
+                                          std::to_string(kMaxQueued) + " between two calls)");
+      }
+      for (const auto& [level, message] : batch) emit(int(level), message);
+    } catch (nb::python_error& e) {
+      e.discard_as_unraisable("strata: delivering the engine's log messages");
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxQueued = 4096;
+  std::mutex mutex_;
+  std::deque<std::pair<LogLevel, std::string>> queue_;
+  size_t dropped_ = 0;
+};
+
 /// Runs `call` (an engine call that may wait) with the GIL released and returns its Status or
-/// Result, to be checked once the GIL is held again.
+/// Result, to be checked once the GIL is held again; what the engine logged meanwhile goes to
+/// Python first.
 template <typename Call>
 auto Unlocked(Call&& call) {
-  nb::gil_scoped_release unlocked;
-  return call();
+  auto result = [&] {
+    nb::gil_scoped_release unlocked;
+    return call();
+  }();
+  LogRelay::Get().Deliver();
+  return result;
 }
 
 nb::dlpack::dtype ToDlpack(DType dtype) {
@@ -177,8 +246,10 @@ class PyEngine {
 
   void Release(size_t chunk, uintptr_t stream) {
     Engine& e = engine();
-    nb::gil_scoped_release unlocked;
-    e.Release(chunk, TrainerStream{reinterpret_cast<void*>(stream)});
+    Unlocked([&] {
+      e.Release(chunk, TrainerStream{reinterpret_cast<void*>(stream)});
+      return 0;
+    });
   }
 
   void GradsReady(size_t chunk, uintptr_t stream) {
@@ -281,6 +352,10 @@ NB_MODULE(_strata, m) {
   using namespace strata;
   using namespace strata::python;
   m.doc() = "Strata's offload engine (the binding under strata.torch)";
+  LogRelay::Get().Install();
+  m.def(
+      "deliver_logs", [] { LogRelay::Get().Deliver(); },
+      "Hands the engine's queued log messages to strata._log.emit now.");
   m.def("built_with_cuda", &BuiltWithCuda, "Whether this build contains CudaDevice.");
   m.def(
       "parse_bytes", [](const std::string& text) { return Check(ParseBytes(text)); },
