@@ -2,6 +2,7 @@
 either matches torch.optim or raises a clear error that leaves the optimizer usable."""
 
 import gc
+import re
 import subprocess
 import sys
 import textwrap
@@ -179,6 +180,46 @@ def test_grad_scaler_is_refused_with_what_to_use_instead():
     scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
     with pytest.raises(NotImplementedError, match="GradScaler"):
         scaler.step(opt)
+
+
+def test_an_optimizer_left_hooked_names_close_and_close_hands_the_parameters_over():
+    # An OffloadAdamW kept alive by its LR scheduler while torch's AdamW trains its parameters:
+    # its hooks still count backward passes, and the error says to close it.
+    model = mlp()
+    first = st.OffloadAdamW(model.parameters(), lr=0.1, overlap=False)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
+    backward(model)
+    first.step()
+    first.zero_grad()
+    scheduler.step()
+    second = torch.optim.AdamW(model.parameters(), lr=0.1)
+    backward(model, 1)
+    second.step()
+    second.zero_grad()
+    with pytest.raises(RuntimeError, match=re.escape("call its close() first")):
+        backward(model, 2)
+
+    # Closed first, it lets go: the values stay, torch trains them, the old one refuses calls.
+    model = mlp()
+    first = st.OffloadAdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
+    backward(model)
+    with pytest.raises(RuntimeError, match="call step\\(\\) to finish the step first"):
+        first.close()
+    first.step()
+    first.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    first.close()
+    first.close()  # Again: nothing.
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(RuntimeError, match=re.escape("close() was called")):
+        first.step()
+    second = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for seed in range(3):
+        backward(model, seed)
+        second.step()
+        second.zero_grad()
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_a_new_optimizer_on_the_same_parameters_takes_them_over():

@@ -346,6 +346,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- extras
 
+    def close(self) -> None:
+        """Stops driving the parameters: they get memory of their own holding their current
+        values, the optimizer's hooks go, and every later call on it raises. Call it before
+        training the same parameters with another optimizer that is not a strata one (a new
+        strata optimizer takes them over by itself); an LR scheduler or a framework that keeps
+        this optimizer alive then no longer matters. Calling it again does nothing. Between
+        steps, or before any chunk of this step was handed to the engine: an update in flight
+        would race with the copy the parameters get."""
+        if self._closed is not None:
+            return
+        if any(self._submitted) and not self._retry_pending:
+            raise RuntimeError(
+                f"close() while chunks {[c for c, s in enumerate(self._submitted) if s]} are "
+                "updating with this step's gradients: call step() to finish the step first")
+        self._close("close() was called")
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward() on: multiplied by the fp16 loss scale (unchanged in
         fp32 and bf16). The engine divides the gradients by the same scale."""
@@ -513,7 +529,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"built with gradient_accumulation_steps={gas}: call step() after every {gas} "
                 "backward(), one backward per micro-batch (torch.utils.checkpoint with "
                 "use_reentrant=True runs a parameter's gradient hook twice: use "
-                "use_reentrant=False)"
+                "use_reentrant=False). If another optimizer trains these parameters now, this "
+                f"{type(self).__name__} is still alive (an LR scheduler or a framework holds "
+                "it) and still hooked to them: call its close() first"
             )
         self._counts[i] += 1
         if self._counts[i] < gas or not self.overlap:
