@@ -222,6 +222,23 @@ def test_an_optimizer_left_hooked_names_close_and_close_hands_the_parameters_ove
     assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+def test_a_model_cast_after_the_optimizer_is_refused_not_reverted(cast):
+    # model.to(dtype) after building the optimizer: the first backward says what to do, and
+    # the parameters stay as the user cast them (no silent revert to fp32).
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    model.to(cast)
+    with pytest.raises(RuntimeError, match="Cast or move the model first"):
+        backward(model)
+    assert all(p.dtype == cast for p in model.parameters())
+    model.float()  # Cast back: the optimizer goes on, with the values as they are now.
+    opt.zero_grad()
+    backward(model)
+    opt.step()
+    assert opt.last_step["step"] == 1
+
+
 def test_a_new_optimizer_on_the_same_parameters_takes_them_over():
     # `opt = st.OffloadAdamW(...)` again (after freezing a layer, say) while the old one lives.
     model = mlp()

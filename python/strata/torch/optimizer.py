@@ -676,6 +676,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         masters where they differ from the master rounded to the working dtype, so a write of
         the same values (an EMA swap and back) keeps the fp32 masters. A parameter whose
         ``.data`` was replaced is copied in and pointed back at its chunk."""
+        self._refuse_cast_or_moved()
         changed = {}
         for i, p in enumerate(self._params):
             replaced = p.data_ptr() != self._param_views[i].data_ptr()
@@ -695,6 +696,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if replaced:
                 self._params[i].data = self._param_views[i]
         self._param_versions = [p._version for p in self._params]
+
+    def _refuse_cast_or_moved(self) -> None:
+        """A model cast (``model.to(torch.bfloat16)``) or moved (``model.to("cuda")``) after the
+        optimizer was built: its parameters no longer live in the engine's chunks, and copying
+        their values back would silently undo the cast. Refused before anything changes."""
+        dtype = self._param_views[0].dtype
+        for i, p in enumerate(self._params):
+            if p.dtype != dtype or p.device != self._device:
+                raise RuntimeError(
+                    f"parameter {i} (shape {tuple(p.shape)}) is now {p.dtype} on {p.device}, "
+                    f"but {type(self).__name__} was built for {dtype} on {self._device}: the "
+                    "engine lays the parameters out in that dtype and on that device at "
+                    "construction. Cast or move the model first, then build the optimizer "
+                    "(model.to(...); opt = " + type(self).__name__ + "(model.parameters(), ...)); "
+                    "to keep this optimizer, cast the model back"
+                )
 
     def _read_states(self, wanted: list[tuple[int, int]]) -> list[torch.Tensor]:
         """States (parameter index, kind) as flat fp32 tensors, in one engine call."""
