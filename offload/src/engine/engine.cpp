@@ -62,7 +62,7 @@ Engine::Impl::~Impl() {
   // write buffers freed below.
   device_.Synchronize().IgnoreError();
   // Preloaded states hold staging buffers, which must go back before the pool is destroyed.
-  if (!chunks_.empty()) loop_.Run(pipeline_.DropPreloads());
+  if (!chunks_.empty()) loop_.Run(pipeline_.preloader().DropAll());
   // The threads that post to the loop may still be inside a post whose completion has already
   // run: join them before the loop goes. Stream threads are drained above; jobs and the
   // I/O thread are waited for here.
@@ -349,23 +349,20 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
         }
       }
     }
-    auto make_pool = [&](std::optional<LoopStagingPool>& pool, size_t bytes, int count,
-                         const char* what) -> Status {
+    auto make_pool = [&](size_t bytes, int count,
+                         const char* what) -> Result<std::unique_ptr<StagingPool>> {
       const uint64_t total = StagingPoolBytes(bytes, count);
       STRATA_RETURN_IF_ERROR(host_budget_.Reserve(total, what));
       static_reservations_.emplace_back(&host_budget_, total);
-      STRATA_ASSIGN_OR_RETURN(
-          std::unique_ptr<StagingPool> created,
-          StagingPool::Create(
-              {.buffer_bytes = bytes, .buffer_count = size_t(count), .pin_with = &device_}));
-      pool.emplace(std::move(created));
-      return Status();
+      return StagingPool::Create(
+          {.buffer_bytes = bytes, .buffer_count = size_t(count), .pin_with = &device_});
     };
     // Parameter staging first: automatic state staging takes what the budget has left.
     if (nvme_params) {
-      STRATA_RETURN_IF_ERROR(make_pool(param_staging_, max_nvme_param_bytes(),
-                                       options_.host.param_buffer_count,
-                                       "the parameter staging buffers"));
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<StagingPool> pool,
+                              make_pool(max_nvme_param_bytes(), options_.host.param_buffer_count,
+                                        "the parameter staging buffers"));
+      param_staging_.emplace(std::move(pool));
     }
     if (nvme_states) {
       const size_t bytes = ChunkStateBytes(max_nvme_state_numel());
@@ -375,17 +372,16 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
       const int count =
           StateBufferCount(options_.host, nvme_chunks, AlignUp(bytes, kHostAlignment),
                            StateStagingRoom(host_budget_.free_bytes(), SpeculationBytes()));
-      STRATA_RETURN_IF_ERROR(
-          make_pool(state_staging_, bytes, count, "the optimizer state staging buffers"));
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<StagingPool> pool,
+                              make_pool(bytes, count, "the optimizer state staging buffers"));
       Log(LogLevel::kInfo,
           "optimizer states on NVMe: " + std::to_string(count) + " staging buffers of " +
               FormatBytes(bytes) + " (" + FormatBytes(StagingPoolBytes(bytes, count)) +
               " of host memory): the reads of " +
-              std::to_string(std::min<size_t>(count - 1, nvme_chunks)) + " of " +
-              std::to_string(nvme_chunks) + " chunks run ahead of backward" +
+              std::to_string(std::min(StatePreloader::ReadAheadDepth(size_t(count)), nvme_chunks)) +
+              " of " + std::to_string(nvme_chunks) + " chunks run ahead of backward" +
               (options_.host.optimizer_buffer_count > 0 ? " (host.optimizer_buffer_count)" : ""));
-      state_staging_registered_ = io_->RegisterBuffers(state_staging_->pool().arena(),
-                                                       state_staging_->pool().buffer_bytes());
+      pipeline_.preloader().Open(std::move(pool), *io_, *swap_);
     }
   }
 

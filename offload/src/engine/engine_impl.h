@@ -2,12 +2,14 @@
 //
 // Parts, each with one owner of its state (docs/architecture.md draws them):
 // - Impl (engine.cpp) lays every chunk's storage out at Create and owns the resources the parts
-//   use: the device, budgets, chunk storage, NVMe swap space, staging pools, the optimizer, the
-//   metrics and the event loop.
+//   use: the device, budgets, chunk storage, NVMe swap space, parameter staging, the optimizer,
+//   the metrics and the event loop.
 // - Residency (residency.h) owns the device copies of offloaded parameters, pins, eviction and
 //   prefetch.
 // - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing,
 //   the per-chunk update journeys and the commit.
+// - StatePreloader (state_preloader.h), the pipeline's, owns the read-ahead of NVMe-kept
+//   states: their staging pool, a slot per chunk and the depth and order policy.
 // - ParamGather (param_gather.h) owns ZeRO stage 3's gather slots and their collectives.
 // - ReduceRing (reduce_ring.h) owns the buffers several ranks reduce gradients from.
 // - Checkpoints (engine_checkpoint.cpp) read and write chunk states between steps.
@@ -264,10 +266,10 @@ class Engine::Impl {
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
   std::unique_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapSpace> swap_;
-  std::optional<LoopStagingPool> state_staging_;
+  // Offloaded parameters' NVMe staging (Residency's fetches, the updates' writes). The states'
+  // is the step pipeline's (StatePreloader).
   std::optional<LoopStagingPool> param_staging_;
-  bool state_staging_registered_ = false;  // Its buffers are io_uring fixed buffers.
-  DeviceEvent compute_marker_;             // Re-recorded by each GradsReady (trainer thread).
+  DeviceEvent compute_marker_;  // Re-recorded by each GradsReady (trainer thread).
   // Zeros as large as the largest chunk's working gradients: the source that clears a gradient
   // buffer when it is allocated, so the padding between parameters is zero, not garbage.
   AlignedBuffer zeros_;

@@ -273,14 +273,14 @@ Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
   // WaitForQuietMemory); fetches and preloads read the current extents, so the switch happens on
   // the loop.
   auto switch_over = [this, &chunks]() -> Awaitable<void> {
-    co_await pipeline_.DropPreloads();
+    co_await pipeline_.preloader().DropAll();
     for (size_t i : chunks) {
       Chunk& c = chunks_[i];
       if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
       if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
     }
     residency_.Drop(chunks);
-    pipeline_.StartPreloads();
+    pipeline_.preloader().Start(/*participants_known=*/false);  // Between steps.
   };
   loop_.Run(switch_over());
   return Status();

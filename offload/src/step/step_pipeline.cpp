@@ -55,7 +55,9 @@ StepPipeline::StepPipeline(Engine::Impl& engine, const EngineOptions& options)
       options_(options),
       gas_(options.optimizer.gradient_accumulation_steps),
       next_lr_(options.optimizer.lr),
-      loss_scaler_(options.precision) {}
+      loss_scaler_(options.precision),
+      preloader_(engine.chunks_, engine.m_,
+                 [&engine](Awaitable<void> work) { engine.Spawn(std::move(work)); }) {}
 
 void StepPipeline::Initialize() {
   for (Chunk& c : engine_.chunks_) {
@@ -71,8 +73,7 @@ void StepPipeline::Initialize() {
     if (!engine_.chunks_[i].frozen()) reduce_sequence_.push_back(i);
   }
   step_ = FreshStepState();
-  preloads_.resize(engine_.chunks_.size());
-  boost::asio::post(engine_.loop_.executor(), [this] { StartPreloads(); });
+  boost::asio::post(engine_.loop_.executor(), [this] { ReadAhead(); });
 }
 
 StepPipeline::StepState StepPipeline::FreshStepState() const {
@@ -250,7 +251,7 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
     } else if (!engine_.chunks_[i].frozen()) {
       // Sits this step out: the states it read ahead would hold a staging buffer that the
       // journeys of this step need.
-      engine_.Spawn(DropPreload(i));
+      engine_.Spawn(preloader_.Drop(i));
     }
   }
   // Chunks without gradients this step are known now: a gated step may be decided. (Several
@@ -532,7 +533,7 @@ Awaitable<void> StepPipeline::Commit() {
   e.m_.rolled_back_steps->Increment(step_.rolled_back ? 1.0 : 0.0);
   e.m_.loss_scale->Set(loss_scale());
   e.residency_.StepCommitted();
-  StartPreloads();  // The next step's first states, read while its forward runs.
+  ReadAhead();  // The next step's first states, read while its forward runs.
   const double seconds = std::chrono::duration<double>(Clock::now() - step_.started).count();
   e.m_.step_seconds->Set(seconds);
   if (stuck) {

@@ -42,7 +42,7 @@
 // Threads: GradsReady, Step and the accessors run on the trainer thread (or any thread, for the
 // accessors) and take `mutex_`; everything else runs on the loop thread. `mutex_` guards the
 // phases' writes, the micro-step counts, the hyper-parameter snapshot, the loss scaler and
-// whether a step is running. The loop-only state (StepState, preloads) needs no lock.
+// whether a step is running. The loop-only state (StepState, the preloader) needs no lock.
 //
 // Delayed parameter update (optimizer.delayed_update): a delayed step's commit swaps its new
 // parameters into Chunk::delayed_params instead of uploading them; Release (after the chunk's
@@ -107,6 +107,7 @@
 #include "engine/chunk.h"
 #include "engine/loop_sync.h"
 #include "engine/thread_signal.h"
+#include "step/state_preloader.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/loss_scaler.h"
 
@@ -165,14 +166,10 @@ class StepPipeline {
                const std::vector<int64_t>& chunk_steps);
 
   // --- Loop thread ---
-  /// Reads ahead the optimizer states of the chunks whose gradients come next in backward (the
-  /// last chunks, at a commit: NVMe works while the next forward runs), as many as the staging
-  /// buffers allow; called again whenever an update returns its buffer.
-  void StartPreloads();
-  /// Waits for preloads in flight and returns every preloaded buffer.
-  Awaitable<void> DropPreloads();
-  /// The same for one chunk's preload, if it has one.
-  Awaitable<void> DropPreload(size_t chunk);
+  /// The read-ahead of NVMe-kept states, which the updates take their states from: the
+  /// engine's placement opens it, and a switch to new states (Load, state writes) drops and
+  /// restarts it between steps.
+  StatePreloader& preloader() { return preloader_; }
   /// Shutdown: journeys waiting for a verdict that will never come give up.
   void Cancel();
 
@@ -209,15 +206,6 @@ class StepPipeline {
     bool outcome_completed = false;
     // The outcome all-reduce's status and count of failed ranks, once done.
     std::optional<std::pair<Status, std::vector<int>>> agreement;
-  };
-
-  /// An NVMe-home chunk's states read ahead into a staging buffer (loop thread).
-  struct Preload {
-    bool active = false;
-    bool done = false;  // The read has finished (`ready` holds its unit).
-    Status status;
-    StagingBuffer buffer;
-    std::optional<LoopSemaphore> ready;  // Released once the read is done.
   };
 
   // sharded_step.cpp
@@ -303,8 +291,10 @@ class StepPipeline {
   /// hyper-parameters and each parameter group's settings (any thread but the loop's).
   Status RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
                       DType grad_dtype, void* param_copy, double grad_scale) const;
-  void StartPreload(size_t chunk);
-  Awaitable<void> PreloadStates(size_t chunk);
+  /// Reads ahead the states of the chunks whose gradients come next in backward (the last
+  /// chunks, at a commit: NVMe works while the next forward runs), as the preloader's policy
+  /// allows; called again whenever an update returns its buffer.
+  void ReadAhead();
 
   // step_commit.cpp
   /// Step()'s work on the loop: the request, a retry of what a failed attempt left.
@@ -374,7 +364,7 @@ class StepPipeline {
 
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.
-  std::vector<Preload> preloads_;
+  StatePreloader preloader_;
 };
 
 }  // namespace strata::offload
