@@ -1,7 +1,8 @@
 // Engine::Impl: what the engine's parts share, and the parts themselves.
 //
 // Parts, each with one owner of its state (docs/architecture.md draws them):
-// - Impl (engine.cpp) lays every chunk's storage out at Create and owns the resources the parts
+// - Impl (engine.cpp; placement: engine_placement.cpp, engine_host_placement.cpp) lays every
+//   chunk's storage out at Create and owns the resources the parts
 //   use: the device, budgets, chunk storage, NVMe swap space, parameter staging, the optimizer,
 //   the metrics and the event loop.
 // - Residency (residency.h) owns the device copies of offloaded parameters, pins, eviction and
@@ -56,8 +57,41 @@ class Engine::Impl {
        EngineEnvironment environment);
   ~Impl();
 
-  // engine.cpp: creation and placement.
+  // engine_placement.cpp: creation and placement. Initialize runs these steps in this order.
   Status Initialize(std::span<const ParameterSpec> parameters);
+  /// The communicator (one rank's own, when none was given) and this rank; refuses what is not
+  /// built for several ranks (CheckShardable).
+  Status JoinRanks();
+  /// Unavailable for optimizer states kept on a CUDA device (not built yet).
+  Status CheckDeviceStatesBuilt() const;
+  /// Creates chunks_ from the layout: each chunk's size, shard and the tiers the options ask
+  /// for (parameters within placement.max_params_in_host cached in host memory).
+  void LayOutChunks();
+  /// Device-home parameters and their gradients, within the device budget.
+  Status PlaceDeviceParams();
+  /// Optimizer states kept on the device (every chunk's, or the 1 - offload_ratio share, the
+  /// first chunks), as many as the device budget holds; the rest go to the host.
+  Status PlaceDeviceStates();
+  /// NVMe-homed states within placement.max_states_in_host stay in host memory instead.
+  void KeepStatesInHost();
+  /// ResourceExhausted unless the device has room left to fetch the largest offloaded chunk.
+  Status CheckFetchRoom() const;
+  /// Several ranks: stage 3's gather slots and the ReduceRing's buffers, from the host budget.
+  Status ReserveCollectiveBuffers();
+  /// Every chunk's host buffers (HostBuffersOf), zeroed, and the ones device copies use pinned.
+  Status AllocateHostBuffers();
+  /// The I/O engine, swap space and every NVMe-home chunk's current and shadow extents; sets
+  /// transactional_.
+  Status PlaceOnNvme();
+  /// The NVMe staging pools: the parameters', and the states' that the StatePreloader reads
+  /// ahead into (sized here, from what the host budget has left).
+  Status CreateNvmeStaging();
+  /// Every chunk's initial states and working parameters, written where they live.
+  Status WriteInitialValues(std::span<const ParameterSpec> parameters);
+  /// The parts' own initialization, the optimizer and the metrics, once the chunks are placed.
+  Status StartParts();
+  /// The indices of the chunks with optimizer states, in order.
+  std::vector<size_t> TrainedChunks() const;
 
   // The trainer's calls (range checks here, the work in the parts).
   Result<ChunkView> Acquire(size_t chunk);

@@ -208,7 +208,7 @@ class StepPipeline {
     std::optional<std::pair<Status, std::vector<int>>> agreement;
   };
 
-  // sharded_step.cpp
+  // step_sharded.cpp
   bool sharded() const;
   /// Who reads a ReduceRing slot once its collective is done: the journey, which sums what the
   /// ranks sent (quantized gradients) or adds the reduced shard into the chunk's (reducing every
@@ -245,7 +245,7 @@ class StepPipeline {
   /// Delivers once both this rank's outcome and the agreement are in.
   void DeliverAgreedStep();
 
-  // gradient_landing.cpp
+  // step_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
                       bool last);
   Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
@@ -256,7 +256,7 @@ class StepPipeline {
   Awaitable<void> LandMicroStep(size_t chunk, int micro_step);
   Awaitable<Status> LandGrads(size_t chunk, int micro_step, bool last);
 
-  // update_journey.cpp
+  // step_update.cpp (UploadDelayedLocked: step_delayed.cpp)
   Awaitable<void> Journey(size_t chunk, int micro_step);
   /// Whether the chunk's update may run ahead of the gated step's verdict: the verdict is not
   /// in yet, what has arrived does not already show it will clip or overflow, and the update
@@ -296,7 +296,7 @@ class StepPipeline {
   /// allows; called again whenever an update returns its buffer.
   void ReadAhead();
 
-  // step_commit.cpp
+  // step_pipeline.cpp; from MaybeFinish on, step_commit.cpp
   /// Step()'s work on the loop: the request, a retry of what a failed attempt left.
   Awaitable<void> StartStep(std::promise<Result<StepReport>> promise);
   void Arrive(size_t chunk);
