@@ -1,8 +1,10 @@
-// A chunk's phase moves: the one place that says which moves the step allows (chunk.h).
+// A chunk's transitions: the phase moves the step allows (chunk.h), and the moves that change
+// several of its fields at once.
 #include "engine/chunk.h"
 
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 namespace strata::offload {
 
@@ -40,7 +42,33 @@ void Chunk::MoveTo(ChunkPhase to) {
                  ChunkPhaseName(from), ChunkPhaseName(to));
     std::abort();
   }
-  phase.store(to, std::memory_order_release);
+  phase_.store(to, std::memory_order_release);
+}
+
+void Chunk::FlipNvmeShadows() {
+  if (placement.optimizer_states == Tier::kNvme) state_current_ = 1 - state_current_;
+  if (placement.params == Tier::kNvme) param_current_ = 1 - param_current_;
+}
+
+void Chunk::MakeUpdateCurrent() {
+  FlipNvmeShadows();
+  if (placement.params == Tier::kHost) std::swap(host_params, param_copy);
+  if (states_in_shadow) {
+    std::swap(host_states, host_state_shadow);
+    states_in_shadow = false;
+  }
+}
+
+void Chunk::EndStep(bool updated) {
+  if (updated) ++steps_taken;
+  MoveTo(ChunkPhase::kIdle);
+  micro_steps = 0;
+  stats = {};
+  land_status = Status();
+  params_uploaded = false;
+  restore_params = false;
+  update_at_commit = false;
+  gathered = false;
 }
 
 }  // namespace strata::offload

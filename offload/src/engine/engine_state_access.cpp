@@ -23,7 +23,7 @@ Status Engine::Impl::ReadChunkStates(size_t chunk, std::byte* out) {
       STRATA_RETURN_IF_ERROR(device_.CopyToHost(out, c.device_states.data(), c.state_bytes()));
       return device_.SynchronizeStream(Stream::kDeviceToHost);
     case Tier::kHost: std::memcpy(out, c.host_states.data(), c.state_bytes()); return Status();
-    case Tier::kNvme: return swap_->ReadSync(c.state_extents[c.state_current], out);
+    case Tier::kNvme: return swap_->ReadSync(c.state_extent(), out);
   }
   return Internal("unknown tier");
 }
@@ -40,7 +40,7 @@ Status Engine::Impl::ReadFrozenValues(size_t chunk, float* out) {
       break;
     case Tier::kHost: std::memcpy(working.data(), c.host_params.data(), bytes); break;
     case Tier::kNvme:
-      STRATA_RETURN_IF_ERROR(swap_->ReadSync(c.param_extents[c.param_current], working.data()));
+      STRATA_RETURN_IF_ERROR(swap_->ReadSync(c.param_extent(), working.data()));
       break;
   }
   DTypeToFp32(working.data(), working_dtype(), {out, c.numel});
@@ -64,7 +64,7 @@ const float* MasterOf(const std::byte* states) { return reinterpret_cast<const f
 Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow) {
   Chunk& c = chunks_[chunk];
   if (c.placement.optimizer_states == Tier::kNvme) {
-    const nvme::ExtentId extent = shadow ? c.state_shadow() : c.state_extents[c.state_current];
+    const nvme::ExtentId extent = shadow ? c.state_shadow() : c.state_extent();
     STRATA_RETURN_IF_ERROR(swap_->WriteSync(extent, states, c.state_bytes()));
   }
   if (c.placement.params == Tier::kNvme) {
@@ -73,7 +73,7 @@ Status Engine::Impl::WriteNvmeHome(size_t chunk, const std::byte* states, bool s
     STRATA_ASSIGN_OR_RETURN(
         AlignedBuffer working,
         WorkingParams({MasterOf(states), c.param_home_numel()}, working_dtype()));
-    const nvme::ExtentId extent = shadow ? c.param_shadow() : c.param_extents[c.param_current];
+    const nvme::ExtentId extent = shadow ? c.param_shadow() : c.param_extent();
     STRATA_RETURN_IF_ERROR(
         swap_->WriteSync(extent, working.data(), c.param_home_bytes(working_size())));
   }
@@ -268,11 +268,7 @@ Status Engine::Impl::SwitchToNewState(const std::vector<size_t>& chunks) {
   // the loop.
   auto switch_over = [this, &chunks]() -> Awaitable<void> {
     co_await pipeline_.preloader().DropAll();
-    for (size_t i : chunks) {
-      Chunk& c = chunks_[i];
-      if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
-      if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
-    }
+    for (size_t i : chunks) chunks_[i].FlipNvmeShadows();
     residency_.Drop(chunks);
     pipeline_.preloader().Start(/*participants_known=*/false);  // Between steps.
   };

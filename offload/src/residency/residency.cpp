@@ -365,8 +365,7 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
     staging = co_await e.param_staging_->Acquire();
     {
       InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
-      status =
-          co_await nvme::AwaitSwapRead(*e.swap_, c.param_extents[c.param_current], staging.data());
+      status = co_await nvme::AwaitSwapRead(*e.swap_, c.param_extent(), staging.data());
     }
     if (status.ok()) e.m_.nvme_read_bytes->Increment(double(bytes));
     source = staging.data();

@@ -82,7 +82,7 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
   // header). The shard changes only between steps, when no gather runs (Discard); so does the
   // current extent, chosen here on the trainer thread.
   const bool from_nvme = c.placement.params == Tier::kNvme;
-  const nvme::ExtentId extent = from_nvme ? c.param_extents[c.param_current] : nvme::ExtentId{};
+  const nvme::ExtentId extent = from_nvme ? c.param_extent() : nvme::ExtentId{};
   const std::byte* shard = from_nvme ? slot.nvme_shard.data() : c.host_params.data();
   const bool quantize = quantized();
   slot.prepare_status = Status();  // A failed communicator may never call `prepare`.

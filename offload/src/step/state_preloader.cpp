@@ -48,7 +48,7 @@ Awaitable<void> StatePreloader::Read(size_t chunk) {
   Status status;
   {
     InFlightGuard reading(metrics_.in_flight_of(InFlightKind::kNvmeRead));
-    status = co_await nvme::AwaitSwapRead(*swap_, c.state_extents[c.state_current], buffer.data(),
+    status = co_await nvme::AwaitSwapRead(*swap_, c.state_extent(), buffer.data(),
                                           FixedBufferIndex(buffer));
   }
   if (status.ok()) {

@@ -73,13 +73,7 @@ Awaitable<void> StepPipeline::Commit() {
     // The point of no return: the shadows become current, host-home parameters swap.
     for (Chunk& c : chunks) {
       if (c.micro_steps == 0) continue;  // Not updated: its current state stays.
-      if (c.placement.optimizer_states == Tier::kNvme) c.state_current = 1 - c.state_current;
-      if (c.placement.params == Tier::kNvme) c.param_current = 1 - c.param_current;
-      if (c.placement.params == Tier::kHost) std::swap(c.host_params, c.param_copy);
-      if (c.states_in_shadow) {
-        std::swap(c.host_states, c.host_state_shadow);
-        c.states_in_shadow = false;
-      }
+      c.MakeUpdateCurrent();
     }
     step_.committed = true;
   }
@@ -148,15 +142,7 @@ Awaitable<void> StepPipeline::Commit() {
     if (!skipped) step_count_.fetch_add(1);
     for (Chunk& c : chunks) {
       if (c.micro_steps == 0) continue;  // Had no part in this step.
-      if (!skipped) ++c.steps_taken;
-      c.MoveTo(ChunkPhase::kIdle);
-      c.micro_steps = 0;
-      c.stats = {};
-      c.land_status = Status();
-      c.params_uploaded = false;
-      c.restore_params = false;
-      c.update_at_commit = false;
-      c.gathered = false;
+      c.EndStep(/*updated=*/!skipped);
     }
     step_open_ = false;
   }
