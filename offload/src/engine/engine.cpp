@@ -108,11 +108,6 @@ Status Engine::Impl::GradsReady(size_t chunk, TrainerStream stream) {
   return pipeline_.GradsReady(chunk, stream);
 }
 
-Status Engine::Impl::RecordTrainerEvent(DeviceEvent& event, TrainerStream stream) {
-  if (stream.native == nullptr) return device_.RecordEvent(event, Stream::kCompute);
-  return device_.RecordEventOnNativeStream(event, stream.native);
-}
-
 // ---- Engine: forwarding ----
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options, Device& device,

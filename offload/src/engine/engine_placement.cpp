@@ -396,7 +396,8 @@ Status Engine::Impl::WriteInitialValues(std::span<const ParameterSpec> parameter
 
 Status Engine::Impl::StartParts() {
   STRATA_ASSIGN_OR_RETURN(compute_marker_, device_.CreateEvent());
-  STRATA_RETURN_IF_ERROR(residency_.Initialize());
+  STRATA_RETURN_IF_ERROR(
+      residency_.Initialize(param_staging_ ? &*param_staging_ : nullptr, swap_.get(), zeros_));
   STRATA_ASSIGN_OR_RETURN(cpu_adam::CpuOptimizer optimizer,
                           cpu_adam::CpuOptimizer::Create(
                               {.threads = OptimizerThreads(options_, environment_.ranks_on_node)}));
