@@ -160,15 +160,12 @@ class Engine::Impl {
 
  private:
   // The parts that still reach into the state below rather than being handed what they use
-  // (Residency and the StatePreloader are handed theirs):
+  // (Residency, ParamGather and the StatePreloader are handed theirs):
   // - Engine is the facade this is the implementation of.
   // - StepPipeline runs the step over the chunks, the device, the jobs, the loop, the swap space,
   //   the optimizer, Residency, ParamGather and the ReduceRing: nearly all of it.
-  // - ParamGather gathers stage 3's chunks through the communicator, the swap space and the
-  //   optimizer's threads.
   friend class Engine;
   friend class StepPipeline;
-  friend class ParamGather;
 
   // engine_placement.cpp: the placement's steps, which Initialize runs in this order.
   /// The communicator (one rank's own, when none was given) and this rank; refuses what is not
@@ -348,8 +345,12 @@ class Engine::Impl {
                         .metrics = m_,
                         .spawn = [this](Awaitable<void> work) { Spawn(std::move(work)); }}};
   StepPipeline pipeline_{*this, options_};
-  ParamGather param_gather_{*this};  // See param_gather.h for its threads.
-  ReduceRing reduce_ring_;           // See reduce_ring.h for its threads.
+  ParamGather param_gather_{{.options = options_,  // See param_gather.h for its threads.
+                             .device = device_,
+                             .chunks = chunks_,
+                             .ranks = layout_.world_size(),
+                             .metrics = m_}};
+  ReduceRing reduce_ring_;  // See reduce_ring.h for its threads.
 
   JobCounter jobs_in_flight_;  // Every AwaitJob of the parts counts here.
   // Coroutines started by Spawn and not yet finished.

@@ -213,13 +213,13 @@ Status Engine::Impl::ReserveCollectiveBuffers() {
                   [](const Chunk& c) { return c.params_sharded; })) {
     const size_t slots = size_t(std::max(0, place.prefetch_depth)) + 1;
     const size_t bytes = max_trained_numel() * working_size();
-    const uint64_t total =
-        slots * (AlignUp(bytes, kHostAlignment) + param_gather_.SlotExtraBytes());
+    const uint64_t total = slots * (AlignUp(bytes, kHostAlignment) +
+                                    param_gather_.SlotExtraBytes(max_trained_shard_numel()));
     STRATA_RETURN_IF_ERROR(host_budget_.Reserve(
         total, "the " + std::to_string(slots) +
                    " buffers stage 3 gathers parameters into (placement.prefetch_depth + 1)"));
     static_reservations_.emplace_back(&host_budget_, total);
-    STRATA_RETURN_IF_ERROR(param_gather_.Initialize(slots, bytes));
+    STRATA_RETURN_IF_ERROR(param_gather_.Initialize(slots, bytes, max_trained_shard_numel()));
   }
   if (reduces_from_ring() && max_trained_numel() > 0) {
     // Two: one chunk's gradients are widened while the one before is reduced, and the widening
@@ -402,6 +402,7 @@ Status Engine::Impl::StartParts() {
                           cpu_adam::CpuOptimizer::Create(
                               {.threads = OptimizerThreads(options_, environment_.ranks_on_node)}));
   optimizer_.emplace(std::move(optimizer));
+  param_gather_.Connect(*environment_.communicator, swap_.get(), *optimizer_);
   m_.Register(metrics_);
   m_.loss_scale->Set(pipeline_.loss_scale());
   UpdateTierGauges();
