@@ -3,7 +3,9 @@
 // Storage is laid out once by Engine::Impl::Initialize and never reallocated, except the device
 // copy of offloaded parameters, which Residency owns (residency.h). A chunk's progress through a
 // step is one ChunkPhase; every change goes through Chunk::MoveTo, which checks that the change
-// is one the step allows. Who makes each move is written next to it below.
+// is one the step allows. Who makes each move is written next to it below. The transitions that
+// change several fields at once are methods here (FlipNvmeShadows, MakeUpdateCurrent, EndStep),
+// so that each is written once.
 #pragma once
 
 #include <atomic>
@@ -43,7 +45,8 @@ enum class ChunkPhase : uint8_t {
 /// "idle", "accumulating", ... for messages.
 const char* ChunkPhaseName(ChunkPhase phase);
 
-struct Chunk {
+class Chunk {
+ public:
   size_t numel = 0;
   ChunkPlacement placement;
   // The elements whose optimizer states this rank keeps and updates: the whole chunk, or with
@@ -94,18 +97,26 @@ struct Chunk {
   DeviceBuffer device_states;
   DeviceBuffer device_grads_sum;
 
-  // NVMe: current and shadow extents; a step (or a Load) writes the shadow, and the commit
-  // flips `current`.
+  // NVMe: current and shadow extents (allocated by the placement); a step (or a Load) writes
+  // the shadow, and FlipNvmeShadows makes it current.
   nvme::ExtentId state_extents[2];
   nvme::ExtentId param_extents[2];
-  int state_current = 0;
-  int param_current = 0;
-  nvme::ExtentId state_shadow() const { return state_extents[1 - state_current]; }
-  nvme::ExtentId param_shadow() const { return param_extents[1 - param_current]; }
+  nvme::ExtentId state_extent() const { return state_extents[state_current_]; }
+  nvme::ExtentId param_extent() const { return param_extents[param_current_]; }
+  nvme::ExtentId state_shadow() const { return state_extents[1 - state_current_]; }
+  nvme::ExtentId param_shadow() const { return param_extents[1 - param_current_]; }
+  /// Makes the shadow extents of what lives on NVMe current, the old current ones the next
+  /// shadows: the point of no return of a commit (MakeUpdateCurrent) and of a switch to new
+  /// state (Engine::Impl::SwitchToNewState). Loop thread, with no read of the extents in
+  /// flight (fetches and read-aheads read the current ones).
+  void FlipNvmeShadows();
+  /// The commit of a step that updated this chunk (StepPipeline::Commit, loop thread): its
+  /// NVMe shadows flip, host-home parameters swap in from param_copy, and states a speculative
+  /// update wrote into host_state_shadow swap in.
+  void MakeUpdateCurrent();
 
-  // --- The step (see ChunkPhase). `phase` is written under the step pipeline's mutex and read
-  // from any thread.
-  std::atomic<ChunkPhase> phase{ChunkPhase::kIdle};
+  // --- The step (see ChunkPhase). The phase is moved under the step pipeline's mutex
+  // (MoveTo) and read from any thread (phase_now).
   int micro_steps = 0;  // GradsReady calls this step (trainer thread, pipeline mutex).
   // Released once per micro-step when its gradients reach the host (loop thread).
   std::optional<LoopSemaphore> grads_copied;
@@ -167,7 +178,11 @@ struct Chunk {
   /// Moves to `to`, checking that the step allows it; a move it does not allow is a bug in the
   /// engine and aborts with both phases named.
   void MoveTo(ChunkPhase to);
-  ChunkPhase phase_now() const { return phase.load(std::memory_order_acquire); }
+  ChunkPhase phase_now() const { return phase_.load(std::memory_order_acquire); }
+  /// The end of the chunk's part in a step (the commit, under the pipeline's mutex): back to
+  /// kIdle, with what the step gathered reset for the next; `updated`: the step was not
+  /// skipped, so its update counts in steps_taken.
+  void EndStep(bool updated);
 
   bool params_offloaded() const { return placement.params != Tier::kDevice; }
   /// Frozen parameters only: no gradients, no optimizer states, never in a step. Its working
@@ -191,6 +206,12 @@ struct Chunk {
   size_t state_bytes() const {
     return frozen() ? numel * sizeof(float) : ChunkStateBytes(shard.numel());
   }
+
+ private:
+  std::atomic<ChunkPhase> phase_{ChunkPhase::kIdle};
+  // Which of state_extents and param_extents is current (FlipNvmeShadows).
+  int state_current_ = 0;
+  int param_current_ = 0;
 };
 
 }  // namespace strata::offload

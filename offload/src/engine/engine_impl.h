@@ -1,16 +1,26 @@
 // Engine::Impl: what the engine's parts share, and the parts themselves.
 //
 // Parts, each with one owner of its state (docs/architecture.md draws them):
-// - Impl (engine.cpp) lays every chunk's storage out at Create and owns the resources the parts
-//   use: the device, budgets, chunk storage, NVMe swap space, staging pools, the optimizer, the
-//   metrics and the event loop.
+// - Impl lays every chunk's storage out at Create (engine_placement.cpp, and what the host
+//   budget decides: engine_host_placement.cpp) and owns the resources the parts use: the
+//   device, budgets, chunk storage, NVMe swap space, parameter staging, the optimizer, the
+//   metrics and the event loop. engine.cpp is the facade and Impl's own life; parameter-state
+//   access is engine_state_access.cpp (several ranks: sharded_state_access.cpp). Its state is
+//   private: a part is handed what it uses, or is a friend named below with why.
+// - Chunk (chunk.h) is one chunk's storage and its place in the step; the transitions that
+//   change several of its fields are its methods (MoveTo, FlipNvmeShadows, MakeUpdateCurrent,
+//   EndStep).
 // - Residency (residency.h) owns the device copies of offloaded parameters, pins, eviction and
-//   prefetch.
-// - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing,
-//   the per-chunk update journeys and the commit.
+//   prefetch, and after the placement is the only writer of the device budget.
+// - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing
+//   (step_landing.cpp), the per-chunk update journeys (step_update.cpp), the delayed update
+//   (step_delayed.cpp), the collectives of several ranks (step_sharded.cpp) and the commit
+//   (step_commit.cpp).
+// - StatePreloader (state_preloader.h), the pipeline's, owns the read-ahead of NVMe-kept
+//   states: their staging pool, a slot per chunk, and the depth and order policy.
 // - ParamGather (param_gather.h) owns ZeRO stage 3's gather slots and their collectives.
 // - ReduceRing (reduce_ring.h) owns the buffers several ranks reduce gradients from.
-// - Checkpoints (engine_checkpoint.cpp) read and write chunk states between steps.
+// - Checkpoints (checkpoint/engine_checkpoint.cpp) read and write chunk states between steps.
 //
 // Threads: the trainer thread calls the public methods; the event loop thread runs every
 // coroutine (fetches, landings, journeys, preloads, the commit) and does no hashing and no
@@ -54,121 +64,25 @@ class Engine::Impl {
        EngineEnvironment environment);
   ~Impl();
 
-  // engine.cpp: creation and placement.
+  // engine_placement.cpp: creation, every chunk placed and its storage allocated.
   Status Initialize(std::span<const ParameterSpec> parameters);
 
   // The trainer's calls (range checks here, the work in the parts).
   Result<ChunkView> Acquire(size_t chunk);
   void Release(size_t chunk, TrainerStream stream);
   Status GradsReady(size_t chunk, TrainerStream stream);
-  /// Records `event` at the end of the trainer's work so far on `stream`.
-  Status RecordTrainerEvent(DeviceEvent& event, TrainerStream stream);
 
   // engine_checkpoint.cpp.
   Status Save(const std::filesystem::path& dir, const SaveOptions& save_options);
-  /// The whole checkpoint's bytes: every rank's shard of each trained chunk, frozen ones once.
-  uint64_t CheckpointBytes() const;
   Status CheckSaveTarget(const std::filesystem::path& dir) const;
-  /// Save with several ranks: `ready` is this rank's readiness (an error fails it everywhere).
-  Status SaveSharded(const std::filesystem::path& dir, uint64_t bytes_needed, Status ready,
-                     const SaveOptions& save_options);
-  /// Writes this rank's chunk files into `writer` (its shards; the frozen chunks it saves, see
-  /// FrozenChunkSaver), their digests into `digests` (one per chunk; untouched for a file it
-  /// does not write).
-  Status WriteChunkFiles(internal::CheckpointWriter& writer,
-                         std::vector<internal::FileDigest>& digests,
-                         const SaveOptions& save_options);
-  /// The rank that saves frozen chunk `chunk`, which every rank holds whole: they take turns.
-  int FrozenChunkSaver(size_t chunk) const { return int(chunk % size_t(ranks())); }
-  /// The manifest of a checkpoint whose files have `digests`: per chunk, or with several ranks
-  /// every rank's per chunk, rank after rank.
-  nlohmann::json CheckpointManifest(std::span<const internal::FileDigest> digests) const;
   Status Load(const std::filesystem::path& dir);
-  /// Load's checks, the manifest and every file verified, before anything changes; `reader` is
-  /// the checkpoint opened.
-  Result<internal::EngineManifest> OpenVerified(const std::filesystem::path& dir,
-                                                std::optional<internal::CheckpointReader>& reader);
-  /// Loads a checkpoint OpenVerified accepted, whatever world size saved it.
-  Status LoadVerified(const internal::CheckpointReader& reader,
-                      const internal::EngineManifest& saved);
-  /// The loss scaler's state after loading `saved` (the saved one, or this engine's fresh one
-  /// when their precisions differ).
-  LossScalerState ScalerAfterLoad(const internal::EngineManifest& saved) const;
+
+  // engine_state_access.cpp (several ranks: sharded_state_access.cpp).
   Status ReadParameterStates(std::span<const ParameterStateRead> reads);
   Status WriteParameterStates(std::span<const ParameterStateWrite> writes);
   Status SetStepCount(int64_t steps);
-  /// What every read or write of a batch needs (the parameter, its size, its state; between
-  /// steps and with no chunk acquired for writes), checked before any is done.
-  Status CheckReads(std::span<const ParameterStateRead> reads);
-  Status CheckWrites(std::span<const ParameterStateWrite> writes);
-  /// Several ranks (sharded_state_access.cpp): collectives that every rank calls with the same
-  /// batch. Reads gather each chunk's shards; writes change each rank's shard and refresh the
-  /// working parameters from the gathered master. Chunk by chunk, every rank stops where one
-  /// fails, so all of them hold the same chunks written.
-  Status ReadShardedParameterStates(std::span<const ParameterStateRead> reads);
-  Status WriteShardedParameterStates(std::span<const ParameterStateWrite> writes);
-  /// InvalidArgument on every rank, naming the odd ones, unless every rank passed the same
-  /// `words` (a batch's parameters and states, a step count): state access across ranks is a
-  /// collective, and a rank asking for something else would wait in another one.
-  Status AgreeOnCall(std::span<const uint64_t> words, const std::string& what);
-  /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)
-  /// into `out`, which holds AlignUp(state_bytes, 4 KiB). Between steps only.
-  Status ReadChunkStates(size_t chunk, std::byte* out);
-  /// A frozen chunk's working parameters, from their home, widened to fp32 into `out` (numel).
-  Status ReadFrozenValues(size_t chunk, float* out);
-  /// Writes chunk's optimizer states and working parameters (rounded from the master in
-  /// `states`) where they live on NVMe: into the current extents, or the shadow ones (which a
-  /// commit or Load then flips current).
-  Status WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow);
-  /// The same for what lives in host or device memory. `master`: the whole chunk's master, for
-  /// its working parameters, where `states` holds only this rank's shard (null: the master in
-  /// `states`).
-  Status WriteMemoryHome(size_t chunk, const std::byte* states, const float* master = nullptr);
-  /// Blocks until nothing reads or writes what WriteMemoryHome replaces: no fetch in flight, and
-  /// the trainer's queued device work on every chunk has run. Trainer thread, between steps.
-  Status WaitForQuietMemory();
-  /// After new state went to the shadow extents of `chunks` (WriteNvmeHome) and memory (after
-  /// WaitForQuietMemory): makes the shadows current, drops device copies and preloads made
-  /// stale, and reads ahead again. Trainer thread, between steps.
-  Status SwitchToNewState(const std::vector<size_t>& chunks);
 
-  /// A host buffer a chunk needs where it is placed: what Initialize allocates and reserves.
-  struct HostBuffer {
-    AlignedBuffer* buffer;
-    size_t bytes;
-    std::string what;
-  };
-  std::vector<HostBuffer> HostBuffersOf(size_t chunk);
-  /// InvalidArgument unless optimizer.delayed_update is off or every trained chunk is placed as
-  /// it needs: parameters on the device, optimizer states off it.
-  Status CheckDelayedUpdatePlacement() const;
-  /// Host budget the engine's own allocations take with the chunks placed as they are: every
-  /// chunk's host buffers and the NVMe staging pools.
-  uint64_t HostBytesNeeded();
-  /// With states on host that the host budget cannot hold next to the rest, and NVMe paths to
-  /// put them on: the last chunks' states (their gradients arrive first, leaving the most time
-  /// to read states back) move to NVMe until the rest fits, skipping chunks larger than needed
-  /// (their staging would cost more than they free). Says what it did; changes nothing when no
-  /// spill fits.
-  void SpillStatesToNvme();
-  /// An optional buffer of `bytes` (not zeroed) for as long as the engine lives, where the host
-  /// budget has room left; nullopt otherwise (or when the allocation fails).
-  std::optional<AlignedBuffer> AllocateWithinBudget(size_t bytes);
-  /// Gated steps with speculative updates, after the host shadows: Chunk::params_before for
-  /// each NVMe-kept chunk with device parameters, where the host budget has room. Never fails.
-  void AllocateParamsBefore();
-  /// Whether speculative updates want a second buffer of chunk `c`'s host-kept states
-  /// (AllocateStateShadows), or its parameters from before (AllocateParamsBefore).
-  bool WantsStateShadow(const Chunk& c) const;
-  /// Gated steps update ahead of their verdict (OptimizerOptions::speculative_updates).
-  bool Speculates() const;
-  bool WantsParamsBefore(const Chunk& c) const;
-  /// The host memory those two would take for every chunk that wants them.
-  uint64_t SpeculationBytes() const;
-  /// Gated steps with speculative updates: a shadow buffer for each host-kept chunk's states,
-  /// for as many chunks as the host budget has room left (the last chunks first), so their
-  /// updates can run before the global norm is known. Never fails: chunks without one wait.
-  void AllocateStateShadows();
+  // What the parts ask of the engine's configuration.
   /// This rank and the ranks the chunks are sharded across (1: not sharded). Fixed by the
   /// layout (the communicator goes before the engine's last coroutines do).
   int rank() const { return rank_; }
@@ -234,6 +148,8 @@ class Engine::Impl {
   /// gradients must hold (a frozen embedding may be far larger). 0 when every chunk is frozen.
   size_t max_trained_numel() const;
   DType working_dtype() const { return options_.precision.working_dtype; }
+  /// Gated steps update ahead of their verdict (OptimizerOptions::speculative_updates).
+  bool Speculates() const;
 
   /// Starts `work` on the event loop, counted until it finishes (WaitIdle).
   void Spawn(Awaitable<void> work);
@@ -241,6 +157,151 @@ class Engine::Impl {
   void WaitIdle();
   /// Copies the tier budgets' usage into their gauges.
   void UpdateTierGauges();
+
+ private:
+  // The parts that still reach into the state below rather than being handed what they use
+  // (Residency, ParamGather and the StatePreloader are handed theirs):
+  // - Engine is the facade this is the implementation of.
+  // - StepPipeline runs the step over the chunks, the device, the jobs, the loop, the swap space,
+  //   the optimizer, Residency, ParamGather and the ReduceRing: nearly all of it.
+  friend class Engine;
+  friend class StepPipeline;
+
+  // engine_placement.cpp: the placement's steps, which Initialize runs in this order.
+  /// The communicator (one rank's own, when none was given) and this rank; refuses what is not
+  /// built for several ranks (CheckShardable).
+  Status JoinRanks();
+  /// Unavailable for optimizer states kept on a CUDA device (not built yet).
+  Status CheckDeviceStatesBuilt() const;
+  /// Creates chunks_ from the layout: each chunk's size, shard and the tiers the options ask
+  /// for (parameters within placement.max_params_in_host cached in host memory).
+  void LayOutChunks();
+  /// Device-home parameters and their gradients, within the device budget.
+  Status PlaceDeviceParams();
+  /// Optimizer states kept on the device (every chunk's, or the 1 - offload_ratio share, the
+  /// first chunks), as many as the device budget holds; the rest go to the host.
+  Status PlaceDeviceStates();
+  /// NVMe-homed states within placement.max_states_in_host stay in host memory instead.
+  void KeepStatesInHost();
+  /// ResourceExhausted unless the device has room left to fetch the largest offloaded chunk.
+  Status CheckFetchRoom() const;
+  /// Several ranks: stage 3's gather slots and the ReduceRing's buffers, from the host budget.
+  Status ReserveCollectiveBuffers();
+  /// Every chunk's host buffers (HostBuffersOf), zeroed, and the ones device copies use pinned.
+  Status AllocateHostBuffers();
+  /// The I/O engine, swap space and every NVMe-home chunk's current and shadow extents; sets
+  /// transactional_.
+  Status PlaceOnNvme();
+  /// The NVMe staging pools: the parameters', and the states' that the StatePreloader reads
+  /// ahead into (sized here, from what the host budget has left).
+  Status CreateNvmeStaging();
+  /// Every chunk's initial states and working parameters, written where they live.
+  Status WriteInitialValues(std::span<const ParameterSpec> parameters);
+  /// The parts' own initialization, the optimizer and the metrics, once the chunks are placed.
+  Status StartParts();
+  /// The indices of the chunks with optimizer states, in order.
+  std::vector<size_t> TrainedChunks() const;
+
+  // engine_checkpoint.cpp: Save's and Load's steps.
+  /// The whole checkpoint's bytes: every rank's shard of each trained chunk, frozen ones once.
+  uint64_t CheckpointBytes() const;
+  /// Save with several ranks: `ready` is this rank's readiness (an error fails it everywhere).
+  Status SaveSharded(const std::filesystem::path& dir, uint64_t bytes_needed, Status ready,
+                     const SaveOptions& save_options);
+  /// Writes this rank's chunk files into `writer` (its shards; the frozen chunks it saves, see
+  /// FrozenChunkSaver), their digests into `digests` (one per chunk; untouched for a file it
+  /// does not write).
+  Status WriteChunkFiles(internal::CheckpointWriter& writer,
+                         std::vector<internal::FileDigest>& digests,
+                         const SaveOptions& save_options);
+  /// The rank that saves frozen chunk `chunk`, which every rank holds whole: they take turns.
+  int FrozenChunkSaver(size_t chunk) const { return int(chunk % size_t(ranks())); }
+  /// The manifest of a checkpoint whose files have `digests`: per chunk, or with several ranks
+  /// every rank's per chunk, rank after rank.
+  nlohmann::json CheckpointManifest(std::span<const internal::FileDigest> digests) const;
+  /// Load's checks, the manifest and every file verified, before anything changes; `reader` is
+  /// the checkpoint opened.
+  Result<internal::EngineManifest> OpenVerified(const std::filesystem::path& dir,
+                                                std::optional<internal::CheckpointReader>& reader);
+  /// Loads a checkpoint OpenVerified accepted, whatever world size saved it.
+  Status LoadVerified(const internal::CheckpointReader& reader,
+                      const internal::EngineManifest& saved);
+  /// The loss scaler's state after loading `saved` (the saved one, or this engine's fresh one
+  /// when their precisions differ).
+  LossScalerState ScalerAfterLoad(const internal::EngineManifest& saved) const;
+
+  // engine_state_access.cpp.
+  /// What every read or write of a batch needs (the parameter, its size, its state; between
+  /// steps and with no chunk acquired for writes), checked before any is done.
+  Status CheckReads(std::span<const ParameterStateRead> reads);
+  Status CheckWrites(std::span<const ParameterStateWrite> writes);
+  /// Several ranks (sharded_state_access.cpp): collectives that every rank calls with the same
+  /// batch. Reads gather each chunk's shards; writes change each rank's shard and refresh the
+  /// working parameters from the gathered master. Chunk by chunk, every rank stops where one
+  /// fails, so all of them hold the same chunks written.
+  Status ReadShardedParameterStates(std::span<const ParameterStateRead> reads);
+  Status WriteShardedParameterStates(std::span<const ParameterStateWrite> writes);
+  /// InvalidArgument on every rank, naming the odd ones, unless every rank passed the same
+  /// `words` (a batch's parameters and states, a step count): state access across ranks is a
+  /// collective, and a rank asking for something else would wait in another one.
+  Status AgreeOnCall(std::span<const uint64_t> words, const std::string& what);
+  /// Copies chunk's optimizer states (master | exp_avg | exp_avg_sq; a frozen chunk's values)
+  /// into `out`, which holds AlignUp(state_bytes, 4 KiB). Between steps only.
+  Status ReadChunkStates(size_t chunk, std::byte* out);
+  /// A frozen chunk's working parameters, from their home, widened to fp32 into `out` (numel).
+  Status ReadFrozenValues(size_t chunk, float* out);
+  /// Writes chunk's optimizer states and working parameters (rounded from the master in
+  /// `states`) where they live on NVMe: into the current extents, or the shadow ones (which a
+  /// commit or Load then flips current).
+  Status WriteNvmeHome(size_t chunk, const std::byte* states, bool shadow);
+  /// The same for what lives in host or device memory. `master`: the whole chunk's master, for
+  /// its working parameters, where `states` holds only this rank's shard (null: the master in
+  /// `states`).
+  Status WriteMemoryHome(size_t chunk, const std::byte* states, const float* master = nullptr);
+  /// Blocks until nothing reads or writes what WriteMemoryHome replaces: no fetch in flight, and
+  /// the trainer's queued device work on every chunk has run. Trainer thread, between steps.
+  Status WaitForQuietMemory();
+  /// After new state went to the shadow extents of `chunks` (WriteNvmeHome) and memory (after
+  /// WaitForQuietMemory): makes the shadows current, drops device copies and preloads made
+  /// stale, and reads ahead again. Trainer thread, between steps.
+  Status SwitchToNewState(const std::vector<size_t>& chunks);
+
+  // engine_host_placement.cpp: what the host budget decides.
+  /// A host buffer a chunk needs where it is placed: what Initialize allocates and reserves.
+  struct HostBuffer {
+    AlignedBuffer* buffer;
+    size_t bytes;
+    std::string what;
+  };
+  std::vector<HostBuffer> HostBuffersOf(size_t chunk);
+  /// InvalidArgument unless optimizer.delayed_update is off or every trained chunk is placed as
+  /// it needs: parameters on the device, optimizer states off it.
+  Status CheckDelayedUpdatePlacement() const;
+  /// Host budget the engine's own allocations take with the chunks placed as they are: every
+  /// chunk's host buffers and the NVMe staging pools.
+  uint64_t HostBytesNeeded();
+  /// With states on host that the host budget cannot hold next to the rest, and NVMe paths to
+  /// put them on: the last chunks' states (their gradients arrive first, leaving the most time
+  /// to read states back) move to NVMe until the rest fits, skipping chunks larger than needed
+  /// (their staging would cost more than they free). Says what it did; changes nothing when no
+  /// spill fits.
+  void SpillStatesToNvme();
+  /// An optional buffer of `bytes` (not zeroed) for as long as the engine lives, where the host
+  /// budget has room left; nullopt otherwise (or when the allocation fails).
+  std::optional<AlignedBuffer> AllocateWithinBudget(size_t bytes);
+  /// Gated steps with speculative updates, after the host shadows: Chunk::params_before for
+  /// each NVMe-kept chunk with device parameters, where the host budget has room. Never fails.
+  void AllocateParamsBefore();
+  /// Whether speculative updates want a second buffer of chunk `c`'s host-kept states
+  /// (AllocateStateShadows), or its parameters from before (AllocateParamsBefore).
+  bool WantsStateShadow(const Chunk& c) const;
+  bool WantsParamsBefore(const Chunk& c) const;
+  /// The host memory those two would take for every chunk that wants them.
+  uint64_t SpeculationBytes() const;
+  /// Gated steps with speculative updates: a shadow buffer for each host-kept chunk's states,
+  /// for as many chunks as the host budget has room left (the last chunks first), so their
+  /// updates can run before the global norm is known. Never fails: chunks without one wait.
+  void AllocateStateShadows();
 
   const EngineOptions options_;
   Device& device_;
@@ -264,10 +325,10 @@ class Engine::Impl {
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
   std::unique_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapSpace> swap_;
-  std::optional<LoopStagingPool> state_staging_;
+  // Offloaded parameters' NVMe staging (Residency's fetches, the updates' writes). The states'
+  // is the step pipeline's (StatePreloader).
   std::optional<LoopStagingPool> param_staging_;
-  bool state_staging_registered_ = false;  // Its buffers are io_uring fixed buffers.
-  DeviceEvent compute_marker_;             // Re-recorded by each GradsReady (trainer thread).
+  DeviceEvent compute_marker_;  // Re-recorded by each GradsReady (trainer thread).
   // Zeros as large as the largest chunk's working gradients: the source that clears a gradient
   // buffer when it is allocated, so the padding between parameters is zero, not garbage.
   AlignedBuffer zeros_;
@@ -277,10 +338,19 @@ class Engine::Impl {
   EngineMetrics m_;
 
   // The parts. Their coroutines run on loop_ and their jobs in jobs_.
-  Residency residency_{*this};
+  Residency residency_{{.options = options_,
+                        .device = device_,
+                        .device_budget = device_budget_,
+                        .chunks = chunks_,
+                        .metrics = m_,
+                        .spawn = [this](Awaitable<void> work) { Spawn(std::move(work)); }}};
   StepPipeline pipeline_{*this, options_};
-  ParamGather param_gather_{*this};  // See param_gather.h for its threads.
-  ReduceRing reduce_ring_;           // See reduce_ring.h for its threads.
+  ParamGather param_gather_{{.options = options_,  // See param_gather.h for its threads.
+                             .device = device_,
+                             .chunks = chunks_,
+                             .ranks = layout_.world_size(),
+                             .metrics = m_}};
+  ReduceRing reduce_ring_;  // See reduce_ring.h for its threads.
 
   JobCounter jobs_in_flight_;  // Every AwaitJob of the parts counts here.
   // Coroutines started by Spawn and not yet finished.

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 
+#include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
+
 namespace strata::offload {
 uint64_t PhysicalMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);
@@ -21,6 +24,10 @@ uint64_t HostBudgetBytes(const EngineOptions& options, int ranks_on_node) {
 int OptimizerThreads(const EngineOptions& options, int ranks_on_node) {
   if (options.optimizer.cpu_threads > 0) return options.optimizer.cpu_threads;
   return std::max(1, tbb::info::default_concurrency() / std::max(1, ranks_on_node));
+}
+
+uint64_t StagingPoolBytes(size_t buffer_bytes, int count) {
+  return AlignUp(buffer_bytes, kHostAlignment) * uint64_t(count);
 }
 
 int MinStateBuffers(const HostOptions& host) {

@@ -25,6 +25,10 @@ uint64_t HostBudgetBytes(const EngineOptions& options, int ranks_on_node = 1);
 /// the hardware threads among `ranks_on_node` ranks (at least one).
 int OptimizerThreads(const EngineOptions& options, int ranks_on_node = 1);
 
+/// Host budget a staging pool of `count` buffers of `buffer_bytes` takes (each rounded up to
+/// whole pages).
+uint64_t StagingPoolBytes(size_t buffer_bytes, int count);
+
 /// DeepSpeed's offload_optimizer.buffer_count default: the fewest state staging buffers the
 /// engine runs with, and the count the host budget must leave room for.
 inline constexpr int kMinStateBuffers = 4;

@@ -3,28 +3,45 @@
 #include <algorithm>
 #include <limits>
 
-#include "engine/engine_impl.h"
 #include "strata/core/bytes.h"
 #include "strata/core/log.h"
+#include "strata/nvme/async_io.h"
 
 namespace strata::offload {
 
-Status Residency::Initialize() {
-  copies_.resize(engine_.chunks_.size());
+Status RecordTrainerEvent(Device& device, DeviceEvent& event, TrainerStream stream) {
+  if (stream.native == nullptr) return device.RecordEvent(event, Stream::kCompute);
+  return device.RecordEventOnNativeStream(event, stream.native);
+}
+
+Residency::Residency(Resources resources)
+    : options_(resources.options),
+      device_(resources.device),
+      device_budget_(resources.device_budget),
+      chunks_(resources.chunks),
+      metrics_(resources.metrics),
+      spawn_(std::move(resources.spawn)) {}
+
+Status Residency::Initialize(LoopStagingPool* param_staging, nvme::SwapSpace* swap,
+                             const AlignedBuffer& zeros) {
+  param_staging_ = param_staging;
+  swap_ = swap;
+  zeros_ = &zeros;
+  copies_.resize(chunks_.size());
   for (size_t i = 0; i < copies_.size(); ++i) {
-    STRATA_ASSIGN_OR_RETURN(copies_[i].released, engine_.device_.CreateEvent());
-    if (!engine_.chunks_[i].params_offloaded()) copies_[i].state = State::kResident;
+    STRATA_ASSIGN_OR_RETURN(copies_[i].released, device_.CreateEvent());
+    if (!chunks_[i].params_offloaded()) copies_[i].state = State::kResident;
   }
   return Status();
 }
 
 ChunkView Residency::ViewLocked(size_t chunk) const {
-  const Chunk& c = engine_.chunks_[chunk];
+  const Chunk& c = chunks_[chunk];
   const Copy& copy = copies_[chunk];
   if (!c.params_offloaded()) {
-    return {c.params.data(), c.grads.data(), c.numel, engine_.working_dtype()};
+    return {c.params.data(), c.grads.data(), c.numel, working_dtype()};
   }
-  return {copy.memory.params.data(), copy.memory.grads.data(), c.numel, engine_.working_dtype()};
+  return {copy.memory.params.data(), copy.memory.grads.data(), c.numel, working_dtype()};
 }
 
 bool Residency::Held(size_t chunk) const {
@@ -41,7 +58,7 @@ std::vector<size_t> Residency::Upcoming(size_t chunk, size_t count) const {
   while (i < order_.size() && order_[i] != chunk) ++i;
   for (++i; i < order_.size() && upcoming.size() < count; ++i) {
     const size_t next = order_[i];
-    if (engine_.chunks_[next].params_sharded && copies_[next].pins == 0) upcoming.push_back(next);
+    if (chunks_[next].params_sharded && copies_[next].pins == 0) upcoming.push_back(next);
   }
   return upcoming;
 }
@@ -49,7 +66,7 @@ std::vector<size_t> Residency::Upcoming(size_t chunk, size_t count) const {
 Result<ChunkView> Residency::Acquire(size_t chunk, const std::byte* gathered) {
   std::unique_lock lock(mutex_);
   Copy& copy = copies_[chunk];
-  const Chunk& c = engine_.chunks_[chunk];
+  const Chunk& c = chunks_[chunk];
   // Fetches of this acquisition copy the gathered parameters; it outlives them (this call waits
   // for each).
   copy.gathered = gathered;
@@ -79,7 +96,7 @@ Result<ChunkView> Residency::Acquire(size_t chunk, const std::byte* gathered) {
       const TrainerWait reason = copy.state != State::kFetching ? TrainerWait::kDeviceToHost
                                  : c.fetched_from_nvme()        ? TrainerWait::kNvme
                                                                 : TrainerWait::kHostToDevice;
-      WaitTimer stalled(engine_.m_.stall_of(reason));
+      WaitTimer stalled(metrics_.stall_of(reason));
       changed_.wait(lock, ready);
     }
     if (copy.state == State::kResident) return ViewLocked(chunk);
@@ -100,11 +117,11 @@ void Residency::Release(size_t chunk, TrainerStream stream) {
   // The trainer's device work on this chunk is queued on its stream: eviction and the commit
   // wait for it, so remember where it ends. If the device cannot mark it there, wait for it
   // here: slow, but nothing is freed or overwritten under the trainer's feet.
-  if (Status recorded = engine_.RecordTrainerEvent(copy.released, stream); !recorded.ok()) {
+  if (Status recorded = RecordTrainerEvent(device_, copy.released, stream); !recorded.ok()) {
     Log(LogLevel::kWarning, "Release(" + std::to_string(chunk) +
                                 "): cannot record the end of the trainer's work (" +
                                 recorded.ToString() + "); waiting for the device instead");
-    engine_.device_.Synchronize().IgnoreError();
+    device_.Synchronize().IgnoreError();
   }
   changed_.notify_all();
 }
@@ -146,7 +163,7 @@ Status Residency::OrderAfterTrainerUse(Stream stream) {
   std::lock_guard lock(mutex_);
   for (const Copy& copy : copies_) {
     if (copy.state == State::kResident) {
-      STRATA_RETURN_IF_ERROR(engine_.device_.StreamWaitEvent(stream, copy.released));
+      STRATA_RETURN_IF_ERROR(device_.StreamWaitEvent(stream, copy.released));
     }
   }
   return Status();
@@ -156,14 +173,14 @@ Result<bool> Residency::OrderAfterTrainerUse(size_t chunk, Stream stream) {
   std::lock_guard lock(mutex_);
   const Copy& copy = copies_[chunk];
   if (copy.pins > 0) return false;  // Its release event is not recorded yet.
-  STRATA_RETURN_IF_ERROR(engine_.device_.StreamWaitEvent(stream, copy.released));
+  STRATA_RETURN_IF_ERROR(device_.StreamWaitEvent(stream, copy.released));
   return true;
 }
 
 Status Residency::WaitForTrainerUse() {
   // Only the trainer thread records release events, and it is the caller: they stay put.
   for (size_t i = 0; i < copies_.size(); ++i) {
-    STRATA_RETURN_IF_ERROR(engine_.device_.SynchronizeEvent(copies_[i].released));
+    STRATA_RETURN_IF_ERROR(device_.SynchronizeEvent(copies_[i].released));
   }
   return Status();
 }
@@ -198,7 +215,7 @@ void Residency::FreeSpareLocked(std::unique_lock<std::mutex>& lock) {
 void Residency::Drop(const std::vector<size_t>& chunks) {
   std::lock_guard lock(mutex_);
   for (size_t i : chunks) {
-    if (!engine_.chunks_[i].params_offloaded()) continue;
+    if (!chunks_[i].params_offloaded()) continue;
     Copy& copy = copies_[i];
     if (copy.state == State::kFetching) copy.stale = true;
     if (copy.state == State::kResident) DropLocked(copy);
@@ -241,7 +258,7 @@ std::optional<size_t> Residency::PickVictimLocked(size_t target, bool demand) co
   uint64_t victim_tick = std::numeric_limits<uint64_t>::max();
   for (size_t i = 0; i < copies_.size(); ++i) {
     const Copy& copy = copies_[i];
-    if (i == target || !engine_.chunks_[i].params_offloaded() || copy.state != State::kResident ||
+    if (i == target || !chunks_[i].params_offloaded() || copy.state != State::kResident ||
         copy.pins > 0 || copy.grad_pins > 0) {
       continue;
     }
@@ -269,19 +286,19 @@ void Residency::EvictLocked(size_t chunk, std::unique_lock<std::mutex>& lock) {
   // without the lock: that work may call into the engine. Nothing else moves an evicting chunk.
   // Its memory is then spare, for the fetch that evicted it.
   lock.unlock();
-  engine_.device_.SynchronizeEvent(copy.released).IgnoreError();
+  device_.SynchronizeEvent(copy.released).IgnoreError();
   lock.lock();
   spare_.push_back(std::move(memory));
   copy.state = State::kAbsent;
-  engine_.m_.evictions->Increment();
+  metrics_.evictions->Increment();
 }
 
 Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<std::mutex>& lock) {
-  const Chunk& c = engine_.chunks_[chunk];
+  const Chunk& c = chunks_[chunk];
   Copy& copy = copies_[chunk];
-  TierBudget& budget = engine_.device_budget_;
-  const uint64_t bytes = c.device_slot_bytes(engine_.working_dtype());
-  const size_t wbytes = c.working_bytes(engine_.working_size());
+  TierBudget& budget = device_budget_;  // Only Residency writes it after the placement.
+  const uint64_t bytes = c.device_slot_bytes(working_dtype());
+  const size_t wbytes = c.working_bytes(working_size());
   std::optional<Memory> memory;
   // Memory of the chunk's size that an eviction or a commit left spare, else new memory within
   // the budget: spare memory of other sizes goes first, then victims, whose memory may fit.
@@ -312,15 +329,15 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
                                (pinned.empty() ? std::string(" (none)") : pinned) +
                                " are acquired; release chunks earlier or raise the device budget");
     }
-    WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kDeviceMemory));
+    WaitTimer stalled(metrics_.stall_of(TrainerWait::kDeviceMemory));
     changed_.wait(lock);
   }
   if (!memory) {
     BudgetReservation slot(&budget, bytes);
-    STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, engine_.device_.Allocate(wbytes));
+    STRATA_ASSIGN_OR_RETURN(DeviceBuffer params, device_.Allocate(wbytes));
     DeviceBuffer grads;  // A frozen chunk has none.
     if (!c.frozen()) {
-      STRATA_ASSIGN_OR_RETURN(grads, engine_.device_.Allocate(wbytes));
+      STRATA_ASSIGN_OR_RETURN(grads, device_.Allocate(wbytes));
     }
     memory =
         Memory{.slot = std::move(slot), .params = std::move(params), .grads = std::move(grads)};
@@ -329,17 +346,17 @@ Status Residency::StartFetchLocked(size_t chunk, bool demand, std::unique_lock<s
   copy.state = State::kFetching;
   copy.stale = false;
   copy.fetch_status = Status();
-  engine_.Spawn(Fetch(chunk));
+  spawn_(Fetch(chunk));
   return Status();
 }
 
 void Residency::PrefetchLocked(std::unique_lock<std::mutex>& lock) {
-  const int depth = engine_.options_.placement.prefetch_depth;
+  const int depth = options_.placement.prefetch_depth;
   if (recording_ || depth <= 0) return;
   int issued = 0;
   for (size_t i = order_position_; i < order_.size() && issued < depth; ++i) {
     // A stage-3 chunk comes only with the parameters its Acquire gathers.
-    if (engine_.chunks_[order_[i]].params_sharded) continue;
+    if (chunks_[order_[i]].params_sharded) continue;
     if (copies_[order_[i]].state == State::kAbsent &&
         !StartFetchLocked(order_[i], /*demand=*/false, lock).ok()) {
       return;  // No room: stop here.
@@ -349,10 +366,9 @@ void Residency::PrefetchLocked(std::unique_lock<std::mutex>& lock) {
 }
 
 Awaitable<void> Residency::Fetch(size_t chunk) {
-  Engine::Impl& e = engine_;
-  const Chunk& c = e.chunks_[chunk];
+  const Chunk& c = chunks_[chunk];
   Copy& copy = copies_[chunk];  // Its buffers stay put while it is fetching.
-  const size_t bytes = c.working_bytes(e.working_size());
+  const size_t bytes = c.working_bytes(working_size());
   Status status;
   const std::byte* source = c.params_sharded ? copy.gathered : c.host_params.data();
   if (source == nullptr) {  // Only Acquire fetches a stage-3 chunk, with what it gathered.
@@ -362,30 +378,29 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
   }
   StagingBuffer staging;  // NVMe-home parameters come up through one (stage 3: the gather's).
   if (c.fetched_from_nvme()) {
-    staging = co_await e.param_staging_->Acquire();
+    staging = co_await param_staging_->Acquire();
     {
-      InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
-      status =
-          co_await nvme::AwaitSwapRead(*e.swap_, c.param_extents[c.param_current], staging.data());
+      InFlightGuard reading(metrics_.in_flight_of(InFlightKind::kNvmeRead));
+      status = co_await nvme::AwaitSwapRead(*swap_, c.param_extent(), staging.data());
     }
-    if (status.ok()) e.m_.nvme_read_bytes->Increment(double(bytes));
+    if (status.ok()) metrics_.nvme_read_bytes->Increment(double(bytes));
     source = staging.data();
   }
   if (status.ok()) {
     // The parameters, then a gradient buffer starting at zero (padding included): one wait for
     // both on the in-order stream, before the staging buffer goes back.
-    InFlightGuard uploading(e.m_.in_flight_of(InFlightKind::kHostToDevice));
-    status = e.device_.CopyToDevice(copy.memory.params.data(), source, bytes);
+    InFlightGuard uploading(metrics_.in_flight_of(InFlightKind::kHostToDevice));
+    status = device_.CopyToDevice(copy.memory.params.data(), source, bytes);
     if (status.ok() && !c.frozen()) {
-      status = e.device_.CopyToDevice(copy.memory.grads.data(), e.zeros_.data(), bytes);
+      status = device_.CopyToDevice(copy.memory.grads.data(), zeros_->data(), bytes);
     }
-    const Status landed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+    const Status landed = co_await AwaitStream(device_, Stream::kHostToDevice);
     if (status.ok()) status = landed;
   }
-  if (e.param_staging_) e.param_staging_->Release(staging);
+  if (param_staging_) param_staging_->Release(staging);
   if (status.ok()) {
-    e.m_.h2d_bytes->Increment(double(c.frozen() ? bytes : 2 * bytes));
-    e.m_.fetches->Increment();
+    metrics_.h2d_bytes->Increment(double(c.frozen() ? bytes : 2 * bytes));
+    metrics_.fetches->Increment();
   }
   std::lock_guard lock(mutex_);
   if (status.ok() && !copy.stale) {

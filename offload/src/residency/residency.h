@@ -11,27 +11,57 @@
 // Threads: Acquire, Release and PinGrads run on the trainer thread; fetch completions, UnpinGrads
 // and Drop on the event loop. Its state is guarded by its own mutex, which is never held while
 // waiting for the device, so work queued on a stream may call into the engine.
+//
+// It works with what Resources and Initialize hand it, not with the engine as a whole.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <vector>
 
+#include "engine/chunk.h"
+#include "engine/engine_metrics.h"
+#include "engine/loop_sync.h"
+#include "strata/core/aligned_buffer.h"
 #include "strata/core/device.h"
 #include "strata/core/event_loop.h"
+#include "strata/nvme/swap_space.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/tier_budget.h"
 
 namespace strata::offload {
 
+/// Records `event` at the end of the trainer's device work so far on `stream`.
+Status RecordTrainerEvent(Device& device, DeviceEvent& event, TrainerStream stream);
+
 class Residency {
  public:
-  explicit Residency(Engine::Impl& engine) : engine_(engine) {}
+  /// What Residency works with, all owned by the engine (Engine::Impl) and outliving it.
+  struct Resources {
+    const EngineOptions& options;
+    Device& device;
+    /// The device budget. The placement reserves the device-home chunks' memory in it at
+    /// Create; from then on Residency is its only writer (fetched copies take their slots from
+    /// it and give them back when their memory is freed).
+    TierBudget& device_budget;
+    /// Every chunk's storage, laid out by the placement before Initialize; read only here.
+    const std::vector<Chunk>& chunks;
+    EngineMetrics& metrics;
+    /// Starts a coroutine on the event loop, counted until it ends (Engine::Impl::Spawn).
+    std::function<void(Awaitable<void>)> spawn;
+  };
 
-  /// Creates every chunk's release event. Call once, after the chunks exist.
-  Status Initialize();
+  explicit Residency(Resources resources);
+
+  /// Creates every chunk's release event. Call once, after the chunks exist. NVMe-home
+  /// parameters are fetched through `param_staging` from `swap` (null when none live there);
+  /// `zeros`, as large as any chunk's working gradients, clears a fetched gradient buffer. All
+  /// three outlive the fetches.
+  Status Initialize(LoopStagingPool* param_staging, nvme::SwapSpace* swap,
+                    const AlignedBuffer& zeros);
 
   /// Pins `chunk` for the trainer, makes its working parameters resident on the device and its
   /// gradient buffer free (the previous micro-step's copy out has read it), blocking until both
@@ -118,7 +148,19 @@ class Residency {
   void PrefetchLocked(std::unique_lock<std::mutex>& lock);
   Awaitable<void> Fetch(size_t chunk);
 
-  Engine::Impl& engine_;
+  DType working_dtype() const { return options_.precision.working_dtype; }
+  size_t working_size() const { return DTypeSize(working_dtype()); }
+
+  const EngineOptions& options_;
+  Device& device_;
+  TierBudget& device_budget_;
+  const std::vector<Chunk>& chunks_;
+  EngineMetrics& metrics_;
+  std::function<void(Awaitable<void>)> spawn_;
+  LoopStagingPool* param_staging_ = nullptr;  // Set by Initialize, like what follows.
+  nvme::SwapSpace* swap_ = nullptr;
+  const AlignedBuffer* zeros_ = nullptr;
+
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Copy> copies_;

@@ -4,50 +4,58 @@
 #include <cstring>
 #include <string>
 
-#include "engine/engine_impl.h"
-
 namespace strata::offload {
 
-bool ParamGather::quantized() const { return engine_.options_.placement.quantized_weights; }
+ParamGather::ParamGather(Resources resources)
+    : options_(resources.options),
+      device_(resources.device),
+      chunks_(resources.chunks),
+      ranks_(resources.ranks),
+      metrics_(resources.metrics) {}
+
+bool ParamGather::quantized() const { return options_.placement.quantized_weights; }
 
 bool ParamGather::reads_nvme() const {
-  return std::any_of(engine_.chunks_.begin(), engine_.chunks_.end(), [](const Chunk& c) {
+  return std::any_of(chunks_.begin(), chunks_.end(), [](const Chunk& c) {
     return c.params_sharded && c.placement.params == Tier::kNvme;
   });
 }
 
-size_t ParamGather::SlotExtraBytes() const {
-  const size_t shard_numel = engine_.max_trained_shard_numel();
+size_t ParamGather::SlotExtraBytes(size_t shard_numel) const {
   size_t bytes = 0;
-  if (reads_nvme()) bytes += AlignUp(shard_numel * engine_.working_size(), kHostAlignment);
+  if (reads_nvme()) bytes += AlignUp(shard_numel * working_size(), kHostAlignment);
   if (quantized()) {
     const size_t one = cpu_adam::QuantizedBytes(shard_numel, kWeightBits);
-    bytes += AlignUp(one, kHostAlignment) + AlignUp(one * size_t(engine_.ranks()), kHostAlignment);
+    bytes += AlignUp(one, kHostAlignment) + AlignUp(one * size_t(ranks_), kHostAlignment);
   }
   return bytes;
 }
 
-Status ParamGather::Initialize(size_t slots, size_t slot_bytes) {
+Status ParamGather::Initialize(size_t slots, size_t slot_bytes, size_t shard_numel) {
   for (size_t i = 0; i < slots; ++i) {
     Slot& slot = slots_.emplace_back();
     if (reads_nvme()) {
-      STRATA_ASSIGN_OR_RETURN(
-          slot.nvme_shard,
-          AlignedBuffer::Allocate(engine_.max_trained_shard_numel() * engine_.working_size()));
+      STRATA_ASSIGN_OR_RETURN(slot.nvme_shard,
+                              AlignedBuffer::Allocate(shard_numel * working_size()));
     }
     if (quantized()) {
-      const size_t one = cpu_adam::QuantizedBytes(engine_.max_trained_shard_numel(), kWeightBits);
+      const size_t one = cpu_adam::QuantizedBytes(shard_numel, kWeightBits);
       STRATA_ASSIGN_OR_RETURN(slot.quantized_shard, AlignedBuffer::Allocate(one));
-      STRATA_ASSIGN_OR_RETURN(slot.quantized_shards,
-                              AlignedBuffer::Allocate(one * size_t(engine_.ranks())));
+      STRATA_ASSIGN_OR_RETURN(slot.quantized_shards, AlignedBuffer::Allocate(one * size_t(ranks_)));
     }
     STRATA_ASSIGN_OR_RETURN(slot.buffer, AlignedBuffer::Allocate(slot_bytes));
-    if (engine_.device_.CanPin()) {
-      STRATA_ASSIGN_OR_RETURN(slot.pinned,
-                              engine_.device_.PinHostMemory(slot.buffer.data(), slot_bytes));
+    if (device_.CanPin()) {
+      STRATA_ASSIGN_OR_RETURN(slot.pinned, device_.PinHostMemory(slot.buffer.data(), slot_bytes));
     }
   }
   return Status();
+}
+
+void ParamGather::Connect(Communicator& communicator, nvme::SwapSpace* swap,
+                          cpu_adam::CpuOptimizer& optimizer) {
+  communicator_ = &communicator;
+  swap_ = swap;
+  optimizer_ = &optimizer;
 }
 
 ParamGather::Slot* ParamGather::Find(size_t chunk) {
@@ -73,8 +81,7 @@ void ParamGather::WaitIdle(Slot& slot) {
 
 void ParamGather::Enqueue(Slot& slot, size_t chunk) {
   WaitIdle(slot);
-  Engine::Impl& e = engine_;
-  const Chunk& c = e.chunks_[chunk];
+  const Chunk& c = chunks_[chunk];
   slot.chunk = chunk;
   slot.gathered.Reset();
   slot.in_flight = true;
@@ -82,15 +89,15 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
   // header). The shard changes only between steps, when no gather runs (Discard); so does the
   // current extent, chosen here on the trainer thread.
   const bool from_nvme = c.placement.params == Tier::kNvme;
-  const nvme::ExtentId extent = from_nvme ? c.param_extents[c.param_current] : nvme::ExtentId{};
+  const nvme::ExtentId extent = from_nvme ? c.param_extent() : nvme::ExtentId{};
   const std::byte* shard = from_nvme ? slot.nvme_shard.data() : c.host_params.data();
   const bool quantize = quantized();
   slot.prepare_status = Status();  // A failed communicator may never call `prepare`.
-  auto prepare = [&e, &c, &slot, from_nvme, extent, shard, quantize] {
+  auto prepare = [this, &c, &slot, from_nvme, extent, shard, quantize] {
     if (from_nvme) {
-      slot.prepare_status = e.swap_->ReadSync(extent, slot.nvme_shard.data());
+      slot.prepare_status = swap_->ReadSync(extent, slot.nvme_shard.data());
       if (slot.prepare_status.ok()) {
-        e.m_.nvme_read_bytes->Increment(double(c.param_home_bytes(e.working_size())));
+        metrics_.nvme_read_bytes->Increment(double(c.param_home_bytes(working_size())));
       } else {
         slot.prepare_status = slot.prepare_status.WithContext("reading this rank's shard");
         // What the others gather from this rank then: zeros, not a previous chunk's shard.
@@ -98,8 +105,8 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
       }
     }
     if (quantize && slot.prepare_status.ok()) {
-      slot.prepare_status = e.optimizer_
-                                ->Quantize(shard, e.working_dtype(), c.shard.numel(), kWeightBits,
+      slot.prepare_status = optimizer_
+                                ->Quantize(shard, working_dtype(), c.shard.numel(), kWeightBits,
                                            slot.quantized_shard.data())
                                 .WithContext("quantizing this rank's shard");
     }
@@ -113,29 +120,27 @@ void ParamGather::Enqueue(Slot& slot, size_t chunk) {
     slot.gathered.Open(slot.prepare_status.ok() ? std::move(status) : slot.prepare_status);
   };
   if (!quantize) {
-    e.m_.collective_of(CollectiveKind::kAllGather)
-        .Increment(double(c.working_bytes(e.working_size())));
-    e.environment_.communicator->AllGather(shard, slot.buffer.data(), c.shard.numel(),
-                                           e.working_dtype(), std::move(ready), std::move(done));
+    metrics_.collective_of(CollectiveKind::kAllGather)
+        .Increment(double(c.working_bytes(working_size())));
+    communicator_->AllGather(shard, slot.buffer.data(), c.shard.numel(), working_dtype(),
+                             std::move(ready), std::move(done));
     return;
   }
   const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel(), kWeightBits);
-  e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(e.ranks())));
+  metrics_.collective_of(CollectiveKind::kAllGather).Increment(double(bytes * size_t(ranks_)));
   // Moved as 32-bit words: an all-gather copies bits and does no arithmetic on them.
-  e.environment_.communicator->AllGather(slot.quantized_shard.data(), slot.quantized_shards.data(),
-                                         bytes / sizeof(float), DType::kFp32, std::move(ready),
-                                         std::move(done));
+  communicator_->AllGather(slot.quantized_shard.data(), slot.quantized_shards.data(),
+                           bytes / sizeof(float), DType::kFp32, std::move(ready), std::move(done));
 }
 
 Status ParamGather::Dequantize(Slot& slot, size_t chunk) {
-  Engine::Impl& e = engine_;
-  const Chunk& c = e.chunks_[chunk];
+  const Chunk& c = chunks_[chunk];
   const size_t shard = c.shard.numel();
   const size_t bytes = cpu_adam::QuantizedBytes(shard, kWeightBits);
-  for (int r = 0; r < e.ranks(); ++r) {
-    STRATA_RETURN_IF_ERROR(e.optimizer_->Dequantize(
+  for (int r = 0; r < ranks_; ++r) {
+    STRATA_RETURN_IF_ERROR(optimizer_->Dequantize(
         slot.quantized_shards.data() + size_t(r) * bytes, kWeightBits, shard,
-        slot.buffer.data() + size_t(r) * shard * e.working_size(), e.working_dtype()));
+        slot.buffer.data() + size_t(r) * shard * working_size(), working_dtype()));
   }
   return Status();
 }
@@ -166,7 +171,7 @@ Result<const std::byte*> ParamGather::Take(size_t chunk, std::span<const size_t>
   }
   Status gathered;
   {
-    WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kCollective));
+    WaitTimer stalled(metrics_.stall_of(TrainerWait::kCollective));
     gathered = slot->gathered.Wait();
   }
   slot->in_flight = false;

@@ -23,17 +23,26 @@
 //
 // Threads: the trainer thread makes every call; the communicator's thread reads and quantizes a
 // slot's shard and opens its signal when its gather is done.
+//
+// It works with what Resources, Initialize and Connect hand it, not with the engine as a whole.
 #pragma once
 
 #include <cstddef>
 #include <deque>
 #include <optional>
 #include <span>
+#include <vector>
 
+#include "engine/chunk.h"
+#include "engine/engine_metrics.h"
 #include "engine/thread_signal.h"
 #include "strata/core/aligned_buffer.h"
+#include "strata/core/bytes.h"
 #include "strata/core/device.h"
 #include "strata/core/status.h"
+#include "strata/cpu_adam/cpu_optimizer.h"
+#include "strata/nvme/swap_space.h"
+#include "strata/offload/communicator.h"
 #include "strata/offload/engine.h"
 
 namespace strata::offload {
@@ -43,16 +52,34 @@ class ParamGather {
   /// Width of quantized weights: int8, as DeepSpeed's qwZ.
   static constexpr int kWeightBits = 8;
 
-  explicit ParamGather(Engine::Impl& engine) : engine_(engine) {}
+  /// What ParamGather works with from its creation, all owned by the engine (Engine::Impl) and
+  /// outliving it.
+  struct Resources {
+    const EngineOptions& options;
+    Device& device;  // Pins the slots.
+    /// Every chunk's storage, laid out by the placement before SlotExtraBytes; read only here.
+    const std::vector<Chunk>& chunks;
+    int ranks;  // The ranks the chunks are sharded across.
+    EngineMetrics& metrics;
+  };
+
+  explicit ParamGather(Resources resources);
 
   /// `slots` host buffers of `slot_bytes` each (the largest trained chunk's working parameters)
-  /// and, for quantized gathers, SlotExtraBytes beside each. The caller has reserved them on
-  /// the host budget.
-  Status Initialize(size_t slots, size_t slot_bytes);
-  /// Host bytes a slot takes besides its parameters: the shard read from NVMe (with NVMe-home
-  /// parameters), the quantized shard it sends and the ranks' quantized shards it receives
-  /// (with placement.quantized_weights).
-  size_t SlotExtraBytes() const;
+  /// and, for quantized gathers, SlotExtraBytes(shard_numel) beside each. The caller has
+  /// reserved them on the host budget.
+  Status Initialize(size_t slots, size_t slot_bytes, size_t shard_numel);
+  /// Host bytes a slot takes besides its parameters, for shards of up to `shard_numel`
+  /// elements (the largest trained chunk's; every rank's is as large): the shard read from
+  /// NVMe (with NVMe-home parameters), the quantized shard it sends and the ranks' quantized
+  /// shards it receives (with placement.quantized_weights).
+  size_t SlotExtraBytes(size_t shard_numel) const;
+  /// What the gathers run on, once the engine has made them (after Initialize): the
+  /// communicator, the swap space NVMe-home shards are read from (null when none are) and the
+  /// optimizer, whose threads quantize and dequantize. All outlive the gathers (the engine
+  /// drains the communicator first).
+  void Connect(Communicator& communicator, nvme::SwapSpace* swap,
+               cpu_adam::CpuOptimizer& optimizer);
 
   /// The whole of `chunk`'s working parameters, blocking until they are gathered: its gather
   /// was prefetched, or is enqueued now; then the gathers of `upcoming` (the chunks expected
@@ -95,7 +122,17 @@ class ParamGather {
   Status Dequantize(Slot& slot, size_t chunk);
   static void WaitIdle(Slot& slot);
 
-  Engine::Impl& engine_;
+  DType working_dtype() const { return options_.precision.working_dtype; }
+  size_t working_size() const { return DTypeSize(working_dtype()); }
+
+  const EngineOptions& options_;
+  Device& device_;
+  const std::vector<Chunk>& chunks_;
+  const int ranks_;
+  EngineMetrics& metrics_;
+  Communicator* communicator_ = nullptr;  // Set by Connect, like what follows.
+  nvme::SwapSpace* swap_ = nullptr;
+  cpu_adam::CpuOptimizer* optimizer_ = nullptr;
   std::deque<Slot> slots_;  // Never moved: the communicator writes into them.
   Status failed_;           // Set by Fail (trainer thread).
 };

@@ -110,7 +110,7 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
     boost::asio::post(e.loop_.executor(), [&c] { c.grads_copied->Release(); });
   };
   // Everything below runs after the trainer's work so far on its stream: backward.
-  STRATA_RETURN_IF_ERROR(e.RecordTrainerEvent(e.compute_marker_, stream));
+  STRATA_RETURN_IF_ERROR(RecordTrainerEvent(e.device_, e.compute_marker_, stream));
   if (c.placement.optimizer_states == Tier::kDevice) {
     if (stream.native != nullptr) {
       STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kCompute, e.compute_marker_));

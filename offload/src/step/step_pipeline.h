@@ -42,7 +42,7 @@
 // Threads: GradsReady, Step and the accessors run on the trainer thread (or any thread, for the
 // accessors) and take `mutex_`; everything else runs on the loop thread. `mutex_` guards the
 // phases' writes, the micro-step counts, the hyper-parameter snapshot, the loss scaler and
-// whether a step is running. The loop-only state (StepState, preloads) needs no lock.
+// whether a step is running. The loop-only state (StepState, the preloader) needs no lock.
 //
 // Delayed parameter update (optimizer.delayed_update): a delayed step's commit swaps its new
 // parameters into Chunk::delayed_params instead of uploading them; Release (after the chunk's
@@ -107,6 +107,7 @@
 #include "engine/chunk.h"
 #include "engine/loop_sync.h"
 #include "engine/thread_signal.h"
+#include "step/state_preloader.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/loss_scaler.h"
 
@@ -165,14 +166,10 @@ class StepPipeline {
                const std::vector<int64_t>& chunk_steps);
 
   // --- Loop thread ---
-  /// Reads ahead the optimizer states of the chunks whose gradients come next in backward (the
-  /// last chunks, at a commit: NVMe works while the next forward runs), as many as the staging
-  /// buffers allow; called again whenever an update returns its buffer.
-  void StartPreloads();
-  /// Waits for preloads in flight and returns every preloaded buffer.
-  Awaitable<void> DropPreloads();
-  /// The same for one chunk's preload, if it has one.
-  Awaitable<void> DropPreload(size_t chunk);
+  /// The read-ahead of NVMe-kept states, which the updates take their states from: the
+  /// engine's placement opens it, and a switch to new states (Load, state writes) drops and
+  /// restarts it between steps.
+  StatePreloader& preloader() { return preloader_; }
   /// Shutdown: journeys waiting for a verdict that will never come give up.
   void Cancel();
 
@@ -211,16 +208,7 @@ class StepPipeline {
     std::optional<std::pair<Status, std::vector<int>>> agreement;
   };
 
-  /// An NVMe-home chunk's states read ahead into a staging buffer (loop thread).
-  struct Preload {
-    bool active = false;
-    bool done = false;  // The read has finished (`ready` holds its unit).
-    Status status;
-    StagingBuffer buffer;
-    std::optional<LoopSemaphore> ready;  // Released once the read is done.
-  };
-
-  // sharded_step.cpp
+  // step_sharded.cpp
   bool sharded() const;
   /// Who reads a ReduceRing slot once its collective is done: the journey, which sums what the
   /// ranks sent (quantized gradients) or adds the reduced shard into the chunk's (reducing every
@@ -257,7 +245,7 @@ class StepPipeline {
   /// Delivers once both this rank's outcome and the agreement are in.
   void DeliverAgreedStep();
 
-  // gradient_landing.cpp
+  // step_landing.cpp
   Status QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream, int micro_step,
                       bool last);
   Result<cpu_adam::GradientStats> SumAndMeasure(float* sum, const void* grads, size_t numel,
@@ -268,7 +256,7 @@ class StepPipeline {
   Awaitable<void> LandMicroStep(size_t chunk, int micro_step);
   Awaitable<Status> LandGrads(size_t chunk, int micro_step, bool last);
 
-  // update_journey.cpp
+  // step_update.cpp (UploadDelayedLocked: step_delayed.cpp)
   Awaitable<void> Journey(size_t chunk, int micro_step);
   /// Whether the chunk's update may run ahead of the gated step's verdict: the verdict is not
   /// in yet, what has arrived does not already show it will clip or overflow, and the update
@@ -303,10 +291,12 @@ class StepPipeline {
   /// hyper-parameters and each parameter group's settings (any thread but the loop's).
   Status RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
                       DType grad_dtype, void* param_copy, double grad_scale) const;
-  void StartPreload(size_t chunk);
-  Awaitable<void> PreloadStates(size_t chunk);
+  /// Reads ahead the states of the chunks whose gradients come next in backward (the last
+  /// chunks, at a commit: NVMe works while the next forward runs), as the preloader's policy
+  /// allows; called again whenever an update returns its buffer.
+  void ReadAhead();
 
-  // step_commit.cpp
+  // step_pipeline.cpp; from MaybeFinish on, step_commit.cpp
   /// Step()'s work on the loop: the request, a retry of what a failed attempt left.
   Awaitable<void> StartStep(std::promise<Result<StepReport>> promise);
   void Arrive(size_t chunk);
@@ -374,7 +364,7 @@ class StepPipeline {
 
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.
-  std::vector<Preload> preloads_;
+  StatePreloader preloader_;
 };
 
 }  // namespace strata::offload

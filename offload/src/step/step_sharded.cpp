@@ -1,6 +1,7 @@
-// A step across several ranks (ZeRO stages 1 and 2): the collectives of each chunk and of the
-// step, enqueued on the trainer thread in one order on every rank, the journey's two waits on
-// them, and the agreement on the step's outcome.
+// A step across several ranks (ZeRO stages 1, 2 and 3): the collectives of each chunk and of
+// the step, enqueued on the trainer thread in one order on every rank, the journey's two waits
+// on them, and the agreement on the step's outcome. (Stage 3's parameters are gathered at
+// Acquire by ParamGather, not by the step's all-gathers.)
 // See "Sharding" in step_pipeline.h.
 #include <algorithm>
 #include <string>

@@ -267,15 +267,15 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   float* states_out =
       speculative && !nvme_states ? reinterpret_cast<float*>(c.host_state_shadow.data()) : states;
   if (nvme_states) {
-    Preload& preload = preloads_[chunk];
-    if (!preload.active) StartPreload(chunk);
     {
       WaitTimer waiting(m.wait_of(UpdateWait::kNvmeRead));
-      co_await preload.ready->Acquire();
+      Result<StagingBuffer> read = co_await preloader_.Take(chunk);
+      if (read.ok()) {
+        state_buffer = std::move(*read);
+      } else {
+        status = read.status();
+      }
     }
-    status = preload.status;
-    state_buffer = std::move(preload.buffer);
-    preload = {};
     states = reinterpret_cast<float*>(state_buffer.data());
     states_out = states;
   }
@@ -342,9 +342,9 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     write_time.emplace(m.wait_of(UpdateWait::kNvmeWrite));
   }
   if (status.ok() && nvme_states) {
-    const int registered = e.state_staging_registered_ ? int(state_buffer.index()) : -1;
-    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.state_shadow(), state_buffer.data(),
-                                           c.state_bytes(), registered, state_checksum);
+    status = co_await nvme::AwaitSwapWrite(
+        *e.swap_, c.state_shadow(), state_buffer.data(), c.state_bytes(),
+        preloader_.FixedBufferIndex(state_buffer), state_checksum);
     if (status.ok()) m.nvme_write_bytes->Increment(double(c.state_bytes()));
   }
   if (status.ok() && nvme_params) {
@@ -354,8 +354,10 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   }
   writing.reset();
   write_time.reset();
-  if (e.state_staging_) e.state_staging_->Release(state_buffer);
-  if (nvme_states) StartPreloads();  // The buffer reads ahead for a chunk to come.
+  if (nvme_states) {
+    preloader_.Return(state_buffer);
+    ReadAhead();  // The buffer reads ahead for a chunk to come.
+  }
   if (e.param_staging_) e.param_staging_->Release(param_buffer);
   // Speculative parameters go up early too: ResolveSpeculation puts back what the device held
   // if the verdict rolls the update back (the master in host memory, rounded, or the NVMe-kept
@@ -441,113 +443,8 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
   co_return *result;
 }
 
-Status StepPipeline::UploadDelayedLocked(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
-  if (!c.params_delayed) return Status();
-  STRATA_ASSIGN_OR_RETURN(const bool released,
-                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
-  if (!released) return Status();  // Its Release, or the next Step(), sends them.
-  const size_t wbytes = c.working_bytes(e.working_size());
-  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
-  e.m_.h2d_bytes->Increment(double(wbytes));
-  c.params_delayed = false;
-  return Status();
-}
-
-void StepPipeline::Released(size_t chunk) {
-  std::lock_guard lock(mutex_);
-  const Chunk& c = engine_.chunks_[chunk];
-  // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
-  // still use the parameters. A failure leaves them held back: the next Step() tries again
-  // and reports it.
-  if (!c.params_delayed || c.micro_steps != gas_ || step_running_) return;
-  UploadDelayedLocked(chunk).IgnoreError();
-}
-
-Status StepPipeline::FlushDelayedParameters() {
-  {
-    std::lock_guard lock(mutex_);
-    for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-      STRATA_RETURN_IF_ERROR(UploadDelayedLocked(i));
-      if (engine_.chunks_[i].params_delayed) {
-        return FailedPrecondition("chunk " + std::to_string(i) +
-                                  " is acquired; Release every chunk first");
-      }
-    }
-  }
-  return engine_.device_.SynchronizeStream(Stream::kHostToDevice);
-}
-
-void StepPipeline::StartPreloads() {
-  if (!engine_.state_staging_) return;
-  // Leave one staging buffer for a chunk that arrives out of the expected order, counting the
-  // preloads still held (by chunks that sat the last step out).
-  const int depth = int(engine_.state_staging_->pool().buffer_count()) - 1;
-  int held = 0;
-  for (const Preload& preload : preloads_) held += preload.active ? 1 : 0;
-  // In the order backward produces gradients (the last chunk first), the chunks whose update
-  // still has to read its states: reading ahead of backward, so that the last chunks' reads
-  // are not left to the end of the step.
-  for (size_t i = preloads_.size(); i-- > 0 && held < depth;) {
-    const Chunk& c = engine_.chunks_[i];
-    if (c.placement.optimizer_states != Tier::kNvme || preloads_[i].active) continue;
-    const ChunkPhase phase = c.phase_now();
-    if (phase == ChunkPhase::kUpdating || phase == ChunkPhase::kUpdated) continue;  // Read.
-    // Sits this step out (known once Step() is called; at the commit every count is reset for
-    // the next step, whose chunks are the ones to read).
-    if (step_.requested && !step_.committing && c.micro_steps == 0) continue;
-    StartPreload(i);
-    ++held;
-  }
-}
-
-void StepPipeline::StartPreload(size_t chunk) {
-  Preload& preload = preloads_[chunk];
-  preload.active = true;
-  preload.ready.emplace(0);
-  engine_.Spawn(PreloadStates(chunk));
-}
-
-Awaitable<void> StepPipeline::PreloadStates(size_t chunk) {
-  Engine::Impl& e = engine_;
-  const Chunk& c = e.chunks_[chunk];
-  Preload& preload = preloads_[chunk];
-  StagingBuffer buffer = co_await e.state_staging_->Acquire();
-  const int registered = e.state_staging_registered_ ? int(buffer.index()) : -1;
-  Status status;
-  {
-    InFlightGuard reading(e.m_.in_flight_of(InFlightKind::kNvmeRead));
-    status = co_await nvme::AwaitSwapRead(*e.swap_, c.state_extents[c.state_current], buffer.data(),
-                                          registered);
-  }
-  if (status.ok()) {
-    e.m_.nvme_read_bytes->Increment(double(c.state_bytes()));
-    preload.buffer = std::move(buffer);
-  } else {
-    e.state_staging_->Release(buffer);
-  }
-  preload.status = status;
-  preload.done = true;
-  preload.ready->Release();
-}
-
-Awaitable<void> StepPipeline::DropPreload(size_t chunk) {
-  Preload& preload = preloads_[chunk];
-  if (!preload.active) co_return;
-  co_await preload.ready->Acquire();
-  engine_.state_staging_->Release(preload.buffer);
-  preload = {};
-}
-
-Awaitable<void> StepPipeline::DropPreloads() {
-  // Finished reads first: their buffers may be what the reads still in flight wait for.
-  for (Preload& preload : preloads_) {
-    if (!preload.active || !preload.done) continue;
-    engine_.state_staging_->Release(preload.buffer);
-    preload = {};
-  }
-  for (size_t i = 0; i < preloads_.size(); ++i) co_await DropPreload(i);
+void StepPipeline::ReadAhead() {
+  preloader_.Start(/*participants_known=*/step_.requested && !step_.committing);
 }
 
 }  // namespace strata::offload
