@@ -274,6 +274,16 @@ TEST(CollectiveQueueTest, AStoppedExecutorFailsTheCollective) {
   EXPECT_EQ(status.message(), "the executor stopped");
 }
 
+TEST(CollectiveQueueTest, ANodePlaceIsOneAmongTheRanks) {
+  EXPECT_TRUE(internal::CheckNodePlace({.local_rank = 1, .local_size = 2}, 4, "node").ok());
+  EXPECT_EQ(internal::CheckNodePlace({.local_rank = 2, .local_size = 2}, 4, "node").code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(internal::CheckNodePlace({.local_rank = 0, .local_size = 5}, 4, "node").code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(internal::CheckNodePlace({.local_rank = -1, .local_size = 2}, 4, "node").code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(CollectiveTest, SizesFollowEachKindsCount) {
   float buffer[64] = {};
   const Collective reduce = Collective::AllReduce(buffer, 8, DType::kBf16, ReduceOp::kSum);

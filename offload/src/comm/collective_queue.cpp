@@ -129,6 +129,7 @@ class QueuedCommunicator final : public Communicator {
       : state_(std::make_shared<QueueState>(std::move(wire))),
         rank_(state_->wire().rank()),
         size_(state_->wire().size()),
+        node_(state_->wire().node()),
         own_executor_(std::move(own)),
         executor_(executor) {}
 
@@ -148,6 +149,7 @@ class QueuedCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  NodePlace node() const override { return node_; }
 
   void Enqueue(const Collective& collective, CollectiveReady ready, CollectiveDone done) override {
     const uint64_t number = ++enqueued_;
@@ -164,12 +166,23 @@ class QueuedCommunicator final : public Communicator {
   std::shared_ptr<QueueState> state_;
   const int rank_;
   const int size_;
+  const NodePlace node_;
   uint64_t enqueued_ = 0;  // Enqueueing thread.
   std::unique_ptr<WorkerThread> own_executor_;
   Executor& executor_;
 };
 
 }  // namespace
+
+Status CheckNodePlace(const NodePlace& node, int size, const std::string& what) {
+  if (node.local_size < 1 || node.local_size > size || node.local_rank < 0 ||
+      node.local_rank >= node.local_size) {
+    return InvalidArgument(what + ": local rank " + std::to_string(node.local_rank) + " of " +
+                           std::to_string(node.local_size) + " is not a place among " +
+                           std::to_string(size) + " ranks");
+  }
+  return Status();
+}
 
 std::unique_ptr<Communicator> MakeQueuedCommunicator(std::unique_ptr<CollectiveWire> wire) {
   auto thread = std::make_unique<WorkerThread>();

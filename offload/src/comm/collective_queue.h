@@ -85,6 +85,7 @@ class CollectiveWire {
   virtual ~CollectiveWire() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  virtual NodePlace node() const { return {rank(), size()}; }
 
   /// Refuses, before its input is awaited, a collective this wire cannot carry (MPI's int
   /// counts). A refusal is alike on every rank and moves nothing, so it fails that collective
@@ -104,6 +105,10 @@ class CollectiveWire {
   /// aborts then, and finalizes otherwise).
   virtual void Close(const Status& /*failed*/) {}
 };
+
+/// InvalidArgument unless `node` is a place among `size` ranks (0 <= local_rank < local_size
+/// <= size); `what` names the option.
+Status CheckNodePlace(const NodePlace& node, int size, const std::string& what);
 
 /// A Communicator that runs `wire` on a WorkerThread of its own (local ranks, NCCL).
 std::unique_ptr<Communicator> MakeQueuedCommunicator(std::unique_ptr<CollectiveWire> wire);

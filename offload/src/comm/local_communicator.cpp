@@ -30,6 +30,7 @@ struct Round {
 
 struct Group {
   int size = 1;
+  int ranks_per_node = 1;
   double timeout_seconds = 0;
   std::mutex mutex;
   std::condition_variable changed;
@@ -111,6 +112,10 @@ class LocalWire final : public internal::CollectiveWire {
 
   int rank() const override { return rank_; }
   int size() const override { return group_->size; }
+  NodePlace node() const override {
+    const int first = rank_ / group_->ranks_per_node * group_->ranks_per_node;
+    return {rank_ - first, std::min(group_->ranks_per_node, group_->size - first)};
+  }
 
   /// Peers waiting for this rank fail at once; its own collectives still queued fail too.
   void Leave() override {
@@ -231,8 +236,10 @@ Result<std::vector<std::unique_ptr<Communicator>>> CreateLocalCommunicators(
   if (!(options.timeout_seconds > 0) || !std::isfinite(options.timeout_seconds)) {
     return InvalidArgument("the collective timeout must be a number of seconds > 0");
   }
+  if (options.ranks_per_node < 0) return InvalidArgument("ranks_per_node must be >= 0");
   auto group = std::make_shared<Group>();
   group->size = options.size;
+  group->ranks_per_node = options.ranks_per_node == 0 ? options.size : options.ranks_per_node;
   group->timeout_seconds = options.timeout_seconds;
   group->left.assign(size_t(options.size), false);
   std::vector<std::unique_ptr<Communicator>> ranks;

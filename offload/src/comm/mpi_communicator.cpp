@@ -222,11 +222,16 @@ struct CommState {
 /// One communicator's wire: a duplicate of MPI_COMM_WORLD of its own, used on the MPI thread.
 class MpiWire final : public internal::CollectiveWire {
  public:
-  MpiWire(const CommState& made, double timeout_seconds)
-      : comm_(made.comm), rank_(made.rank), size_(made.size), timeout_seconds_(timeout_seconds) {}
+  MpiWire(const CommState& made, const MpiCommunicatorOptions& options)
+      : comm_(made.comm),
+        rank_(made.rank),
+        size_(made.size),
+        node_(options.node.value_or(NodePlace{made.rank, made.size})),
+        timeout_seconds_(options.timeout_seconds) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  NodePlace node() const override { return node_; }
 
   /// MPI counts are ints: refused alike on every rank, before any MPI call.
   Status Admit(const internal::QueuedCollective& queued) override {
@@ -294,6 +299,7 @@ class MpiWire final : public internal::CollectiveWire {
   MPI_Comm comm_;
   const int rank_;
   const int size_;
+  const NodePlace node_;
   const double timeout_seconds_;
   bool timed_out_ = false;  // MPI thread.
 };
@@ -305,6 +311,12 @@ bool MpiAvailable() { return true; }
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicatorOptions& options) {
   if (!(options.timeout_seconds > 0) || !std::isfinite(options.timeout_seconds)) {
     return InvalidArgument("the collective timeout must be a number of seconds > 0");
+  }
+  if (options.node) {
+    // Checked before MPI says the size: a launcher that disagrees with MPI about the size is
+    // the caller's to name (tools' ConnectLaunchedRanks does).
+    STRATA_RETURN_IF_ERROR(internal::CheckNodePlace(*options.node, std::numeric_limits<int>::max(),
+                                                    "MpiCommunicatorOptions::node"));
   }
   MpiThread& thread = MpiThread::Get();
   STRATA_RETURN_IF_ERROR(thread.started());
@@ -336,8 +348,7 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicato
   });
   STRATA_RETURN_IF_ERROR(posted);
   STRATA_RETURN_IF_ERROR(result.get());
-  return internal::MakeQueuedCommunicator(
-      std::make_unique<MpiWire>(*state, options.timeout_seconds), thread);
+  return internal::MakeQueuedCommunicator(std::make_unique<MpiWire>(*state, options), thread);
 }
 
 #endif  // STRATA_WITH_MPI

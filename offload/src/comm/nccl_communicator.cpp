@@ -80,6 +80,7 @@ class NcclWire final : public internal::CollectiveWire {
            cudaEvent_t finished)
       : rank_(options.rank),
         size_(options.size),
+        node_(options.node.value_or(NodePlace{options.rank, options.size})),
         device_(options.device_index),
         timeout_seconds_(options.timeout_seconds),
         comm_(comm),
@@ -88,6 +89,7 @@ class NcclWire final : public internal::CollectiveWire {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  NodePlace node() const override { return node_; }
 
   Status Run(const internal::QueuedCollective& queued) override {
     name_ = queued.name;
@@ -290,6 +292,7 @@ class NcclWire final : public internal::CollectiveWire {
 
   const int rank_;
   const int size_;
+  const NodePlace node_;
   const int device_;
   const double timeout_seconds_;
   ncclComm_t comm_;
@@ -384,6 +387,10 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(
   }
   if (!(options.timeout_seconds > 0)) {
     return InvalidArgument("the collective timeout must be a number of seconds > 0");
+  }
+  if (options.node) {
+    STRATA_RETURN_IF_ERROR(
+        internal::CheckNodePlace(*options.node, options.size, "NcclCommunicatorOptions::node"));
   }
   // The caller's current GPU stays current on its thread.
   return OnGpu(options.device_index, [&] { return Create(options); });

@@ -45,6 +45,15 @@ using CollectiveDone = std::function<void(Status)>;
 /// running it — on this rank only, so the others will time out. Empty: ready when enqueued.
 using CollectiveReady = std::function<Status()>;
 
+/// A rank's place among the ranks on its node, which share its memory, cores and drives: the
+/// launcher's local rank and size (RankInfo), handed to a communicator when it is created. It
+/// is where a hierarchy of groups would start (HSDP: reduce within a node, then across nodes);
+/// today every collective spans all ranks and nothing groups by it.
+struct NodePlace {
+  int local_rank = 0;  ///< 0 .. local_size - 1.
+  int local_size = 1;  ///< Ranks on this node, this one included (<= size()).
+};
+
 /// Thread safety: the enqueueing calls from one thread at a time, in the same order on every
 /// rank. Buffers must stay valid, and unwritten by anyone else, until `done` runs. A collective
 /// that fails (a peer that never joins it times out) leaves the communicator failed: every
@@ -54,6 +63,10 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  /// This rank's place on its node, as told when the communicator was created; untold, every
+  /// rank counts as on this node (local rank = rank, local size = size), as DetectRanks
+  /// assumes where the launcher does not say.
+  virtual NodePlace node() const { return {rank(), size()}; }
 
   /// Queues `collective` behind every one enqueued before it; `ready` and `done` as above.
   /// What the descriptor's fields mean for each kind: collective.h and the helpers below.
