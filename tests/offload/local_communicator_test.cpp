@@ -160,6 +160,25 @@ TEST(LocalCommunicatorTest, BadOptionsAreRefused) {
             StatusCode::kInvalidArgument);
 }
 
+// Where each rank sits on its node: in rank order, the last node holding what is left; by
+// default every rank on one node.
+TEST(LocalCommunicatorTest, RanksKnowTheirPlaceOnTheirNode) {
+  auto group = CreateLocalCommunicators({.size = 5, .ranks_per_node = 2});
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  const std::vector<std::pair<int, int>> expected = {{0, 2}, {1, 2}, {0, 2}, {1, 2}, {0, 1}};
+  for (int r = 0; r < 5; ++r) {
+    const NodePlace node = (*group)[size_t(r)]->node();
+    EXPECT_EQ(std::make_pair(node.local_rank, node.local_size), expected[size_t(r)]) << r;
+  }
+  for (const auto& comm : Group(3)) {
+    EXPECT_EQ(comm->node().local_rank, comm->rank());
+    EXPECT_EQ(comm->node().local_size, 3);
+  }
+  EXPECT_EQ(CreateLocalCommunicators({.size = 2, .ranks_per_node = -1}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateSingleRankCommunicator()->node().local_size, 1);
+}
+
 }  // namespace
 }  // namespace strata::offload
 

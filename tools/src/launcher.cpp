@@ -17,8 +17,10 @@ Status CheckLaunchable(const offload::RankInfo& launched) {
 Result<std::unique_ptr<offload::Communicator>> ConnectLaunchedRanks(
     const offload::RankInfo& launched, const offload::MpiCommunicatorOptions& options) {
   STRATA_RETURN_IF_ERROR(CheckLaunchable(launched));
+  offload::MpiCommunicatorOptions placed = options;
+  placed.node = offload::NodePlace{launched.local_rank, launched.local_size};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::Communicator> communicator,
-                          offload::CreateMpiCommunicator(options));
+                          offload::CreateMpiCommunicator(placed));
   if (communicator->size() != launched.size) {
     return FailedPrecondition("MPI has " + std::to_string(communicator->size()) +
                               " ranks, the launcher's variables say " +

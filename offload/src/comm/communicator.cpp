@@ -3,8 +3,6 @@
 #include <cstring>
 #include <future>
 
-#include "comm/collective_peers.h"
-
 namespace strata::offload {
 namespace {
 
@@ -13,33 +11,13 @@ class SingleRankCommunicator final : public Communicator {
   int rank() const override { return 0; }
   int size() const override { return 1; }
 
-  void AllReduce(void* /*data*/, size_t /*count*/, DType /*dtype*/, ReduceOp /*op*/,
-                 CollectiveReady ready, CollectiveDone done) override {
-    Run(ready, done, [] {});
-  }
-  void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp /*op*/,
-                     CollectiveReady ready, CollectiveDone done) override {
-    Run(ready, done, [=] { std::memmove(recv, send, recv_count * DTypeSize(dtype)); });
-  }
-  void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
-                 CollectiveReady ready, CollectiveDone done) override {
-    Run(ready, done, [=] { std::memmove(recv, send, send_count * DTypeSize(dtype)); });
-  }
-  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
-                CollectiveDone done) override {
-    Run(ready, done, [=] { std::memmove(recv, send, count * DTypeSize(dtype)); });
-  }
-  void AllReduceScalars(std::span<double> /*values*/, ReduceOp /*op*/, CollectiveReady ready,
-                        CollectiveDone done) override {
-    Run(ready, done, [] {});
-  }
-
- private:
-  /// In place and in order: nothing else is queued.
-  template <typename Op>
-  static void Run(const CollectiveReady& ready, const CollectiveDone& done, Op op) {
+  /// In place and in order: nothing else is queued. With one rank every collective's output
+  /// is its input (an all-reduce's and step scalars' already are).
+  void Enqueue(const Collective& collective, CollectiveReady ready, CollectiveDone done) override {
     Status status = ready ? ready() : Status();
-    if (status.ok()) op();
+    if (status.ok() && collective.send != collective.recv) {
+      std::memmove(collective.recv, collective.send, collective.recv_bytes(1));
+    }
     if (done) done(std::move(status));
   }
 };
@@ -79,19 +57,6 @@ Status Communicator::AllGatherNow(std::span<const uint64_t> send, std::span<uint
 Status Communicator::AllGatherNow(std::span<const float> send, std::span<float> recv) {
   return AllGatherBlocking(send.data(), recv.data(), send.size(), recv.size(), DType::kFp32);
 }
-
-namespace internal {
-
-std::string PeersOf(int rank, int size) {
-  if (size == 2) return "rank " + std::to_string(1 - rank) + ", the other rank,";
-  std::string peers;
-  for (int r = 0; r < size; ++r) {
-    if (r != rank) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
-  }
-  return "one of ranks " + peers;
-}
-
-}  // namespace internal
 
 std::unique_ptr<Communicator> CreateSingleRankCommunicator() {
   return std::make_unique<SingleRankCommunicator>();

@@ -4,17 +4,14 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
-#include <deque>
-#include <exception>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 
+#include "comm/collective_peers.h"
+#include "comm/collective_queue.h"
 #include "strata/core/dtype.h"
 
 namespace strata::offload {
@@ -22,45 +19,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Kind : int { kAllReduce, kReduceScatter, kAllGather, kAllToAll, kScalars };
-
-const char* KindName(Kind kind) {
-  switch (kind) {
-    case Kind::kAllReduce: return "all-reduce";
-    case Kind::kReduceScatter: return "reduce-scatter";
-    case Kind::kAllGather: return "all-gather";
-    case Kind::kAllToAll: return "all-to-all";
-    case Kind::kScalars: return "all-reduce of step scalars";
-  }
-  return "collective";
-}
-
-/// One rank's part in a collective. `count`: the elements of an all-reduce, per rank of a
-/// reduce-scatter's output, an all-gather's input and an all-to-all's blocks.
-struct Contribution {
-  Kind kind = Kind::kAllReduce;
-  DType dtype = DType::kFp32;
-  ReduceOp op = ReduceOp::kSum;
-  size_t count = 0;
-  const void* send = nullptr;
-  void* recv = nullptr;
-
-  std::string Describe() const {
-    std::string text = std::string(KindName(kind)) + " of " + std::to_string(count) + " ";
-    text += kind == Kind::kScalars ? std::string("doubles") : std::string(DTypeName(dtype));
-    if (reduces()) text += op == ReduceOp::kSum ? " (sum)" : " (max)";
-    return text;
-  }
-  bool reduces() const { return kind != Kind::kAllGather && kind != Kind::kAllToAll; }
-  bool Matches(const Contribution& other) const {
-    return kind == other.kind && count == other.count &&
-           (kind == Kind::kScalars || dtype == other.dtype) && (!reduces() || op == other.op);
-  }
-};
-
 /// The ranks' meeting at one position of their collective sequences.
 struct Round {
-  std::vector<std::optional<Contribution>> parts;
+  std::vector<std::optional<Collective>> parts;
   int arrived = 0;
   int computed = 0;  // Ranks that have read every input: outputs may be written.
   int finished = 0;
@@ -69,6 +30,7 @@ struct Round {
 
 struct Group {
   int size = 1;
+  int ranks_per_node = 1;
   double timeout_seconds = 0;
   std::mutex mutex;
   std::condition_variable changed;
@@ -99,13 +61,13 @@ void Store(void* data, DType dtype, size_t i, double value) {
 /// This rank's output of a collective whose every input is in `parts`, into `out` (as many
 /// bytes as recv takes). Reductions run in rank order, in fp32 (double for scalars), rounded
 /// once at the end: the same result on every rank.
-void Compute(const std::vector<std::optional<Contribution>>& parts, int rank, std::byte* out) {
-  const Contribution& mine = *parts[size_t(rank)];
+void Compute(const std::vector<std::optional<Collective>>& parts, int rank, std::byte* out) {
+  const Collective& mine = *parts[size_t(rank)];
   const int size = int(parts.size());
-  if (mine.kind == Kind::kAllGather || mine.kind == Kind::kAllToAll) {
+  if (mine.kind == Collective::Kind::kAllGather || mine.kind == Collective::Kind::kAllToAll) {
     // An all-to-all takes this rank's block of every rank's send buffer.
     const size_t bytes = mine.count * DTypeSize(mine.dtype);
-    const size_t from = mine.kind == Kind::kAllToAll ? size_t(rank) * bytes : 0;
+    const size_t from = mine.kind == Collective::Kind::kAllToAll ? size_t(rank) * bytes : 0;
     for (int r = 0; r < size; ++r) {
       std::memcpy(out + size_t(r) * bytes,
                   static_cast<const std::byte*>(parts[size_t(r)]->send) + from, bytes);
@@ -113,13 +75,14 @@ void Compute(const std::vector<std::optional<Contribution>>& parts, int rank, st
     return;
   }
   // The first input element of this rank's output in every rank's send buffer.
-  const size_t first = mine.kind == Kind::kReduceScatter ? size_t(rank) * mine.count : 0;
+  const size_t first =
+      mine.kind == Collective::Kind::kReduceScatter ? size_t(rank) * mine.count : 0;
   for (size_t i = 0; i < mine.count; ++i) {
     double acc = 0.0;
     for (int r = 0; r < size; ++r) {
       const void* send = parts[size_t(r)]->send;
       double value = 0.0;
-      if (mine.kind == Kind::kScalars) {
+      if (mine.kind == Collective::Kind::kAllReduceScalars) {
         value = static_cast<const double*>(send)[i];
       } else {
         value = Load(send, mine.dtype, first + i);
@@ -128,12 +91,13 @@ void Compute(const std::vector<std::optional<Contribution>>& parts, int rank, st
         acc = value;
       } else if (mine.op == ReduceOp::kSum) {
         // fp32 accumulation for tensors, as NCCL and MPI sum fp32 buffers.
-        acc = mine.kind == Kind::kScalars ? acc + value : double(float(acc) + float(value));
+        acc = mine.kind == Collective::Kind::kAllReduceScalars ? acc + value
+                                                               : double(float(acc) + float(value));
       } else {
         acc = std::max(acc, value);
       }
     }
-    if (mine.kind == Kind::kScalars) {
+    if (mine.kind == Collective::Kind::kAllReduceScalars) {
       reinterpret_cast<double*>(out)[i] = acc;
     } else {
       Store(out, mine.dtype, i, acc);
@@ -141,128 +105,49 @@ void Compute(const std::vector<std::optional<Contribution>>& parts, int rank, st
   }
 }
 
-size_t OutputBytes(const Contribution& part, int size) {
-  if (part.kind == Kind::kScalars) return part.count * sizeof(double);
-  const size_t per_rank = part.count * DTypeSize(part.dtype);
-  return part.reduces() ? per_rank : per_rank * size_t(size);
-}
-
-class LocalCommunicator final : public Communicator {
+/// One rank's end of a group: the collective at position k meets the others' k-th.
+class LocalWire final : public internal::CollectiveWire {
  public:
-  LocalCommunicator(std::shared_ptr<Group> group, int rank)
-      : group_(std::move(group)), rank_(rank), thread_([this] { Main(); }) {}
-
-  ~LocalCommunicator() override {
-    {
-      // Peers waiting for this rank fail at once; its own collectives still queued fail too.
-      std::lock_guard lock(group_->mutex);
-      group_->left[size_t(rank_)] = true;
-      group_->changed.notify_all();
-    }
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-      wake_.notify_one();
-    }
-    thread_.join();
-  }
+  LocalWire(std::shared_ptr<Group> group, int rank) : group_(std::move(group)), rank_(rank) {}
 
   int rank() const override { return rank_; }
   int size() const override { return group_->size; }
-
-  void AllReduce(void* data, size_t count, DType dtype, ReduceOp op, CollectiveReady ready,
-                 CollectiveDone done) override {
-    Enqueue({Kind::kAllReduce, dtype, op, count, data, data}, std::move(ready), std::move(done));
-  }
-  void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
-                     CollectiveReady ready, CollectiveDone done) override {
-    Enqueue({Kind::kReduceScatter, dtype, op, recv_count, send, recv}, std::move(ready),
-            std::move(done));
-  }
-  void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
-                 CollectiveReady ready, CollectiveDone done) override {
-    Enqueue({Kind::kAllGather, dtype, ReduceOp::kSum, send_count, send, recv}, std::move(ready),
-            std::move(done));
-  }
-  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
-                CollectiveDone done) override {
-    Enqueue({Kind::kAllToAll, dtype, ReduceOp::kSum, count, send, recv}, std::move(ready),
-            std::move(done));
-  }
-  void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
-                        CollectiveDone done) override {
-    Enqueue({Kind::kScalars, DType::kFp32, op, values.size(), values.data(), values.data()},
-            std::move(ready), std::move(done));
+  NodePlace node() const override {
+    const int first = rank_ / group_->ranks_per_node * group_->ranks_per_node;
+    return {rank_ - first, std::min(group_->ranks_per_node, group_->size - first)};
   }
 
- private:
-  struct Job {
-    uint64_t number;
-    Contribution part;
-    CollectiveReady ready;
-    CollectiveDone done;
-  };
-
-  void Enqueue(Contribution part, CollectiveReady ready, CollectiveDone done) {
-    std::lock_guard lock(mutex_);
-    jobs_.push_back({++enqueued_, part, std::move(ready), std::move(done)});
-    wake_.notify_one();
+  /// Peers waiting for this rank fail at once; its own collectives still queued fail too.
+  void Leave() override {
+    std::lock_guard lock(group_->mutex);
+    group_->left[size_t(rank_)] = true;
+    group_->changed.notify_all();
   }
 
-  void Main() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      Status status = failed_;
-      if (status.ok() && job.ready) {
-        try {
-          status = job.ready();
-        } catch (const std::exception& e) {
-          status = Internal(Name(job.number, job.part) + ": its ready function threw: " + e.what());
-        }
-      }
-      status = Run(job.number, job.part, std::move(status));
-      if (!status.ok() && failed_.ok()) failed_ = status;
-      if (!job.done) continue;
-      try {
-        job.done(std::move(status));
-      } catch (...) {
-        // Nothing to tell: the callback's own failure is its owner's to report.
-      }
-    }
-  }
-
-  std::string Name(uint64_t number, const Contribution& part) const {
-    return "rank " + std::to_string(rank_) + " of " + std::to_string(group_->size) +
-           ": collective #" + std::to_string(number) + " (" + part.Describe() + ")";
-  }
-
-  /// Meets the other ranks at position `number`. `input`: this rank's input failed (its ready
-  /// function, or an earlier collective): the round fails on every rank, without waiting.
-  Status Run(uint64_t number, const Contribution& part, Status input) {
+  /// This rank's input failed (its ready function, or an earlier collective): the round fails
+  /// on every rank, without waiting.
+  void Skip(const internal::QueuedCollective& queued, const Status& why) override {
     Group& g = *group_;
+    std::lock_guard lock(g.mutex);
+    Round& round = RoundAt(queued.number);
+    if (round.failed.ok()) {
+      round.failed = Unavailable("rank " + std::to_string(rank_) + " could not join collective #" +
+                                 std::to_string(queued.number) + ": " + why.message());
+    }
+    g.changed.notify_all();
+    Finish(queued.number, round);
+  }
+
+  /// Meets the other ranks at the collective's position.
+  Status Run(const internal::QueuedCollective& queued) override {
+    Group& g = *group_;
+    const Collective& part = queued.collective;
     std::unique_lock lock(g.mutex);
-    Round& round = g.rounds[number];
-    if (round.parts.empty()) round.parts.resize(size_t(g.size));
+    Round& round = RoundAt(queued.number);
     auto finish = [&](Status status) {
-      if (++round.finished == g.size) g.rounds.erase(number);
+      Finish(queued.number, round);
       return status;
     };
-    if (!input.ok()) {
-      if (round.failed.ok()) {
-        round.failed =
-            Unavailable("rank " + std::to_string(rank_) + " could not join collective #" +
-                        std::to_string(number) + ": " + input.message());
-      }
-      g.changed.notify_all();
-      return finish(input);
-    }
     round.parts[size_t(rank_)] = part;
     ++round.arrived;
     g.changed.notify_all();
@@ -281,7 +166,7 @@ class LocalCommunicator final : public Communicator {
       if (!round.failed.ok()) return finish(round.failed);
       if (round.arrived == g.size) break;
       if (g.left[size_t(rank_)]) {
-        round.failed = Unavailable(Name(number, part) +
+        round.failed = Unavailable(queued.name +
                                    ": the communicator was destroyed while "
                                    "rank(s)" +
                                    missing() + " had not joined");
@@ -289,32 +174,31 @@ class LocalCommunicator final : public Communicator {
       }
       for (int r = 0; r < g.size; ++r) {
         if (g.left[size_t(r)] && !round.parts[size_t(r)]) {
-          round.failed = Unavailable(Name(number, part) + ": rank " + std::to_string(r) +
+          round.failed = Unavailable(queued.name + ": rank " + std::to_string(r) +
                                      " left the group before joining it");
         }
       }
       if (!round.failed.ok()) continue;
       if (g.changed.wait_until(lock, deadline) == std::cv_status::timeout &&
           round.arrived < g.size && round.failed.ok()) {
-        char seconds[32];
-        std::snprintf(seconds, sizeof seconds, "%g s", g.timeout_seconds);
-        round.failed = Unavailable(Name(number, part) + " waited " + seconds + " for rank(s)" +
-                                   missing() + "; a peer died or stopped enqueueing");
+        round.failed =
+            Unavailable(queued.name + " waited " + internal::FormatSeconds(g.timeout_seconds) +
+                        " for rank(s)" + missing() + "; a peer died or stopped enqueueing");
       }
     }
     for (int r = 0; r < g.size; ++r) {
-      const Contribution& other = *round.parts[size_t(r)];
+      const Collective& other = *round.parts[size_t(r)];
       if (!other.Matches(part)) {
         // Every rank reaches the same verdict from the same parts; none reads a buffer.
-        return finish(InvalidArgument(Name(number, part) + " meets rank " + std::to_string(r) +
-                                      "'s " + other.Describe() +
+        return finish(InvalidArgument(queued.name + " meets rank " + std::to_string(r) + "'s " +
+                                      other.Describe() +
                                       ": the ranks enqueued different collectives"));
       }
     }
 
     // Read every input, then (once every rank has read) write the output: an in-place
     // all-reduce's buffer is another rank's input until then.
-    std::vector<std::byte> out(OutputBytes(part, g.size));
+    std::vector<std::byte> out(part.recv_bytes(g.size));
     lock.unlock();
     Compute(round.parts, rank_, out.data());
     lock.lock();
@@ -327,15 +211,21 @@ class LocalCommunicator final : public Communicator {
     return finish(Status());
   }
 
-  std::shared_ptr<Group> group_;
+ private:
+  /// The round at position `number`, made by the first rank to reach it. Group mutex held.
+  Round& RoundAt(uint64_t number) {
+    Round& round = group_->rounds[number];
+    if (round.parts.empty()) round.parts.resize(size_t(group_->size));
+    return round;
+  }
+
+  /// This rank is through with `round`; the last one out removes it. Group mutex held.
+  void Finish(uint64_t number, Round& round) {
+    if (++round.finished == group_->size) group_->rounds.erase(number);
+  }
+
+  const std::shared_ptr<Group> group_;
   const int rank_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Job> jobs_;
-  uint64_t enqueued_ = 0;
-  bool stopping_ = false;
-  Status failed_;       // Worker thread: the first failure, which every later collective reports.
-  std::thread thread_;  // Last: started once everything it uses exists.
 };
 
 }  // namespace
@@ -346,13 +236,15 @@ Result<std::vector<std::unique_ptr<Communicator>>> CreateLocalCommunicators(
   if (!(options.timeout_seconds > 0) || !std::isfinite(options.timeout_seconds)) {
     return InvalidArgument("the collective timeout must be a number of seconds > 0");
   }
+  if (options.ranks_per_node < 0) return InvalidArgument("ranks_per_node must be >= 0");
   auto group = std::make_shared<Group>();
   group->size = options.size;
+  group->ranks_per_node = options.ranks_per_node == 0 ? options.size : options.ranks_per_node;
   group->timeout_seconds = options.timeout_seconds;
   group->left.assign(size_t(options.size), false);
   std::vector<std::unique_ptr<Communicator>> ranks;
   for (int r = 0; r < options.size; ++r) {
-    ranks.push_back(std::make_unique<LocalCommunicator>(group, r));
+    ranks.push_back(internal::MakeQueuedCommunicator(std::make_unique<LocalWire>(group, r)));
   }
   return ranks;
 }

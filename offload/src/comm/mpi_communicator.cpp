@@ -3,23 +3,20 @@
 #include <cmath>
 #include <string>
 
-#include "comm/collective_peers.h"
-
 #if STRATA_WITH_MPI
 #include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <cstdio>
 #include <cstdlib>
-#include <deque>
 #include <functional>
 #include <future>
 #include <limits>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "comm/collective_peers.h"
+#include "comm/collective_queue.h"
 #endif
 
 namespace strata::offload {
@@ -49,12 +46,6 @@ std::string MpiErrorText(int code) {
   return std::string(text, size_t(length));
 }
 
-std::string Seconds(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g s", seconds);
-  return text;
-}
-
 /// The one thread of the process that calls MPI, shared by every communicator: it runs their
 /// jobs one at a time in the order posted. It initializes MPI when it starts (for every thread,
 /// MPI_THREAD_MULTIPLE), unless the trainer did, and finalizes it at process exit (an atexit
@@ -63,12 +54,12 @@ std::string Seconds(double seconds) {
 /// collective that timed out is still not complete a few seconds later (its peer is dead): then
 /// it leaves MPI as it is, so the process exits and mpirun takes the job down instead of every
 /// rank hanging in MPI_Finalize.
-class MpiThread {
+class MpiThread final : public internal::Executor {
  public:
   static MpiThread& Get() {
     static MpiThread* const thread = [] {
       auto* created = new MpiThread;
-      std::atexit([] { Get().Stop(); });
+      std::atexit([] { Get().thread_.Stop(); });
       return created;
     }();
     return *thread;
@@ -76,17 +67,11 @@ class MpiThread {
 
   /// How starting MPI went.
   const Status& started() const { return started_; }
-  bool on_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  bool on_thread() const override { return thread_.on_thread(); }
 
-  /// Runs `job` on the MPI thread after every job posted before it; false (and `job` dropped)
-  /// once the thread stopped at exit.
-  bool Post(std::function<void()> job) {
-    std::lock_guard lock(mutex_);
-    if (stopping_) return false;
-    jobs_.push_back(std::move(job));
-    wake_.notify_one();
-    return true;
-  }
+  /// Runs `job` on the MPI thread after every job posted before it; Unavailable (and `job`
+  /// dropped) once the thread stopped at exit.
+  Status Post(std::function<void()> job) override { return thread_.Post(std::move(job)); }
 
   /// A collective that timed out, with what it may still write: MPI is finalized only if it
   /// completes after all. MPI thread.
@@ -100,63 +85,42 @@ class MpiThread {
     std::shared_ptr<void> buffers;  // Kept for MPI to write into until the process ends.
   };
 
-  MpiThread() {
-    std::promise<Status> started;
-    std::future<Status> result = started.get_future();
-    thread_ = std::thread([this, started = std::move(started)]() mutable { Main(started); });
-    started_ = result.get();
+  MpiThread()
+      : thread_([this] { Start(); }, [this] { Finish(); }, "MPI was finalized at process exit") {
+    started_ = started_future_.get();
   }
 
-  /// Runs the jobs posted so far, then finalizes MPI. From exit on the MPI thread itself (a
-  /// callback that exits), it cannot wait for itself: MPI is left as it is.
-  void Stop() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-      wake_.notify_one();
-    }
-    if (on_thread()) {
-      thread_.detach();
-    } else if (thread_.joinable()) {
-      thread_.join();
-    }
-  }
-
-  void Main(std::promise<Status>& started) {
+  /// On the MPI thread, before any job.
+  void Start() {
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
     MPI_Finalized(&finalized);
-    bool owner = false;
     if (finalized) {
-      started.set_value(Unavailable("MPI was already finalized in this process"));
+      started_promise_.set_value(Unavailable("MPI was already finalized in this process"));
     } else if (initialized) {
       int provided = MPI_THREAD_SINGLE;
       MPI_Query_thread(&provided);
-      started.set_value(provided >= MPI_THREAD_MULTIPLE
-                            ? Status()
-                            : Unavailable("MPI was initialized by the trainer without "
-                                          "MPI_THREAD_MULTIPLE; Strata calls MPI from a thread "
-                                          "of its own, so initialize it with that level"));
+      started_promise_.set_value(
+          provided >= MPI_THREAD_MULTIPLE
+              ? Status()
+              : Unavailable("MPI was initialized by the trainer without "
+                            "MPI_THREAD_MULTIPLE; Strata calls MPI from a thread "
+                            "of its own, so initialize it with that level"));
     } else {
       int provided = MPI_THREAD_SINGLE;
       const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      owner = code == MPI_SUCCESS;
+      owner_ = code == MPI_SUCCESS;
       // Below MULTIPLE, only this thread may call MPI: enough for Strata, which says so.
-      started.set_value(owner ? Status() : Internal("MPI_Init_thread: " + MpiErrorText(code)));
+      started_promise_.set_value(owner_ ? Status()
+                                        : Internal("MPI_Init_thread: " + MpiErrorText(code)));
     }
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) break;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      job();
-    }
+  }
+
+  /// On the MPI thread, after the last job.
+  void Finish() {
+    int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owner && !finalized && AbandonedComplete()) MPI_Finalize();
+    if (owner_ && !finalized && AbandonedComplete()) MPI_Finalize();
   }
 
   /// Whether every abandoned collective completed, given a grace period for late peers.
@@ -174,13 +138,13 @@ class MpiThread {
     return true;
   }
 
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::function<void()>> jobs_;
-  bool stopping_ = false;
-  std::vector<Abandoned> abandoned_;  // MPI thread only.
+  // MPI thread only (the promise until it is set).
+  std::promise<Status> started_promise_;
+  std::future<Status> started_future_ = started_promise_.get_future();
+  bool owner_ = false;  // Whether Strata initialized MPI, and so finalizes it.
+  std::vector<Abandoned> abandoned_;
   Status started_;
-  std::thread thread_;
+  internal::WorkerThread thread_;  // Last: starts once everything it uses exists.
 };
 
 /// Element-wise reductions of 16-bit floats, which MPI has no type for: each pair is reduced
@@ -236,10 +200,9 @@ Status Await(MPI_Request request, double timeout_seconds, const std::string& nam
     if (finished) return Status();
     if (Clock::now() > deadline) {
       MpiThread::Get().Abandon(request, std::move(buffers));
-      return Unavailable(name + " did not complete within " + Seconds(timeout_seconds) + ": " +
-                         peers +
-                         " died, hangs or stopped enqueueing the same collectives "
-                         "(MpiCommunicatorOptions::timeout_seconds)");
+      return internal::DidNotComplete(
+          name, timeout_seconds,
+          internal::PeersStopped(peers, "MpiCommunicatorOptions::timeout_seconds"));
     }
     // Short collectives finish within the first polls; long ones are polled at most 1 ms
     // apart.
@@ -249,159 +212,96 @@ Status Await(MPI_Request request, double timeout_seconds, const std::string& nam
   }
 }
 
-/// What a communicator's queued jobs share with it: they may outlive it (the last owner of a
-/// communicator can be one of its own callbacks, on the MPI thread).
+/// What creating a communicator makes, on the MPI thread.
 struct CommState {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0;
   int size = 1;
-  double timeout_seconds = 0;
-  // MPI thread only: the first failure, which every later collective reports, and whether a
-  // collective timed out (the communicator then stays: freeing it under a request MPI may
-  // still complete crashes its progress engine).
-  Status failed;
-  bool timed_out = false;
 };
 
-class MpiCommunicator final : public Communicator {
+/// One communicator's wire: a duplicate of MPI_COMM_WORLD of its own, used on the MPI thread.
+class MpiWire final : public internal::CollectiveWire {
  public:
-  explicit MpiCommunicator(std::shared_ptr<CommState> state) : state_(std::move(state)) {}
+  MpiWire(const CommState& made, const MpiCommunicatorOptions& options)
+      : comm_(made.comm),
+        rank_(made.rank),
+        size_(made.size),
+        node_(options.node.value_or(NodePlace{made.rank, made.size})),
+        timeout_seconds_(options.timeout_seconds) {}
 
-  ~MpiCommunicator() override {
-    // Behind every collective enqueued: they run (or fail) first. Waited for, unless this is
-    // the MPI thread (a callback held the last reference), which cannot wait for itself.
-    auto freed = std::make_shared<std::promise<void>>();
-    std::future<void> done = freed->get_future();
-    const bool posted = MpiThread::Get().Post([state = state_, freed] {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (!finalized && !state->timed_out) MPI_Comm_free(&state->comm);
-      freed->set_value();
-    });
-    if (posted && !MpiThread::Get().on_thread()) done.wait();
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  NodePlace node() const override { return node_; }
+
+  /// MPI counts are ints: refused alike on every rank, before any MPI call.
+  Status Admit(const internal::QueuedCollective& queued) override {
+    if (queued.collective.largest_count(size_) > size_t(std::numeric_limits<int>::max())) {
+      return InvalidArgument(queued.name + " is larger than MPI's int counts allow");
+    }
+    return Status();
   }
 
-  int rank() const override { return state_->rank; }
-  int size() const override { return state_->size; }
-
-  void AllReduce(void* data, size_t count, DType dtype, ReduceOp op, CollectiveReady ready,
-                 CollectiveDone done) override {
-    Enqueue("all-reduce of " + std::to_string(count) + " elements", count, std::move(ready),
-            std::move(done), [=](MPI_Comm comm, MPI_Request* request) {
-              return MPI_Iallreduce(MPI_IN_PLACE, data, int(count), Types().Type(dtype),
-                                    Types().Op(dtype, op), comm, request);
-            });
+  Status Run(const internal::QueuedCollective& queued) override {
+    const Collective& c = queued.collective;
+    const int count = int(c.count);
+    const MPI_Datatype type = Types().Type(c.dtype);
+    // Step scalars go through a copy the job owns, copied back on success: a collective that
+    // times out may complete later, and the caller's span (a local, often) is gone by then.
+    std::shared_ptr<std::vector<double>> copy;
+    MPI_Request request = MPI_REQUEST_NULL;
+    int code = MPI_SUCCESS;
+    switch (c.kind) {
+      case Collective::Kind::kAllReduce:
+        code = MPI_Iallreduce(MPI_IN_PLACE, c.recv, count, type, Types().Op(c.dtype, c.op), comm_,
+                              &request);
+        break;
+      case Collective::Kind::kReduceScatter:
+        code = MPI_Ireduce_scatter_block(c.send, c.recv, count, type, Types().Op(c.dtype, c.op),
+                                         comm_, &request);
+        break;
+      case Collective::Kind::kAllGather: {
+        // MPI forbids overlapping buffers; its own slot of recv is MPI_IN_PLACE.
+        const bool in_place =
+            c.send == static_cast<const std::byte*>(c.recv) + size_t(rank_) * c.send_bytes(size_);
+        code = MPI_Iallgather(in_place ? MPI_IN_PLACE : c.send, count, type, c.recv, count, type,
+                              comm_, &request);
+        break;
+      }
+      case Collective::Kind::kAllToAll:
+        code = MPI_Ialltoall(c.send, count, type, c.recv, count, type, comm_, &request);
+        break;
+      case Collective::Kind::kAllReduceScalars: {
+        const auto* values = static_cast<const double*>(c.send);
+        copy = std::make_shared<std::vector<double>>(values, values + c.count);
+        code = MPI_Iallreduce(MPI_IN_PLACE, copy->data(), count, MPI_DOUBLE,
+                              c.op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_, &request);
+        break;
+      }
+    }
+    if (code != MPI_SUCCESS)
+      return Internal(queued.name + " could not start: " + MpiErrorText(code));
+    Status status =
+        Await(request, timeout_seconds_, queued.name, copy, internal::PeersOf(rank_, size_));
+    if (status.code() == StatusCode::kUnavailable) timed_out_ = true;
+    if (status.ok() && copy) std::copy(copy->begin(), copy->end(), static_cast<double*>(c.recv));
+    return status;
   }
 
-  void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
-                     CollectiveReady ready, CollectiveDone done) override {
-    Enqueue("reduce-scatter of " + std::to_string(recv_count) + " elements per rank",
-            recv_count * size_t(size()), std::move(ready), std::move(done),
-            [=](MPI_Comm comm, MPI_Request* request) {
-              return MPI_Ireduce_scatter_block(send, recv, int(recv_count), Types().Type(dtype),
-                                               Types().Op(dtype, op), comm, request);
-            });
-  }
-
-  void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
-                 CollectiveReady ready, CollectiveDone done) override {
-    Enqueue("all-gather of " + std::to_string(send_count) + " elements per rank",
-            send_count * size_t(size()), std::move(ready), std::move(done),
-            [=, rank = rank()](MPI_Comm comm, MPI_Request* request) {
-              // MPI forbids overlapping buffers; its own slot of recv is MPI_IN_PLACE.
-              const bool in_place = send == static_cast<const std::byte*>(recv) +
-                                                size_t(rank) * send_count * DTypeSize(dtype);
-              return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, int(send_count),
-                                    Types().Type(dtype), recv, int(send_count), Types().Type(dtype),
-                                    comm, request);
-            });
-  }
-
-  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
-                CollectiveDone done) override {
-    Enqueue("all-to-all of " + std::to_string(count) + " elements per rank", count * size_t(size()),
-            std::move(ready), std::move(done), [=](MPI_Comm comm, MPI_Request* request) {
-              return MPI_Ialltoall(send, int(count), Types().Type(dtype), recv, int(count),
-                                   Types().Type(dtype), comm, request);
-            });
-  }
-
-  void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
-                        CollectiveDone done) override {
-    // MPI works on a copy the job owns, copied back on success: a collective that times out
-    // may complete later, and the caller's span (a local, often) is gone by then.
-    auto copy = std::make_shared<std::vector<double>>();
-    Enqueue(
-        "all-reduce of " + std::to_string(values.size()) + " step scalars", values.size(),
-        [ready = std::move(ready), values, copy]() -> Status {
-          Status status = ready ? ready() : Status();
-          copy->assign(values.begin(), values.end());
-          return status;
-        },
-        [done = std::move(done), values, copy](Status status) {
-          if (status.ok()) std::copy(copy->begin(), copy->end(), values.begin());
-          if (done) done(std::move(status));
-        },
-        [copy, op](MPI_Comm comm, MPI_Request* request) {
-          return MPI_Iallreduce(MPI_IN_PLACE, copy->data(), int(copy->size()), MPI_DOUBLE,
-                                op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm, request);
-        },
-        copy);
+  /// After the last collective. A communicator under a collective that timed out stays:
+  /// freeing it under a request MPI may still complete crashes its progress engine.
+  void Close(const Status& /*failed*/) override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && !timed_out_) MPI_Comm_free(&comm_);
   }
 
  private:
-  using Start = std::function<int(MPI_Comm, MPI_Request*)>;
-
-  /// Queues one collective of `count` elements. `buffers`: what MPI may still write should it
-  /// time out and complete later (kept to the end of the process).
-  void Enqueue(std::string what, size_t count, CollectiveReady ready, CollectiveDone done,
-               Start start, std::shared_ptr<void> buffers = nullptr) {
-    const uint64_t number = ++enqueued_;
-    auto job = [state = state_, number, count, what = std::move(what), ready = std::move(ready),
-                done = std::move(done), start = std::move(start),
-                buffers = std::move(buffers)]() mutable {
-      const std::string name = "rank " + std::to_string(state->rank) + " of " +
-                               std::to_string(state->size) + ": collective #" +
-                               std::to_string(number) + " (" + what + ")";
-      Status status = state->failed;
-      // MPI counts are ints: refused alike on every rank, before any MPI call.
-      if (status.ok() && count > size_t(std::numeric_limits<int>::max())) {
-        status = InvalidArgument(name + " is larger than MPI's int counts allow");
-      }
-      if (status.ok() && ready) {
-        try {
-          status = ready();
-        } catch (const std::exception& e) {
-          status = Internal(name + ": its ready function threw: " + e.what());
-        }
-      }
-      if (status.ok()) {
-        MPI_Request request = MPI_REQUEST_NULL;
-        if (const int code = start(state->comm, &request); code != MPI_SUCCESS) {
-          status = Internal(name + " could not start: " + MpiErrorText(code));
-        } else {
-          status = Await(request, state->timeout_seconds, name, std::move(buffers),
-                         internal::PeersOf(state->rank, state->size));
-          if (!status.ok() && status.code() == StatusCode::kUnavailable) state->timed_out = true;
-        }
-      }
-      if (!status.ok() && status.code() != StatusCode::kInvalidArgument && state->failed.ok()) {
-        state->failed = status;
-      }
-      if (!done) return;
-      try {
-        done(std::move(status));
-      } catch (...) {
-        // Nothing to tell: the callback's own failure is its owner's to report.
-      }
-    };
-    if (!MpiThread::Get().Post(std::move(job)) && done) {
-      done(Unavailable("MPI was finalized at process exit"));
-    }
-  }
-
-  std::shared_ptr<CommState> state_;
-  uint64_t enqueued_ = 0;  // Enqueueing thread.
+  MPI_Comm comm_;
+  const int rank_;
+  const int size_;
+  const NodePlace node_;
+  const double timeout_seconds_;
+  bool timed_out_ = false;  // MPI thread.
 };
 
 }  // namespace
@@ -412,13 +312,18 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicato
   if (!(options.timeout_seconds > 0) || !std::isfinite(options.timeout_seconds)) {
     return InvalidArgument("the collective timeout must be a number of seconds > 0");
   }
+  if (options.node) {
+    // Checked before MPI says the size: a launcher that disagrees with MPI about the size is
+    // the caller's to name (tools' ConnectLaunchedRanks does).
+    STRATA_RETURN_IF_ERROR(internal::CheckNodePlace(*options.node, std::numeric_limits<int>::max(),
+                                                    "MpiCommunicatorOptions::node"));
+  }
   MpiThread& thread = MpiThread::Get();
   STRATA_RETURN_IF_ERROR(thread.started());
   auto state = std::make_shared<CommState>();
-  state->timeout_seconds = options.timeout_seconds;
   std::promise<Status> created;
   std::future<Status> result = created.get_future();
-  const bool posted = thread.Post([state, &created] {
+  const Status posted = thread.Post([state, &created, timeout = options.timeout_seconds] {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) {
@@ -431,21 +336,19 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicato
       created.set_value(Internal("MPI_Comm_idup: " + MpiErrorText(code)));
       return;
     }
-    Status status =
-        Await(request, state->timeout_seconds, "creating a communicator (MPI_Comm_idup)", nullptr);
+    // One that times out is never freed (MPI may still complete it).
+    Status status = Await(request, timeout, "creating a communicator (MPI_Comm_idup)", nullptr);
     if (status.ok()) {
       MPI_Comm_set_errhandler(state->comm, MPI_ERRORS_RETURN);
       MPI_Comm_rank(state->comm, &state->rank);
       MPI_Comm_size(state->comm, &state->size);
       Types();
-    } else {
-      state->timed_out = true;
     }
     created.set_value(std::move(status));
   });
-  if (!posted) return Unavailable("MPI was finalized at process exit");
+  STRATA_RETURN_IF_ERROR(posted);
   STRATA_RETURN_IF_ERROR(result.get());
-  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(std::move(state)));
+  return internal::MakeQueuedCommunicator(std::make_unique<MpiWire>(*state, options), thread);
 }
 
 #endif  // STRATA_WITH_MPI

@@ -7,21 +7,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <exception>
 #include <filesystem>
-#include <functional>
-#include <mutex>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
 
 #include "comm/collective_peers.h"
+#include "comm/collective_queue.h"
 #include "comm/nccl_bootstrap.h"
 
 namespace strata::offload {
@@ -32,12 +26,6 @@ using Clock = std::chrono::steady_clock;
 Clock::time_point DeadlineAfter(double seconds) {
   return Clock::now() +
          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-std::string Seconds(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g s", seconds);
-  return text;
 }
 
 Status CudaFailed(cudaError_t error, const std::string& what) {
@@ -84,39 +72,51 @@ auto OnGpu(int device, Function function) {
   return result;
 }
 
-/// One rank's NCCL communicator, its stream and the thread that runs its collectives in order.
-class NcclCommunicator final : public Communicator {
+/// One rank's NCCL communicator and its stream, used by the queue's thread one collective at
+/// a time.
+class NcclWire final : public internal::CollectiveWire {
  public:
-  NcclCommunicator(const NcclCommunicatorOptions& options, ncclComm_t comm, cudaStream_t stream,
-                   cudaEvent_t finished)
+  NcclWire(const NcclCommunicatorOptions& options, ncclComm_t comm, cudaStream_t stream,
+           cudaEvent_t finished)
       : rank_(options.rank),
         size_(options.size),
+        node_(options.node.value_or(NodePlace{options.rank, options.size})),
         device_(options.device_index),
         timeout_seconds_(options.timeout_seconds),
         comm_(comm),
         stream_(stream),
-        finished_(finished),
-        thread_([this] { Main(); }) {}
+        finished_(finished) {}
 
-  ~NcclCommunicator() override {
-    if (std::this_thread::get_id() == thread_.get_id()) {
-      // From a collective's own callback: the thread cannot join itself.
-      std::fprintf(stderr, "strata: an NCCL communicator was destroyed from its own callback\n");
-      std::abort();
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  NodePlace node() const override { return node_; }
+
+  Status Run(const internal::QueuedCollective& queued) override {
+    name_ = queued.name;
+    if (cudaSetDevice(device_) != cudaSuccess) {
+      return Internal(name_ + ": cudaSetDevice(" + std::to_string(device_) + ")");
     }
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-      wake_.notify_one();
+    const Collective& c = queued.collective;
+    switch (c.kind) {
+      case Collective::Kind::kAllReduce: return AllReduce(c, NcclType(c.dtype));
+      case Collective::Kind::kAllReduceScalars: return AllReduce(c, ncclFloat64);
+      case Collective::Kind::kReduceScatter: return ReduceScatter(c);
+      case Collective::Kind::kAllGather: return AllGather(c);
+      case Collective::Kind::kAllToAll: return AllToAll(c);
     }
-    thread_.join();  // Runs (or fails) every collective enqueued first.
-    OnGpu(device_, [this] {
-      if (!aborted_ && failed_.ok()) {
+    return Internal(name_ + ": not a collective NCCL runs");
+  }
+
+  /// After the last collective: finalized and destroyed when nothing failed, aborted otherwise
+  /// (`failed` includes an input that failed, after which the peers ran without this rank).
+  void Close(const Status& failed) override {
+    OnGpu(device_, [&] {
+      if (!aborted_ && failed.ok()) {
         // Flushes what NCCL still has in flight; a peer gone by now makes it time out.
         const auto deadline = DeadlineAfter(timeout_seconds_);
         Settle(ncclCommFinalize(comm_), deadline, "finalizing").IgnoreError();
       }
-      if (!aborted_ && failed_.ok()) {
+      if (!aborted_ && failed.ok()) {
         ncclCommDestroy(comm_);
       } else if (!aborted_) {
         // A failed collective may have left peers (or this rank) inside one: abort, which
@@ -125,170 +125,82 @@ class NcclCommunicator final : public Communicator {
         aborted_ = true;
       }
       // A kernel that outlived an abort may still write the scratch: then it stays.
-      if (scratch_ != nullptr && failed_.ok()) cudaFree(scratch_);
+      if (scratch_ != nullptr && failed.ok()) cudaFree(scratch_);
       cudaEventDestroy(finished_);
       cudaStreamDestroy(stream_);
       return 0;
     });
   }
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-
-  void AllReduce(void* data, size_t count, DType dtype, ReduceOp op, CollectiveReady ready,
-                 CollectiveDone done) override {
-    const size_t bytes = count * DTypeSize(dtype);
-    Enqueue("all-reduce of " + std::to_string(count) + " elements", std::move(ready),
-            std::move(done), [=, this]() -> Status {
-              STRATA_RETURN_IF_ERROR(ReserveScratch(OnDevice(data, device_) ? 0 : bytes));
-              STRATA_ASSIGN_OR_RETURN(std::byte * buffer, Stage(data, bytes, 0, /*in=*/true));
-              const ncclResult_t launched =
-                  ncclAllReduce(buffer, buffer, count, NcclType(dtype), NcclOp(op), comm_, stream_);
-              return Finish(launched, buffer, data, bytes);
-            });
-  }
-
-  void ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
-                     CollectiveReady ready, CollectiveDone done) override {
-    const size_t recv_bytes = recv_count * DTypeSize(dtype);
-    const size_t send_bytes = recv_bytes * size_t(size_);
-    Enqueue("reduce-scatter of " + std::to_string(recv_count) + " elements per rank",
-            std::move(ready), std::move(done), [=, this]() -> Status {
-              const bool staged = !OnDevice(send, device_) || !OnDevice(recv, device_);
-              STRATA_RETURN_IF_ERROR(ReserveScratch(staged ? send_bytes + recv_bytes : 0));
-              STRATA_ASSIGN_OR_RETURN(std::byte * in,
-                                      Stage(const_cast<void*>(send), send_bytes, 0, true));
-              STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(recv, recv_bytes, send_bytes, false));
-              const ncclResult_t launched = ncclReduceScatter(in, out, recv_count, NcclType(dtype),
-                                                              NcclOp(op), comm_, stream_);
-              return Finish(launched, out, recv, recv_bytes);
-            });
-  }
-
-  void AllGather(const void* send, void* recv, size_t send_count, DType dtype,
-                 CollectiveReady ready, CollectiveDone done) override {
-    const size_t send_bytes = send_count * DTypeSize(dtype);
-    const size_t recv_bytes = send_bytes * size_t(size_);
-    Enqueue("all-gather of " + std::to_string(send_count) + " elements per rank", std::move(ready),
-            std::move(done), [=, this]() -> Status {
-              STRATA_RETURN_IF_ERROR(ReserveScratch(OnDevice(recv, device_) ? 0 : recv_bytes));
-              STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(recv, recv_bytes, 0, false));
-              // This rank's slot of the output is its input: in place, as NCCL allows.
-              std::byte* own = out + size_t(rank_) * send_bytes;
-              if (OnDevice(send, device_) && OnDevice(recv, device_)) {
-                if (send != own) {
-                  STRATA_CUDA_OK(
-                      cudaMemcpyAsync(own, send, send_bytes, cudaMemcpyDeviceToDevice, stream_),
-                      "copying the all-gather's input");
-                }
-              } else {
-                STRATA_CUDA_OK(cudaMemcpyAsync(own, send, send_bytes, cudaMemcpyDefault, stream_),
-                               "copying the all-gather's input to the device");
-              }
-              const ncclResult_t launched =
-                  ncclAllGather(own, out, send_count, NcclType(dtype), comm_, stream_);
-              return Finish(launched, out, recv, recv_bytes);
-            });
-  }
-
-  void AllToAll(const void* send, void* recv, size_t count, DType dtype, CollectiveReady ready,
-                CollectiveDone done) override {
-    const size_t block = count * DTypeSize(dtype);
-    const size_t bytes = block * size_t(size_);
-    Enqueue(
-        "all-to-all of " + std::to_string(count) + " elements per rank", std::move(ready),
-        std::move(done), [=, this]() -> Status {
-          const bool staged = !OnDevice(send, device_) || !OnDevice(recv, device_);
-          STRATA_RETURN_IF_ERROR(ReserveScratch(staged ? 2 * bytes : 0));
-          STRATA_ASSIGN_OR_RETURN(std::byte * in, Stage(const_cast<void*>(send), bytes, 0, true));
-          STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(recv, bytes, bytes, false));
-          // NCCL's all-to-all: one send and one receive per peer, in a group. A nonblocking
-          // communicator reports the group's launch at ncclGroupEnd; the group is ended
-          // whatever happened inside it.
-          ncclResult_t launched = ncclGroupStart();
-          for (int r = 0; r < size_ && (launched == ncclSuccess || launched == ncclInProgress);
-               ++r) {
-            launched = ncclSend(in + size_t(r) * block, count, NcclType(dtype), r, comm_, stream_);
-            if (launched == ncclSuccess || launched == ncclInProgress) {
-              launched =
-                  ncclRecv(out + size_t(r) * block, count, NcclType(dtype), r, comm_, stream_);
-            }
-          }
-          const ncclResult_t ended = ncclGroupEnd();
-          const bool inside_ok = launched == ncclSuccess || launched == ncclInProgress;
-          return Finish(inside_ok ? ended : launched, out, recv, bytes);
-        });
-  }
-
-  void AllReduceScalars(std::span<double> values, ReduceOp op, CollectiveReady ready,
-                        CollectiveDone done) override {
-    const size_t bytes = values.size() * sizeof(double);
-    Enqueue(
-        "all-reduce of " + std::to_string(values.size()) + " step scalars", std::move(ready),
-        std::move(done), [=, this]() -> Status {
-          STRATA_RETURN_IF_ERROR(ReserveScratch(bytes));
-          STRATA_ASSIGN_OR_RETURN(std::byte * buffer, Stage(values.data(), bytes, 0, /*in=*/true));
-          const ncclResult_t launched =
-              ncclAllReduce(buffer, buffer, values.size(), ncclFloat64, NcclOp(op), comm_, stream_);
-          return Finish(launched, buffer, values.data(), bytes);
-        });
-  }
-
  private:
-  struct Job {
-    std::string what;
-    CollectiveReady ready;
-    CollectiveDone done;
-    std::function<Status()> run;
-  };
-
-  void Enqueue(std::string what, CollectiveReady ready, CollectiveDone done,
-               std::function<Status()> run) {
-    std::lock_guard lock(mutex_);
-    const std::string name = "rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-                             ": collective #" + std::to_string(++enqueued_) + " (" + what + ")";
-    jobs_.push_back({name, std::move(ready), std::move(done), std::move(run)});
-    wake_.notify_one();
+  /// All-reduce in place, of tensors or (as `type` float64) step scalars.
+  Status AllReduce(const Collective& c, ncclDataType_t type) {
+    const size_t bytes = c.recv_bytes(size_);
+    STRATA_RETURN_IF_ERROR(ReserveScratch(OnDevice(c.recv, device_) ? 0 : bytes));
+    STRATA_ASSIGN_OR_RETURN(std::byte * buffer, Stage(c.recv, bytes, 0, /*in=*/true));
+    const ncclResult_t launched =
+        ncclAllReduce(buffer, buffer, c.count, type, NcclOp(c.op), comm_, stream_);
+    return Finish(launched, buffer, c.recv, bytes);
   }
 
-  void Main() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
+  Status ReduceScatter(const Collective& c) {
+    const size_t recv_bytes = c.recv_bytes(size_);
+    const size_t send_bytes = c.send_bytes(size_);
+    const bool staged = !OnDevice(c.send, device_) || !OnDevice(c.recv, device_);
+    STRATA_RETURN_IF_ERROR(ReserveScratch(staged ? send_bytes + recv_bytes : 0));
+    STRATA_ASSIGN_OR_RETURN(std::byte * in, Stage(const_cast<void*>(c.send), send_bytes, 0, true));
+    STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(c.recv, recv_bytes, send_bytes, false));
+    const ncclResult_t launched =
+        ncclReduceScatter(in, out, c.count, NcclType(c.dtype), NcclOp(c.op), comm_, stream_);
+    return Finish(launched, out, c.recv, recv_bytes);
+  }
+
+  Status AllGather(const Collective& c) {
+    const size_t send_bytes = c.send_bytes(size_);
+    const size_t recv_bytes = c.recv_bytes(size_);
+    STRATA_RETURN_IF_ERROR(ReserveScratch(OnDevice(c.recv, device_) ? 0 : recv_bytes));
+    STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(c.recv, recv_bytes, 0, false));
+    // This rank's slot of the output is its input: in place, as NCCL allows.
+    std::byte* own = out + size_t(rank_) * send_bytes;
+    if (OnDevice(c.send, device_) && OnDevice(c.recv, device_)) {
+      if (c.send != own) {
+        STRATA_CUDA_OK(cudaMemcpyAsync(own, c.send, send_bytes, cudaMemcpyDeviceToDevice, stream_),
+                       "copying the all-gather's input");
       }
-      Status status = failed_;
-      if (status.ok() && job.ready) {
-        try {
-          status = job.ready();
-        } catch (const std::exception& e) {
-          status = Internal(job.what + ": its ready function threw: " + e.what());
-        }
-      }
-      if (status.ok()) {
-        name_ = job.what;
-        status = cudaSetDevice(device_) == cudaSuccess
-                     ? job.run()
-                     : Internal(job.what + ": cudaSetDevice(" + std::to_string(device_) + ")");
-      }
-      // A failed collective (or input, which the peers ran without this rank) fails every
-      // later one, as Communicator says.
-      if (!status.ok() && failed_.ok()) failed_ = status;
-      if (!job.done) continue;
-      try {
-        job.done(std::move(status));
-      } catch (...) {
-        // Nothing to tell: the callback's own failure is its owner's to report.
+    } else {
+      STRATA_CUDA_OK(cudaMemcpyAsync(own, c.send, send_bytes, cudaMemcpyDefault, stream_),
+                     "copying the all-gather's input to the device");
+    }
+    const ncclResult_t launched =
+        ncclAllGather(own, out, c.count, NcclType(c.dtype), comm_, stream_);
+    return Finish(launched, out, c.recv, recv_bytes);
+  }
+
+  Status AllToAll(const Collective& c) {
+    const size_t block = c.count * c.element_bytes();
+    const size_t bytes = c.send_bytes(size_);
+    const bool staged = !OnDevice(c.send, device_) || !OnDevice(c.recv, device_);
+    STRATA_RETURN_IF_ERROR(ReserveScratch(staged ? 2 * bytes : 0));
+    STRATA_ASSIGN_OR_RETURN(std::byte * in, Stage(const_cast<void*>(c.send), bytes, 0, true));
+    STRATA_ASSIGN_OR_RETURN(std::byte * out, Stage(c.recv, bytes, bytes, false));
+    // NCCL's all-to-all: one send and one receive per peer, in a group. A nonblocking
+    // communicator reports the group's launch at ncclGroupEnd; the group is ended whatever
+    // happened inside it.
+    const ncclDataType_t type = NcclType(c.dtype);
+    ncclResult_t launched = ncclGroupStart();
+    for (int r = 0; r < size_ && (launched == ncclSuccess || launched == ncclInProgress); ++r) {
+      launched = ncclSend(in + size_t(r) * block, c.count, type, r, comm_, stream_);
+      if (launched == ncclSuccess || launched == ncclInProgress) {
+        launched = ncclRecv(out + size_t(r) * block, c.count, type, r, comm_, stream_);
       }
     }
+    const ncclResult_t ended = ncclGroupEnd();
+    const bool inside_ok = launched == ncclSuccess || launched == ncclInProgress;
+    return Finish(inside_ok ? ended : launched, out, c.recv, bytes);
   }
 
   /// Scratch of at least `bytes` for a collective's host buffers, before any is staged (growing
-  /// it later would drop what was staged). Communicator thread, between collectives: the
+  /// it later would drop what was staged). The queue's thread, between collectives: the
   /// stream is idle (each collective waits for its end).
   Status ReserveScratch(size_t bytes) {
     if (bytes <= scratch_bytes_) return Status();
@@ -301,7 +213,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   /// Where NCCL reads or writes `bytes` of `buffer`: the buffer itself in GPU memory, else
-  /// scratch at `offset` (copied in first when `in`). Communicator thread, after
+  /// scratch at `offset` (copied in first when `in`). The queue's thread, after
   /// ReserveScratch.
   Result<std::byte*> Stage(void* buffer, size_t bytes, size_t offset, bool in) {
     if (OnDevice(buffer, device_)) return static_cast<std::byte*>(buffer);
@@ -359,14 +271,12 @@ class NcclCommunicator final : public Communicator {
   }
 
   Status TimedOut(const std::string& what) const {
-    return Unavailable(what + " did not complete within " + Seconds(timeout_seconds_) + ": " +
-                       internal::PeersOf(rank_, size_) +
-                       " died, hangs or stopped enqueueing the same collectives "
-                       "(placement.collective_timeout_seconds)");
+    return internal::DidNotComplete(what, timeout_seconds_,
+                                    internal::PeersStopped(internal::PeersOf(rank_, size_),
+                                                           "placement.collective_timeout_seconds"));
   }
 
-  /// Aborts the communicator (once) and returns `error`. Communicator thread, or the
-  /// destructor after it.
+  /// Aborts the communicator (once) and returns `error`. The queue's thread.
   Status Abort(Status error) {
     if (!aborted_) {
       ncclCommAbort(comm_);
@@ -382,26 +292,18 @@ class NcclCommunicator final : public Communicator {
 
   const int rank_;
   const int size_;
+  const NodePlace node_;
   const int device_;
   const double timeout_seconds_;
   ncclComm_t comm_;
   cudaStream_t stream_;
   cudaEvent_t finished_;
 
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Job> jobs_;
-  bool stopping_ = false;
-  uint64_t enqueued_ = 0;
-
-  // Communicator thread only.
-  Status failed_;
+  // The queue's thread only.
   bool aborted_ = false;
   std::string name_;  // The collective running.
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-
-  std::thread thread_;  // Last: starts once everything above exists.
 };
 
 /// Waits for the nonblocking ncclCommInitRankConfig until every rank joined, an error or
@@ -415,8 +317,8 @@ Status SettleInit(ncclComm_t comm, ncclResult_t result, Clock::time_point deadli
   if (result == ncclSuccess) return Status();
   if (comm != nullptr) ncclCommAbort(comm);
   if (result == ncclInProgress) {
-    return Unavailable(what + " did not complete within " + Seconds(timeout_seconds) +
-                       ": not every rank joined (placement.collective_timeout_seconds)");
+    return internal::DidNotComplete(what, timeout_seconds,
+                                    "not every rank joined (placement.collective_timeout_seconds)");
   }
   return Internal(what + ": " + ncclGetErrorString(result));
 }
@@ -469,8 +371,8 @@ Result<std::unique_ptr<Communicator>> Create(const NcclCommunicatorOptions& opti
     ncclCommAbort(comm);
     return CudaFailed(error, rank + "creating the NCCL stream");
   }
-  return std::unique_ptr<Communicator>(
-      std::make_unique<NcclCommunicator>(options, comm, stream, finished));
+  return internal::MakeQueuedCommunicator(
+      std::make_unique<NcclWire>(options, comm, stream, finished));
 }
 
 }  // namespace
@@ -485,6 +387,10 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(
   }
   if (!(options.timeout_seconds > 0)) {
     return InvalidArgument("the collective timeout must be a number of seconds > 0");
+  }
+  if (options.node) {
+    STRATA_RETURN_IF_ERROR(
+        internal::CheckNodePlace(*options.node, options.size, "NcclCommunicatorOptions::node"));
   }
   // The caller's current GPU stays current on its thread.
   return OnGpu(options.device_index, [&] { return Create(options); });

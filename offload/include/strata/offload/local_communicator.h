@@ -24,10 +24,13 @@ struct LocalCommunicatorOptions {
   int size = 2;  ///< Ranks in the group (>= 1).
   /// How long one collective may wait for the other ranks to reach it, in seconds (> 0).
   double timeout_seconds = 600.0;
+  /// Ranks per node, in rank order (the last node may hold fewer), for Communicator::node():
+  /// ranks 0..n-1 on the first node, n..2n-1 on the second. 0: all on one node.
+  int ranks_per_node = 0;
 };
 
 /// One communicator per rank, rank r at index r. Each may be used from its own thread and
-/// destroyed in any order. InvalidArgument for a size < 1 or a timeout <= 0.
+/// destroyed in any order. InvalidArgument for a size < 1, a timeout <= 0 or ranks_per_node < 0.
 Result<std::vector<std::unique_ptr<Communicator>>> CreateLocalCommunicators(
     const LocalCommunicatorOptions& options);
 

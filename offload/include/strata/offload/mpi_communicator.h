@@ -20,6 +20,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "strata/core/status.h"
 #include "strata/offload/communicator.h"
@@ -30,6 +31,10 @@ struct MpiCommunicatorOptions {
   /// How long one collective may wait for its peers before it fails, in seconds (> 0).
   /// torch.distributed's default is 10 minutes too.
   double timeout_seconds = 600.0;
+  /// This rank's place on its node (the launcher's RankInfo local rank and size), for
+  /// Communicator::node(): 0 <= local_rank < local_size, taken as the launcher says (not
+  /// checked against MPI's size). Unset: every rank counts as on this node.
+  std::optional<NodePlace> node;
 };
 
 /// Whether this build has MPI (STRATA_WITH_MPI).
@@ -39,7 +44,8 @@ bool MpiAvailable();
 /// communicators in the same order, and not from a collective's callback. Errors: Unavailable in a
 /// build without MPI, or when MPI was finalized or initialized by the trainer below
 /// MPI_THREAD_MULTIPLE, or when the other ranks do not join within the timeout;
-/// InvalidArgument for a timeout <= 0; Internal when MPI fails to start.
+/// InvalidArgument for a timeout <= 0 or a node place that is not one among the ranks; Internal
+/// when MPI fails to start.
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(const MpiCommunicatorOptions& options);
 
 }  // namespace strata::offload

@@ -19,6 +19,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "strata/core/status.h"
 #include "strata/offload/communicator.h"
@@ -40,6 +41,9 @@ struct NcclCommunicatorOptions {
   /// How long creating the communicator and each collective may wait for the other ranks
   /// before failing, in seconds (> 0). placement.collective_timeout_seconds.
   double timeout_seconds = 600.0;
+  /// This rank's place on its node (the launcher's RankInfo local rank and size), for
+  /// Communicator::node(). Unset: every rank counts as on this node.
+  std::optional<NodePlace> node;
 };
 
 /// Whether this build has NCCL (a CUDA toolkit with NCCL was found).
@@ -47,8 +51,8 @@ bool NcclAvailable();
 
 /// Creates this rank's NCCL communicator; every rank calls it. Errors: Unavailable in a build
 /// without NCCL, when the GPU cannot be used, or when the other ranks do not join within the
-/// timeout; InvalidArgument for a rank, size or timeout out of range, or neither a bootstrap nor
-/// an id file with several ranks; Internal for an NCCL failure (with NCCL's message).
+/// timeout; InvalidArgument for a rank, size, node place or timeout out of range, or neither a
+/// bootstrap nor an id file with several ranks; Internal for an NCCL failure (with NCCL's message).
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     const NcclCommunicatorOptions& options);
 
