@@ -12,7 +12,7 @@
 // and ReadInputFile reads at most that limit, so no input can make Strata read without bound.
 // Symbolic links are followed (a checkpoint in a Hugging Face or DVC cache is links to blobs):
 // what is checked is what they lead to, and reading through a link changes nothing. Links
-// matter where Strata removes or writes, and are refused there (checkpoint_files.cpp, swap
+// matter where Strata removes or writes, and are refused there (checkpoint_writer.cpp, swap
 // space, bench nvme --file).
 #pragma once
 

@@ -17,7 +17,7 @@
 // process (local_communicator.h), for tests. The three with several ranks share one ordered
 // queue (the worker, sticky failure, collective names and callbacks) and differ only in how the
 // bytes move. With more than one rank the engine shards optimizer states (ZeRO stages 1 and 2)
-// and parameters (stage 3; see "Sharding" in the engine's step_pipeline.h).
+// and parameters (stage 3; see "Several ranks" in docs/architecture.md).
 //
 // With more than one rank, an implementation must return from every enqueueing call at once and
 // run `ready` on a thread of its own: the engine enqueues a collective before it starts the work
