@@ -62,13 +62,16 @@ def test_zero_grad_after_chunks_started_updating_says_to_step():
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), lr=0.1)
     backward(model)
+    opt.step()  # From the second step on, chunks go to the engine during backward.
+    opt.zero_grad()
+    backward(model, 1)
     with pytest.raises(RuntimeError, match="call step\\(\\)"):
         opt.zero_grad()
     opt.step()  # Still usable.
     opt.zero_grad()
     backward(model, 3)
     opt.step()
-    assert opt.last_step["step"] == 2
+    assert opt.last_step["step"] == 3
 
 
 def test_a_short_accumulation_can_be_discarded_or_completed():
@@ -185,8 +188,10 @@ def test_grad_scaler_is_refused_with_what_to_use_instead():
 def test_an_optimizer_left_hooked_names_close_and_close_hands_the_parameters_over():
     # An OffloadAdamW kept alive by its LR scheduler while torch's AdamW trains its parameters:
     # its hooks still count backward passes, and the error says to close it.
+    # (A count given: with "auto" and no overlap, an old optimizer's hooks count on harmlessly.)
     model = mlp()
-    first = st.OffloadAdamW(model.parameters(), lr=0.1, overlap=False)
+    first = st.OffloadAdamW(model.parameters(), lr=0.1, overlap=False,
+                            gradient_accumulation_steps=1)
     scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
     backward(model)
     first.step()
@@ -201,7 +206,7 @@ def test_an_optimizer_left_hooked_names_close_and_close_hands_the_parameters_ove
 
     # Closed first, it lets go: the values stay, torch trains them, the old one refuses calls.
     model = mlp()
-    first = st.OffloadAdamW(model.parameters(), lr=0.1)
+    first = st.OffloadAdamW(model.parameters(), lr=0.1, gradient_accumulation_steps=1)
     scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
     backward(model)
     with pytest.raises(RuntimeError, match="call step\\(\\) to finish the step first"):
@@ -321,7 +326,7 @@ def test_config_keys_the_optimizer_sets_itself_are_refused(config):
 
 def test_reentrant_checkpointing_is_named_in_the_double_gradient_error():
     model = mlp()
-    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1, gradient_accumulation_steps=1)
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         h = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=True)
@@ -358,6 +363,9 @@ def test_an_interrupt_after_the_engine_finished_the_step_loses_nothing():
 def test_grad_scaler_after_overlapped_updates_closes_the_optimizer():
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    backward(model)
+    opt.step()  # From the second step on, updates overlap backward.
+    opt.zero_grad()
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
     with pytest.raises(NotImplementedError, match="corrupted"):

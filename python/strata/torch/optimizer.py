@@ -8,8 +8,9 @@ How it works, in the terms of engine.h's trainer contract:
   engine's life: the model, its hooks and ``model.state_dict()`` keep working on the same
   ``Parameter`` objects. When the optimizer goes, they get memory of their own (_lifetime.py).
 * A post-accumulate-grad hook on every trained parameter counts backward passes. On the last
-  micro-step of a step (``gradient_accumulation_steps``), the parameter's gradient is placed in
-  its chunk's gradient buffer (``.grad`` becomes a view of it; when autograd already accumulated
+  micro-step of a step (``gradient_accumulation_steps``, or with "auto" the most backward passes
+  a step has had so far; the first step, which has no such count yet, hands everything over in
+  step()), the parameter's gradient is placed in its chunk's gradient buffer (``.grad`` becomes a view of it; when autograd already accumulated
   into that view nothing is copied), and once every parameter of a chunk has its gradient the
   chunk is handed to the engine, whose CPU update starts while backward goes on.
 * ``step()`` hands over the chunks still waiting, waits for every update, and returns with the
@@ -71,7 +72,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         nvme_path: Any = None,
         offload_ratio: float = 1.0,
         max_grad_norm: float = 0.0,
-        gradient_accumulation_steps: int = 1,
+        gradient_accumulation_steps: int | str = "auto",
         chunk_size: int | str = "64MiB",
         host_memory: int | str | None = None,
         cpu_threads: int = 0,
@@ -80,9 +81,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         config: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        if gradient_accumulation_steps != "auto" and (
+                not isinstance(gradient_accumulation_steps, int)
+                or isinstance(gradient_accumulation_steps, bool)
+                or gradient_accumulation_steps < 1):
             raise ValueError(
-                f"gradient_accumulation_steps must be an integer >= 1, got "
+                f"gradient_accumulation_steps must be 'auto' or an integer >= 1, got "
                 f"{gradient_accumulation_steps!r}"
             )
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
@@ -91,6 +95,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._constructed = False
         super().__init__(params, defaults)
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        # The backward passes after which a chunk's gradients are complete, so that it can be
+        # handed to the engine during backward: the count given, or with "auto" the most a
+        # step has had (None before the first step). A framework that accumulates (the HF
+        # Trainer's gradient_accumulation_steps, Lightning's accumulate_grad_batches) then
+        # needs no second declaration, and a shorter window (an epoch's last batches) hands
+        # everything over in step(), after its last backward.
+        self._rhythm: int | None = (None if gradient_accumulation_steps == "auto"
+                                    else gradient_accumulation_steps)
         self.max_grad_norm = float(max_grad_norm)
         # False: every chunk goes to the engine in step(), after backward (to measure what the
         # overlap saves, or to be able to discard any backward with zero_grad()).
@@ -231,6 +243,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._retry_pending = self._engine.iteration_count == before
             if not self._retry_pending:
                 self._restore_pending += self._untouched
+                self._learn_rhythm()
                 self._reset_step()
         self._restore_untouched()
         self._last_report = report
@@ -522,22 +535,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self._step_open:
             self._begin_step()
         gas = self.gradient_accumulation_steps
-        if self._counts[i] + 1 > gas:
+        chunk = self._chunk_of[i]
+        if gas == "auto" and self._submitted[chunk]:
+            raise RuntimeError(
+                f"parameter {i} (shape {tuple(p.shape)}) received its gradient "
+                f"{self._counts[i] + 1} times since the last step(), more than the "
+                f"{self._rhythm} backward passes of any step before, and chunk {chunk}'s update "
+                f"had already started with {self._rhythm} passes' gradients (the update "
+                "overlaps backward), so this step's update of it is partial. With "
+                "gradient_accumulation_steps='auto' the number of backward passes per step() may "
+                "shrink but not grow: pass gradient_accumulation_steps=N (the most backward "
+                "passes per step(); the HF Trainer's gradient_accumulation_steps, Lightning's "
+                "accumulate_grad_batches) or overlap=False. " + self._hooks_hint()
+            )
+        if gas != "auto" and self._counts[i] + 1 > gas:
             raise RuntimeError(
                 f"parameter {i} (shape {tuple(p.shape)}) received its gradient "
                 f"{self._counts[i] + 1} times since the last step(), but this optimizer was "
                 f"built with gradient_accumulation_steps={gas}: call step() after every {gas} "
-                "backward(), one backward per micro-batch (torch.utils.checkpoint with "
-                "use_reentrant=True runs a parameter's gradient hook twice: use "
-                "use_reentrant=False). If another optimizer trains these parameters now, this "
-                f"{type(self).__name__} is still alive (an LR scheduler or a framework holds "
-                "it) and still hooked to them: call its close() first"
+                "backward(), one backward per micro-batch, or leave gradient_accumulation_steps "
+                "at its default, 'auto', to follow the trainer's (the HF Trainer's "
+                "gradient_accumulation_steps, Lightning's accumulate_grad_batches). "
+                "torch.utils.checkpoint with use_reentrant=True runs a parameter's gradient hook "
+                "twice: use use_reentrant=False. " + self._hooks_hint()
             )
         self._counts[i] += 1
-        if self._counts[i] < gas or not self.overlap:
+        # A parameter past the rhythm ("auto", a longer window) was placed at the rhythm and
+        # goes on accumulating in its chunk's buffer until the chunk is handed over.
+        if self._counts[i] != self._rhythm or not self.overlap:
             return
         self._place_gradient(i)
-        chunk = self._chunk_of[i]
         self._waiting[chunk] -= 1
         if self._waiting[chunk] == 0:
             self._submit(chunk)
@@ -549,13 +576,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "step() before any backward(): no parameter received a gradient since the last "
                 "step()"
             )
-        if most != self.gradient_accumulation_steps:
+        gas = self.gradient_accumulation_steps
+        if gas != "auto" and most != gas:
             raise RuntimeError(
                 f"step() after {most} backward passes, but this optimizer was built with "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: call step() "
-                f"after every {self.gradient_accumulation_steps} backward(), or zero_grad() to "
-                "discard the partial accumulation"
+                f"gradient_accumulation_steps={gas}: call step() after every {gas} backward(), "
+                "or zero_grad() to discard the partial accumulation, or leave "
+                "gradient_accumulation_steps at its default, 'auto', which takes what comes "
+                "(the HF Trainer's short last window at an epoch's end)"
             )
+
+    def _learn_rhythm(self) -> None:
+        """After a completed step, with "auto": the most backward passes a step has had."""
+        if self.gradient_accumulation_steps == "auto":
+            self._rhythm = max(self._rhythm or 0, max(self._counts, default=0)) or None
+
+    def _hooks_hint(self) -> str:
+        return (f"If another optimizer trains these parameters now, this {type(self).__name__} "
+                "is still alive (an LR scheduler or a framework holds it) and still hooked to "
+                "them: call its close() first")
 
     def _hand_over_the_rest(self) -> None:
         """Hands the engine every chunk that got a gradient and is not with it yet. A
