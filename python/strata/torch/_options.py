@@ -10,6 +10,18 @@ import torch
 WORKING_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _TIERS = {"cpu": "host", "host": "host", "nvme": "nvme", "none": "device", None: "device"}
 
+# chunk_size="auto": a model's working parameters in this many chunks, each at most
+# _MAX_AUTO_CHUNK. A chunk is the unit of overlap (backward hands the engine one at a time) and
+# of NVMe staging (a few chunks' states in host memory at once); a small model in one 64 MiB
+# chunk gets neither, and its NVMe staging would hold several copies of all its states.
+_AUTO_CHUNKS = 16
+_MAX_AUTO_CHUNK = 64 << 20
+# offload="nvme": staging buffers for the states read ahead, as DeepSpeed's
+# offload_optimizer.buffer_count defaults to. The engine's own default reads a whole step ahead
+# within the host budget, which is fast but keeps every state in host memory as well: not what
+# someone who chose NVMe to save memory wants. A config's host.optimizer_buffer_count wins.
+_NVME_STATE_BUFFERS = 4
+
 # Keys the optimizer sets from its own arguments or needs as they are: a `config` fragment may
 # not override them (each would break the hooks' contract with the engine).
 _OWN_KEYS = {
@@ -65,18 +77,26 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
         },
     }
     if states == "nvme":
+        options["host"] = {"optimizer_buffer_count": _NVME_STATE_BUFFERS}
         if nvme_path is None:
             raise ValueError("offload='nvme' needs nvme_path (a directory on the NVMe drive)")
         if not os.path.isdir(nvme_path):
             raise FileNotFoundError(f"nvme_path {os.fspath(nvme_path)!r} is not a directory")
         options["nvme"] = {"paths": [os.fspath(nvme_path)]}
     if host_memory is not None:
-        options["host"] = {"pinned_memory_bytes": host_memory}
+        options.setdefault("host", {})["pinned_memory_bytes"] = host_memory
     if device.type == "cuda":
         options.setdefault("host", {})["pin_memory"] = True
     _refuse_own_keys(owner, config or {})
     _merge(options, config or {})
     return options
+
+
+def auto_chunk_bytes(working_bytes: int) -> int:
+    """chunk_size="auto" for a model of `working_bytes` (see _AUTO_CHUNKS): a multiple of 4 KiB,
+    as the engine requires."""
+    per_chunk = -(-working_bytes // _AUTO_CHUNKS)
+    return min(_MAX_AUTO_CHUNK, max(4096, -(-per_chunk // 4096) * 4096))
 
 
 def _refuse_own_keys(owner: str, config: dict[str, Any], path: tuple[str, ...] = ()) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from strata import _strata
 from strata.torch import _lifetime
-from strata.torch._options import WORKING_DTYPES, engine_options
+from strata.torch._options import WORKING_DTYPES, auto_chunk_bytes, engine_options
 
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 # Tolerance for "the same learning-rate ratio": schedulers compute each group's lr in floating
@@ -73,7 +73,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         offload_ratio: float = 1.0,
         max_grad_norm: float = 0.0,
         gradient_accumulation_steps: int | str = "auto",
-        chunk_size: int | str = "64MiB",
+        chunk_size: int | str = "auto",
         host_memory: int | str | None = None,
         cpu_threads: int = 0,
         loss_scale: float | str = "dynamic",
@@ -117,6 +117,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lr_scales = self._learning_rate_scales()
         self._closed: str | None = None  # Why this optimizer no longer drives its parameters.
 
+        if chunk_size == "auto":
+            chunk_size = auto_chunk_bytes(sum(p.numel() * p.element_size() for p in self._params))
         options = engine_options(
             type(self).__name__, self.param_groups[0], max(float(g["lr"]) for g in self.param_groups),
             self._engine_type, float(self.defaults.get("weight_decay", 0.0)),

@@ -28,7 +28,7 @@ class OffloadAdamW(OffloadOptimizer):
     them on the device), ``nvme_path``, ``offload_ratio`` (DeepSpeed's ``ratio``: the fraction
     offloaded), ``max_grad_norm`` (clip on the global norm; 0 = off),
     ``gradient_accumulation_steps`` (backward passes per step; "auto" follows the trainer),
-    ``chunk_size`` (bytes of working parameters per chunk: the unit of overlap),
+    ``chunk_size`` (bytes of working parameters per chunk: the unit of overlap; "auto"),
     ``host_memory`` (budget; default 80% of RAM),
     ``cpu_threads``, ``loss_scale`` (fp16: "dynamic" or a fixed scale), ``speculative_updates``
     and ``config`` (a Strata-format config fragment merged over the rest).
