@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
 # Creates (once) the Python virtual environment that builds and tests Strata's Python package:
-# torch 2.x from PyPI, nanobind, scikit-build-core, pytest, numpy. It lives outside the source
-# tree, in $STRATA_VENV (default ~/.cache/strata/venv): torch is about 5 GB and takes minutes to
+# torch 2.x from PyPI, nanobind, scikit-build-core, pytest, numpy, and the frameworks
+# strata.torch is tested inside (transformers, accelerate, pytorch-lightning). It lives outside
+# the source tree, in $STRATA_VENV (default ~/.cache/strata/venv): torch is about 5 GB and takes minutes to
 # install, so it is installed once and reused by every later build and test run.
 # Prints the venv's path on stdout (progress goes to stderr): venv=$(scripts/python-env.sh).
 set -euo pipefail
 exec 3>&1 1>&2  # Everything below to stderr; the path to the saved stdout (3).
 
 venv=${STRATA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/strata/venv}
-stamp=$venv/.strata-ready-1  # Bump the suffix when the package list below changes.
-packages=(torch numpy pytest "nanobind>=2.4" "scikit-build-core>=0.10")
+stamp=$venv/.strata-ready-2  # Bump the suffix when the package list below changes.
+packages=(torch numpy pytest "nanobind>=2.4" "scikit-build-core>=0.10"
+          "transformers>=5,<6" "accelerate>=1.16,<2" "pytorch-lightning>=2.6,<3")
 
 if [[ -f $stamp ]]; then
+  echo "$venv" >&3
+  exit 0
+fi
+
+# A venv made for an earlier package list already has torch: add what is new, in place.
+earlier=("$venv"/.strata-ready-*)
+if [[ -x $venv/bin/pip && -f ${earlier[0]} ]]; then
+  echo "python-env.sh: updating $venv for the current package list"
+  "$venv/bin/pip" install --quiet "${packages[@]}"
+  rm -f "${earlier[@]}"
+  touch "$stamp"
   echo "$venv" >&3
   exit 0
 fi

@@ -1,0 +1,150 @@
+"""strata.torch inside the frameworks people train with, each run against the same run with
+torch.optim.AdamW (same seed, same framework settings): losses within 1e-5 and parameters
+within 1e-4. Small random-init models on CPU tensors.
+
+Built so far: gradient accumulation as each framework drives it (the optimizer's default,
+gradient_accumulation_steps="auto", follows the framework's count, an epoch's short last window
+included). The frameworks' clipping defaults (the HF Trainer's max_grad_norm=1.0, Lightning's
+gradient_clip_val) are switched off here: clipping outside the optimizer is not built yet."""
+
+import math
+import tempfile
+
+import accelerate
+import pytorch_lightning as pl
+import torch
+import transformers
+from torch import nn
+
+import strata.torch as st
+
+
+def close_runs(losses, reference_losses, model, reference):
+    assert len(losses) == len(reference_losses) > 0
+    worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
+    assert worst < 1e-5, (worst, losses, reference_losses)
+    assert all(math.isfinite(a) for a in losses)
+    # Absolute: the key part of an attention's input bias gets gradients of float noise only
+    # (softmax ignores it), which Adam scales up to steps of lr either way.
+    apart = max((a - b).abs().max().item()
+                for a, b in zip(model.parameters(), reference.parameters()))
+    assert apart < 1e-4, apart
+
+
+# --------------------------------------------------------------------------- HF Trainer
+
+
+def tiny_gpt2() -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                     n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.rows = torch.randint(0, 64, (count, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def hf_train(make_optimizer, **arguments) -> tuple[list[float], nn.Module]:
+    model = tiny_gpt2()
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=2, learning_rate=1e-3, seed=0,
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+            disable_tqdm=True, dataloader_num_workers=0, **arguments)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(18),
+                                       optimizers=(make_optimizer(model), None))
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, model
+
+
+def test_hf_trainer_accumulating_with_a_short_last_window():
+    # 18 samples in batches of 2: nine micro-batches an epoch, windows of 4, 4 and 1.
+    arguments = dict(gradient_accumulation_steps=4, num_train_epochs=10, max_grad_norm=0.0)
+    losses, model = hf_train(lambda m: st.OffloadAdamW(m.parameters(), lr=1e-3), **arguments)
+    reference_losses, reference = hf_train(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), **arguments)
+    assert len(losses) == 30
+    close_runs(losses, reference_losses, model, reference)
+
+
+# ----------------------------------------------------------------------------- Lightning
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, make_optimizer) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.make_optimizer = make_optimizer
+        self.losses: list[float] = []
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self.net.parameters())
+
+
+def lightning_train(make_optimizer, **arguments) -> Regression:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(52, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    module = Regression(make_optimizer)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **arguments)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return module
+
+
+def test_lightning_accumulate_grad_batches_with_a_short_last_window():
+    # 13 batches an epoch, accumulated by 3: windows of 3, 3, 3, 3 and 1.
+    arguments = dict(accumulate_grad_batches=3, max_epochs=6)
+    module = lightning_train(lambda p: st.OffloadAdamW(p, lr=1e-2), **arguments)
+    reference = lightning_train(lambda p: torch.optim.AdamW(p, lr=1e-2), **arguments)
+    assert len(module.losses) == 78
+    close_runs(module.losses, reference.losses, module.net, reference.net)
+
+
+# ---------------------------------------------------------------------------- accelerate
+
+
+def accelerate_train(make_optimizer) -> tuple[list[float], nn.Module]:
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 8, generator=g)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).cos()), batch_size=4)
+    model, opt, data = accelerator.prepare(model, make_optimizer(model.parameters()), data)
+    losses = []
+    for _ in range(4):
+        for xb, yb in data:  # Ten batches an epoch: windows of 3, 3, 3 and 1.
+            with accelerator.accumulate(model):
+                loss = nn.functional.mse_loss(model(xb), yb)
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+    accelerator.end_training()
+    return losses, model
+
+
+def test_accelerate_accumulate_with_a_short_last_window():
+    losses, model = accelerate_train(lambda p: st.OffloadAdamW(p, lr=1e-2))
+    reference_losses, reference = accelerate_train(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    assert len(losses) == 40
+    close_runs(losses, reference_losses, model, reference)
