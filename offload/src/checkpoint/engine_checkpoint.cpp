@@ -80,7 +80,8 @@ json Engine::Impl::CheckpointManifest(std::span<const internal::FileDigest> dige
   json chunks = json::array();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = chunks_[i];
-    json chunk = {{"numel", c.numel}, {"frozen", c.frozen()}, {"steps", c.steps_taken}};
+    json chunk = {
+        {"numel", c.numel}, {"frozen", c.frozen()}, {"steps", pipeline_.ChunkStepsTaken(i)}};
     if (sharded() && !c.frozen()) {
       // digests holds every rank's, rank by rank.
       json shards = json::array();

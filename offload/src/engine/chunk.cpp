@@ -1,74 +1,11 @@
-// A chunk's transitions: the phase moves the step allows (chunk.h), and the moves that change
-// several of its fields at once.
+// A chunk's storage transitions: the moves that change several of its fields at once (chunk.h).
 #include "engine/chunk.h"
 
-#include <cstdio>
-#include <cstdlib>
-#include <utility>
-
 namespace strata::offload {
-
-const char* ChunkPhaseName(ChunkPhase phase) {
-  switch (phase) {
-    case ChunkPhase::kIdle: return "idle";
-    case ChunkPhase::kAccumulating: return "accumulating";
-    case ChunkPhase::kLanding: return "landing";
-    case ChunkPhase::kArrived: return "arrived";
-    case ChunkPhase::kUpdating: return "updating";
-    case ChunkPhase::kStepped: return "stepped";
-    case ChunkPhase::kUpdated: return "updated";
-  }
-  return "unknown";
-}
-
-void Chunk::MoveTo(ChunkPhase to) {
-  using P = ChunkPhase;
-  const P from = phase_now();
-  bool allowed = false;
-  switch (to) {
-    case P::kIdle: allowed = from == P::kArrived || from == P::kUpdated; break;  // The commit.
-    case P::kAccumulating: allowed = from == P::kIdle || from == P::kAccumulating; break;
-    case P::kLanding: allowed = from == P::kIdle || from == P::kAccumulating; break;
-    // The journey, a failed update, or the verdict rolling a speculative update back.
-    case P::kArrived:
-      allowed = from == P::kLanding || from == P::kUpdating || from == P::kUpdated;
-      break;
-    case P::kUpdating: allowed = from == P::kArrived || from == P::kStepped; break;
-    case P::kStepped: allowed = from == P::kUpdating; break;
-    case P::kUpdated: allowed = from == P::kUpdating; break;
-  }
-  if (!allowed) {
-    std::fprintf(stderr, "strata: internal error: a chunk moved from %s to %s\n",
-                 ChunkPhaseName(from), ChunkPhaseName(to));
-    std::abort();
-  }
-  phase_.store(to, std::memory_order_release);
-}
 
 void Chunk::FlipNvmeShadows() {
   if (placement.optimizer_states == Tier::kNvme) state_current_ = 1 - state_current_;
   if (placement.params == Tier::kNvme) param_current_ = 1 - param_current_;
-}
-
-void Chunk::MakeUpdateCurrent() {
-  FlipNvmeShadows();
-  if (placement.params == Tier::kHost) std::swap(host_params, param_copy);
-  if (states_in_shadow) {
-    std::swap(host_states, host_state_shadow);
-    states_in_shadow = false;
-  }
-}
-
-void Chunk::EndStep(bool updated) {
-  if (updated) ++steps_taken;
-  MoveTo(ChunkPhase::kIdle);
-  micro_steps = 0;
-  stats = {};
-  land_status = Status();
-  params_uploaded = false;
-  restore_params = false;
-  update_at_commit = false;
-  gathered = false;
 }
 
 }  // namespace strata::offload

@@ -7,12 +7,13 @@
 //   metrics and the event loop. engine.cpp is the facade and Impl's own life; parameter-state
 //   access is engine_state_access.cpp (several ranks: sharded_state_access.cpp). Its state is
 //   private: a part is handed what it uses, or is a friend named below with why.
-// - Chunk (chunk.h) is one chunk's storage and its place in the step; the transitions that
-//   change several of its fields are its methods (MoveTo, FlipNvmeShadows, MakeUpdateCurrent,
-//   EndStep).
+// - Chunk (chunk.h) is one chunk's storage in every tier and its layout; the transition that
+//   changes several of its fields at once is its method (FlipNvmeShadows).
 // - Residency (residency.h) owns the device copies of offloaded parameters, pins, eviction and
 //   prefetch, and after the placement is the only writer of the device budget.
-// - StepPipeline (step_pipeline.h) owns each chunk's phase in the step, the gradient landing
+// - StepPipeline (step_pipeline.h) owns each chunk's part in the step (its phase, micro-step
+//   count, landing, collectives' signals and update flags: ChunkStep, step/chunk_step.h, which
+//   only the step's files see; others ask through narrow accessors), the gradient landing
 //   (step_landing.cpp), the per-chunk update journeys (step_update.cpp), the delayed update
 //   (step_delayed.cpp), the collectives of several ranks (step_sharded.cpp) and the commit
 //   (step_commit.cpp).
@@ -109,7 +110,7 @@ class Engine::Impl {
   }
   /// Zero copy on a device whose memory is the CPU's (DeviceProperties::host_accessible): the
   /// landing of `c` reads its gradients where backward wrote them instead of copying them out
-  /// (Chunk::landed_grads), and its update may write the new parameters straight into the
+  /// (ChunkStep::landed_grads), and its update may write the new parameters straight into the
   /// device's (StepPipeline::ClaimParamsInPlace). For device-home parameters, whose buffers stay
   /// put, and states the host updates; one rank (the ReduceRing widens what landed when its turn
   /// comes), and no delayed update (the next forward's Acquire does not wait for the step).

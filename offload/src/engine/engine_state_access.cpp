@@ -114,8 +114,8 @@ Status Engine::Impl::WriteMemoryHome(size_t chunk, const std::byte* states, cons
   STRATA_RETURN_IF_ERROR(
       device_.CopyToDevice(c.params.data(), working->data(), c.working_bytes(working_size())));
   // These supersede parameters a delayed step held back, if any are left (Load; between steps,
-  // so no Release or commit looks at the flag now).
-  c.params_delayed = false;
+  // so no Release or commit looks now).
+  pipeline_.DropDelayedParameters(chunk);
   return device_.SynchronizeStream(Stream::kHostToDevice);
 }
 

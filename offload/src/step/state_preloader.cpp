@@ -2,6 +2,7 @@
 // state_preloader.h.
 #include "step/state_preloader.h"
 
+#include "step/chunk_step.h"
 #include "strata/nvme/async_io.h"
 
 namespace strata::offload {
@@ -26,9 +27,9 @@ void StatePreloader::Start(bool participants_known) {
   for (size_t i = slots_.size(); i-- > 0 && held < depth;) {
     const Chunk& c = chunks_[i];
     if (c.placement.optimizer_states != Tier::kNvme || slots_[i].active) continue;
-    const ChunkPhase phase = c.phase_now();
+    const ChunkPhase phase = steps_[i].phase_now();
     if (phase == ChunkPhase::kUpdating || phase == ChunkPhase::kUpdated) continue;  // Read.
-    if (participants_known && c.micro_steps == 0) continue;  // Sits this step out.
+    if (participants_known && steps_[i].micro_steps == 0) continue;  // Sits this step out.
     StartRead(i);
     ++held;
   }

@@ -17,7 +17,8 @@
 // and policy).
 //
 // Threads: the loop thread only, like the LoopStagingPool it owns; it takes no lock. It reads
-// the chunks' phases and micro-step counts as the step pipeline's loop code does.
+// the chunks' phases and micro-step counts (the pipeline's ChunkStep) as the step pipeline's
+// loop code does.
 #pragma once
 
 #include <cstddef>
@@ -36,14 +37,18 @@
 
 namespace strata::offload {
 
+struct ChunkStep;  // chunk_step.h: private to the step's files.
+
 class StatePreloader {
  public:
   /// Starts a coroutine on the event loop, counted until it ends (Engine::Impl::Spawn).
   using Spawner = std::function<void(Awaitable<void>)>;
 
-  /// `chunks` and `metrics` must outlive the preloader; `chunks` is read once it is Open.
-  StatePreloader(const std::vector<Chunk>& chunks, EngineMetrics& metrics, Spawner spawn)
-      : chunks_(chunks), metrics_(metrics), spawn_(std::move(spawn)) {}
+  /// `chunks`, `steps` (the pipeline's, one per chunk) and `metrics` must outlive the
+  /// preloader; `chunks` and `steps` are read once it is Open.
+  StatePreloader(const std::vector<Chunk>& chunks, const std::vector<ChunkStep>& steps,
+                 EngineMetrics& metrics, Spawner spawn)
+      : chunks_(chunks), steps_(steps), metrics_(metrics), spawn_(std::move(spawn)) {}
 
   /// The buffers read ahead out of `buffer_count`: one stays free for a chunk that arrives out
   /// of the expected order.
@@ -93,6 +98,7 @@ class StatePreloader {
   Awaitable<void> Read(size_t chunk);
 
   const std::vector<Chunk>& chunks_;
+  const std::vector<ChunkStep>& steps_;
   EngineMetrics& metrics_;
   Spawner spawn_;
   std::optional<LoopStagingPool> pool_;  // Set by Open.

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
+#include "step/chunk_step.h"
 
 namespace strata::offload {
 namespace {
@@ -19,15 +20,14 @@ void StepPipeline::MaybeFinish() {
     return;
   }
   if (step_.speculations_open > 0) return;  // Updated ahead of the verdict, not yet resolved.
-  const std::vector<Chunk>& chunks = engine_.chunks_;
-  for (const Chunk& c : chunks) {
-    if (c.phase_now() == ChunkPhase::kLanding) return;  // Gradients still landing.
+  for (const ChunkStep& s : steps_) {
+    if (s.phase_now() == ChunkPhase::kLanding) return;  // Gradients still landing.
   }
   // Several ranks: the norm's all-reduce and every chunk's all-gather are done too.
   if ((gated() || sharded()) && !step_.decided) return;
   if (sharded()) {
-    for (const Chunk& c : chunks) {
-      if (c.micro_steps > 0 && !c.gathered) return;
+    for (const ChunkStep& s : steps_) {
+      if (s.micro_steps > 0 && !s.gathered) return;
     }
   }
   if (!step_.error.ok()) {
@@ -35,10 +35,10 @@ void StepPipeline::MaybeFinish() {
     return;
   }
   if (!step_.skip) {
-    for (const Chunk& c : chunks) {
-      if (c.micro_steps == 0) continue;  // Not updated this step.
-      const bool deferred = c.update_at_commit && c.phase_now() == ChunkPhase::kArrived;
-      if (c.phase_now() != ChunkPhase::kUpdated && !deferred) return;  // A journey is on its way.
+    for (const ChunkStep& s : steps_) {
+      if (s.micro_steps == 0) continue;  // Not updated this step.
+      const bool deferred = s.update_at_commit && s.phase_now() == ChunkPhase::kArrived;
+      if (s.phase_now() != ChunkPhase::kUpdated && !deferred) return;  // A journey is on its way.
     }
   }
   step_.committing = true;
@@ -55,15 +55,15 @@ Awaitable<void> StepPipeline::Commit() {
     // trainer still held, otherwise) are updated now, after the trainer's use of them.
     status = e.residency_.OrderAfterTrainerUse(Stream::kCompute);
     for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
-      Chunk& c = chunks[i];
-      if (!c.update_at_commit || c.phase_now() != ChunkPhase::kArrived) continue;
+      ChunkStep& s = steps_[i];
+      if (!s.update_at_commit || s.phase_now() != ChunkPhase::kArrived) continue;
       {
         std::lock_guard lock(mutex_);
-        c.MoveTo(ChunkPhase::kUpdating);  // Claimed: a retry's Update leaves it alone.
+        s.MoveTo(ChunkPhase::kUpdating);  // Claimed: a retry's Update leaves it alone.
       }
       status = co_await UpdateOnDevice(i);
       std::lock_guard lock(mutex_);
-      c.MoveTo(status.ok() ? ChunkPhase::kUpdated : ChunkPhase::kArrived);
+      s.MoveTo(status.ok() ? ChunkPhase::kUpdated : ChunkPhase::kArrived);
     }
     if (!status.ok()) {
       FinishStep(status.WithContext("updating the device's share of the optimizer states"),
@@ -71,9 +71,9 @@ Awaitable<void> StepPipeline::Commit() {
       co_return;
     }
     // The point of no return: the shadows become current, host-home parameters swap.
-    for (Chunk& c : chunks) {
-      if (c.micro_steps == 0) continue;  // Not updated: its current state stays.
-      c.MakeUpdateCurrent();
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (steps_[i].micro_steps == 0) continue;  // Not updated: its current state stays.
+      steps_[i].MakeUpdateCurrent(chunks[i]);
     }
     step_.committed = true;
   }
@@ -86,13 +86,14 @@ Awaitable<void> StepPipeline::Commit() {
   if (!delay) status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
   for (size_t i = 0; i < chunks.size() && status.ok() && !delay; ++i) {
     Chunk& c = chunks[i];
-    if (c.placement.params != Tier::kDevice || c.micro_steps == 0) continue;
+    const ChunkStep& s = steps_[i];
+    if (c.placement.params != Tier::kDevice || s.micro_steps == 0) continue;
     if (skipped) {
       // A skipped step puts back only what a rolled-back speculation failed to restore.
-      if (c.restore_params) status = co_await RestoreParameters(i);
+      if (s.restore_params) status = co_await RestoreParameters(i);
       continue;
     }
-    if (c.params_uploaded) continue;
+    if (s.params_uploaded) continue;
     const size_t wbytes = c.working_bytes(e.working_size());
     status = e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
     if (status.ok()) e.m_.h2d_bytes->Increment(double(wbytes));
@@ -108,10 +109,10 @@ Awaitable<void> StepPipeline::Commit() {
   if (delay) {
     // Held back until the next step is done with the chunk (Released, or the next Step()).
     std::lock_guard lock(mutex_);
-    for (Chunk& c : chunks) {
-      if (c.micro_steps == 0) continue;
-      std::swap(c.param_copy, c.delayed_params);
-      c.params_delayed = true;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (steps_[i].micro_steps == 0) continue;
+      std::swap(chunks[i].param_copy, chunks[i].delayed_params);
+      steps_[i].params_delayed = true;
     }
   }
   if (!skipped) {
@@ -119,7 +120,7 @@ Awaitable<void> StepPipeline::Commit() {
     // gradients this step) still hold their parameters and stay.
     std::vector<size_t> updated;
     for (size_t i = 0; i < chunks.size(); ++i) {
-      if (chunks[i].micro_steps > 0) updated.push_back(i);
+      if (steps_[i].micro_steps > 0) updated.push_back(i);
     }
     e.residency_.Drop(updated);
   }
@@ -128,9 +129,9 @@ Awaitable<void> StepPipeline::Commit() {
   if (!gated() && !sharded()) {
     double sum = 0.0;
     bool finite = true;
-    for (const Chunk& c : chunks) {
-      sum += c.stats.sum_of_squares;
-      finite = finite && c.stats.all_finite;
+    for (const ChunkStep& s : steps_) {
+      sum += s.stats.sum_of_squares;
+      finite = finite && s.stats.all_finite;
     }
     norm = finite ? std::sqrt(sum) : std::nan("");  // As ApplyVerdict reports it.
   }
@@ -140,9 +141,9 @@ Awaitable<void> StepPipeline::Commit() {
     stuck = skipped && loss_scaler_.AtMinimumScale();
     loss_scaler_.Update(skipped);
     if (!skipped) step_count_.fetch_add(1);
-    for (Chunk& c : chunks) {
-      if (c.micro_steps == 0) continue;  // Had no part in this step.
-      c.EndStep(/*updated=*/!skipped);
+    for (ChunkStep& s : steps_) {
+      if (s.micro_steps == 0) continue;  // Had no part in this step.
+      s.EndStep(/*updated=*/!skipped);
     }
     step_open_ = false;
   }
@@ -192,15 +193,17 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
 void StepPipeline::SetGradientsAside() {
   if (gas_ > 1) return;  // The updates read grads_sum.
   Engine::Impl& e = engine_;
-  for (Chunk& c : e.chunks_) {
+  for (size_t i = 0; i < e.chunks_.size(); ++i) {
+    const Chunk& c = e.chunks_[i];
+    ChunkStep& s = steps_[i];
     // Landed in place (zero copy) and still to update: once the failure is delivered the
     // trainer may Acquire the chunk and write its gradient buffer, and the retry needs these.
-    if (!e.ZeroCopy(c) || c.landed_grads == c.grads_landing.data() ||
-        c.phase_now() != ChunkPhase::kArrived) {
+    if (!e.ZeroCopy(c) || s.landed_grads == c.grads_landing.data() ||
+        s.phase_now() != ChunkPhase::kArrived) {
       continue;
     }
-    std::memcpy(c.grads_landing.data(), c.landed_grads, c.working_bytes(e.working_size()));
-    c.landed_grads = c.grads_landing.data();
+    std::memcpy(c.grads_landing.data(), s.landed_grads, c.working_bytes(e.working_size()));
+    s.landed_grads = c.grads_landing.data();
   }
 }
 

@@ -3,30 +3,32 @@
 // device's, and go up at the chunk's Release, at the next Step(), or before a checkpoint or a
 // state write (FlushDelayedParameters).
 #include "engine/engine_impl.h"
+#include "step/chunk_step.h"
 
 namespace strata::offload {
 
 Status StepPipeline::UploadDelayedLocked(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  if (!c.params_delayed) return Status();
+  ChunkStep& s = steps_[chunk];
+  if (!s.params_delayed) return Status();
   STRATA_ASSIGN_OR_RETURN(const bool released,
                           e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
   if (!released) return Status();  // Its Release, or the next Step(), sends them.
   const size_t wbytes = c.working_bytes(e.working_size());
   STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
   e.m_.h2d_bytes->Increment(double(wbytes));
-  c.params_delayed = false;
+  s.params_delayed = false;
   return Status();
 }
 
 void StepPipeline::Released(size_t chunk) {
   std::lock_guard lock(mutex_);
-  const Chunk& c = engine_.chunks_[chunk];
+  const ChunkStep& s = steps_[chunk];
   // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
   // still use the parameters. A failure leaves them held back: the next Step() tries again
   // and reports it.
-  if (!c.params_delayed || c.micro_steps != gas_ || step_running_) return;
+  if (!s.params_delayed || s.micro_steps != gas_ || step_running_) return;
   UploadDelayedLocked(chunk).IgnoreError();
 }
 
@@ -35,7 +37,7 @@ Status StepPipeline::FlushDelayedParameters() {
     std::lock_guard lock(mutex_);
     for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
       STRATA_RETURN_IF_ERROR(UploadDelayedLocked(i));
-      if (engine_.chunks_[i].params_delayed) {
+      if (steps_[i].params_delayed) {
         return FailedPrecondition("chunk " + std::to_string(i) +
                                   " is acquired; Release every chunk first");
       }

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
+#include "step/chunk_step.h"
 
 namespace strata::offload {
 namespace {
@@ -44,7 +45,7 @@ void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* 
 Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   Engine::Impl& e = engine_;
   std::unique_lock lock(mutex_);
-  Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   if (hyper_.delayed && !StepDone()) {
     // The previous step updates beside this step's forward; the gradients of this one land
     // where that update reads its own, so they wait for it to complete (a failed one is
@@ -64,12 +65,12 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
         (e.sharded() ? std::string("with several ranks it cannot be retried: restart the ranks")
                      : std::string("call Step() again to retry it first")));
   }
-  if (c.micro_steps >= gas_) {
+  if (s.micro_steps >= gas_) {
     return FailedPrecondition("chunk " + std::to_string(chunk) + " already received the " +
                               "gradients of all " + std::to_string(gas_) +
                               " micro-steps of this step; call Step() first");
   }
-  const int micro_step = c.micro_steps + 1;
+  const int micro_step = s.micro_steps + 1;
   const bool last = micro_step == gas_;
   if (e.reduces_each_micro_step() && micro_step > 1) {
     STRATA_RETURN_IF_ERROR(WaitForLandingLocked(chunk, micro_step, lock));
@@ -91,10 +92,10 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   }
   // Closed only now that this landing is sure to come: a refusal above leaves it open for the
   // trainer's next try.
-  if (e.reduces_each_micro_step()) c.landing_taken.Reset();
-  if (micro_step == 1) c.reduces_enqueued = 0;
-  c.micro_steps = micro_step;
-  c.MoveTo(last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
+  if (e.reduces_each_micro_step()) s.landing_taken.Reset();
+  if (micro_step == 1) s.reduces_enqueued = 0;
+  s.micro_steps = micro_step;
+  s.MoveTo(last ? ChunkPhase::kLanding : ChunkPhase::kAccumulating);
   // Several ranks: the chunk's reduce-scatter (each micro-step's, or the last's), in its turn.
   if (e.sharded()) DeclareReduceLocked(chunk, last);
   e.Spawn(last ? Journey(chunk, micro_step) : LandMicroStep(chunk, micro_step));
@@ -105,9 +106,10 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
                                   int micro_step, bool last) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   // Posted to the loop by a stream thread when the gradients are where the landing reads them.
-  auto landed = [&e, &c] {
-    boost::asio::post(e.loop_.executor(), [&c] { c.grads_copied->Release(); });
+  auto landed = [&e, &s] {
+    boost::asio::post(e.loop_.executor(), [&s] { s.grads_copied->Release(); });
   };
   // Everything below runs after the trainer's work so far on its stream: backward.
   STRATA_RETURN_IF_ERROR(RecordTrainerEvent(e.device_, e.compute_marker_, stream));
@@ -116,13 +118,13 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
       STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kCompute, e.compute_marker_));
     }
     // The device keeps and updates this chunk: it sums and measures in stream order.
-    return e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, view, micro_step, last,
+    return e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, &s, view, micro_step, last,
                                                            landed] {
       Result<cpu_adam::GradientStats> stats = SumAndMeasure(
           static_cast<float*>(c.device_grads_sum.data()), view.grads, c.numel, micro_step, last);
       if (last) {
-        c.land_status = stats.status();
-        if (stats.ok()) c.stats = *stats;
+        s.land_status = stats.status();
+        if (stats.ok()) s.stats = *stats;
       }
       landed();
     });
@@ -132,13 +134,13 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
     // The landing reads them where backward wrote them, once backward is done (the host
     // function below): the trainer cannot write them again before the step completes, since
     // Acquire refuses the chunk until then.
-    c.landed_grads = static_cast<const std::byte*>(view.grads);
+    s.landed_grads = static_cast<const std::byte*>(view.grads);
     return e.device_.LaunchHostFunction(Stream::kDeviceToHost, landed);
   }
   STRATA_RETURN_IF_ERROR(e.device_.CopyToHost(c.grads_landing.data(), view.grads,
                                               c.working_bytes(e.working_size()),
                                               Stream::kDeviceToHost));
-  c.landed_grads = c.grads_landing.data();
+  s.landed_grads = c.grads_landing.data();
   Gauge& copying = e.m_.in_flight_of(InFlightKind::kDeviceToHost);
   copying.Add(1.0);  // Before the copy can land and take it back.
   Status queued = e.device_.LaunchHostFunction(Stream::kDeviceToHost, [&copying, landed] {
@@ -170,7 +172,8 @@ void StepPipeline::SumGrads(float* sum, const void* grads, DType dtype, size_t n
 Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool last) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  co_await c.grads_copied->Acquire();
+  ChunkStep& s = steps_[chunk];
+  co_await s.grads_copied->Acquire();
   const bool read_on_host = c.placement.optimizer_states != Tier::kDevice;
   if (read_on_host && !e.ZeroCopy(c)) {
     e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
@@ -179,19 +182,19 @@ Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool las
   // (ReduceGrads); nothing to sum or measure here.
   if (read_on_host && !e.reduces_each_micro_step()) {
     auto sum_and_measure = [&] {
-      return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), c.landed_grads, c.numel,
+      return SumAndMeasure(reinterpret_cast<float*>(c.grads_sum.data()), s.landed_grads, c.numel,
                            micro_step, last);
     };
     Result<cpu_adam::GradientStats> stats =
         co_await AwaitJob(e.jobs_, sum_and_measure, &e.jobs_in_flight_);
     if (last) {
-      c.land_status = stats.status();
-      if (stats.ok()) c.stats = *stats;
+      s.land_status = stats.status();
+      if (stats.ok()) s.stats = *stats;
     }
   }
   // The gradient buffer has been read: backward may write the next micro-step's.
   e.residency_.UnpinGrads(chunk);
-  co_return last ? c.land_status : Status();
+  co_return last ? s.land_status : Status();
 }
 
 Awaitable<void> StepPipeline::LandMicroStep(size_t chunk, int micro_step) {

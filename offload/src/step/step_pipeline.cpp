@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
+#include "step/chunk_step.h"
 
 namespace strata::offload {
 namespace {
@@ -20,17 +21,21 @@ StepPipeline::StepPipeline(Engine::Impl& engine, const EngineOptions& options)
       gas_(options.optimizer.gradient_accumulation_steps),
       next_lr_(options.optimizer.lr),
       loss_scaler_(options.precision),
-      preloader_(engine.chunks_, engine.m_,
+      preloader_(engine.chunks_, steps_, engine.m_,
                  [&engine](Awaitable<void> work) { engine.Spawn(std::move(work)); }) {}
 
+StepPipeline::~StepPipeline() = default;
+
 void StepPipeline::Initialize() {
-  for (Chunk& c : engine_.chunks_) {
-    c.grads_copied.emplace(0);
-    c.grads_reduced.emplace(0);
-    c.reduce_queued.emplace(0);
-    c.shard_sum_turn.emplace(1);
-    c.params_gathered.emplace(0);
-    if (!c.frozen()) ++trained_chunks_;
+  steps_ = std::vector<ChunkStep>(engine_.chunks_.size());
+  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    ChunkStep& s = steps_[i];
+    s.grads_copied.emplace(0);
+    s.grads_reduced.emplace(0);
+    s.reduce_queued.emplace(0);
+    s.shard_sum_turn.emplace(1);
+    s.params_gathered.emplace(0);
+    if (!engine_.chunks_[i].frozen()) ++trained_chunks_;
   }
   failed_ranks_.assign(size_t(engine_.ranks()), 0.0);
   for (size_t i = engine_.chunks_.size(); i-- > 0;) {
@@ -74,9 +79,21 @@ void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count,
   loss_scaler_.Restore(scaler);
   step_count_.store(step_count);
   for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-    engine_.chunks_[i].steps_taken = chunk_steps[i];
+    steps_[i].steps_taken = chunk_steps[i];
   }
   engine_.m_.loss_scale->Set(loss_scaler_.scale());
+}
+
+int64_t StepPipeline::ChunkStepsTaken(size_t chunk) const {
+  std::lock_guard lock(mutex_);
+  return steps_[chunk].steps_taken;
+}
+
+void StepPipeline::DropDelayedParameters(size_t chunk) {
+  // Before Initialize (the initial values are written first) no step has held anything back.
+  if (chunk >= steps_.size()) return;
+  std::lock_guard lock(mutex_);
+  steps_[chunk].params_delayed = false;
 }
 
 Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, bool acquire) const {
@@ -102,7 +119,8 @@ Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, b
     return FailedPrecondition(operation + " while a step is running; wait for Step() to complete");
   }
   const Chunk& c = engine_.chunks_[chunk];
-  const ChunkPhase phase = c.phase_now();
+  const ChunkStep& s = steps_[chunk];
+  const ChunkPhase phase = s.phase_now();
   if (acquire && attempt_failed_ && phase == ChunkPhase::kArrived && gas_ == 1 &&
       c.placement.optimizer_states == Tier::kDevice) {
     // The device updates this chunk from the trainer's gradient buffer itself, and the retry
@@ -125,7 +143,7 @@ Status StepPipeline::CheckBetweenSteps(const std::string& operation) const {
   std::lock_guard lock(mutex_);
   if (step_running_) return FailedPrecondition(operation + " while a step is running");
   for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-    if (engine_.chunks_[i].micro_steps > 0) {
+    if (steps_[i].micro_steps > 0) {
       return FailedPrecondition(operation + " while chunk " + std::to_string(i) +
                                 " holds gradients of an unfinished step; call Step() first");
     }
@@ -144,17 +162,17 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     // A chunk gets gradients in every micro-step or in none (it is not updated this step).
     const std::vector<Chunk>& chunks = engine_.chunks_;
     for (size_t i = 0; i < chunks.size() && refused.ok(); ++i) {
-      if (chunks[i].micro_steps != gas_ && chunks[i].micro_steps != 0) {
+      if (steps_[i].micro_steps != gas_ && steps_[i].micro_steps != 0) {
         refused = FailedPrecondition(
             "chunk " + std::to_string(i) + " received the gradients of " +
-            std::to_string(chunks[i].micro_steps) + " of " + std::to_string(gas_) +
+            std::to_string(steps_[i].micro_steps) + " of " + std::to_string(gas_) +
             " micro-steps; call GradsReady for a chunk in every micro-step of a step, or in "
             "none (then it is not updated)");
       }
     }
     if (refused.ok()) refused = CheckShardedStepLocked();
-    if (refused.ok() && std::all_of(chunks.begin(), chunks.end(),
-                                    [](const Chunk& c) { return c.micro_steps == 0; })) {
+    if (refused.ok() && std::all_of(steps_.begin(), steps_.end(),
+                                    [](const ChunkStep& s) { return s.micro_steps == 0; })) {
       // Some chunks may sit a step out, but a step without any gradients is a trainer's bug.
       refused =
           FailedPrecondition("Step() before any GradsReady: no chunk (chunk 0 to " +
@@ -210,7 +228,7 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
   step_.started = Clock::now();
   step_.used = 0;
   for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-    if (engine_.chunks_[i].micro_steps > 0) {
+    if (steps_[i].micro_steps > 0) {
       ++step_.used;
     } else if (!engine_.chunks_[i].frozen()) {
       // Sits this step out: the states it read ahead would hold a staging buffer that the
@@ -225,8 +243,8 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
   // (Several ranks do not retry, and their journeys update and gather each chunk themselves.)
   if (!sharded() && !step_.skip && (!gated() || step_.decided)) {
     for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-      const ChunkPhase phase = engine_.chunks_[i].phase_now();
-      if (engine_.chunks_[i].update_at_commit) continue;  // The commit's to update.
+      const ChunkPhase phase = steps_[i].phase_now();
+      if (steps_[i].update_at_commit) continue;  // The commit's to update.
       if (phase == ChunkPhase::kArrived || phase == ChunkPhase::kStepped) {
         auto retry = [](StepPipeline* self, size_t chunk) -> Awaitable<void> {
           co_await self->Update(chunk);
@@ -241,20 +259,20 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
 }
 
 void StepPipeline::Arrive(size_t chunk) {
-  Chunk& c = engine_.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   {
     std::lock_guard lock(mutex_);
-    c.MoveTo(ChunkPhase::kArrived);
+    s.MoveTo(ChunkPhase::kArrived);
   }
   ++step_.arrived;
-  if (c.stats.all_finite) {
-    step_.arrived_sum_of_squares += c.stats.sum_of_squares;
+  if (s.stats.all_finite) {
+    step_.arrived_sum_of_squares += s.stats.sum_of_squares;
   } else {
     step_.arrived_non_finite = true;
   }
-  if (!c.land_status.ok()) {
+  if (!s.land_status.ok()) {
     KeepFirstError(
-        c.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk)));
+        s.land_status.WithContext("measuring the gradients of chunk " + std::to_string(chunk)));
   }
   if (!AllArrived()) return;
   if (sharded()) {
@@ -272,7 +290,7 @@ bool StepPipeline::AllArrived() const {
 StepPipeline::VerdictTotals StepPipeline::LocalTotals() const {
   // Sums go in chunk order so results are reproducible.
   VerdictTotals totals = {0.0, 0.0};
-  for (const Chunk& each : engine_.chunks_) {
+  for (const ChunkStep& each : steps_) {
     if (each.micro_steps == 0) continue;  // No gradients this step.
     if (each.stats.all_finite) {
       totals[0] += each.stats.sum_of_squares;
@@ -324,25 +342,25 @@ void StepPipeline::Cancel() {
   std::lock_guard lock(mutex_);
   const bool each_micro_step = engine_.reduces_each_micro_step();
   for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
-    Chunk& c = engine_.chunks_[i];
+    ChunkStep& s = steps_[i];
     const Status cancelled = Cancelled("the engine was destroyed before Step()");
     // The journeys that reduce: one per micro-step declared, or the last micro-step's.
-    const int reducing = each_micro_step ? c.micro_steps : c.micro_steps == gas_ ? 1 : 0;
-    for (int k = c.reduces_enqueued; k < reducing; ++k) {
+    const int reducing = each_micro_step ? s.micro_steps : s.micro_steps == gas_ ? 1 : 0;
+    for (int k = s.reduces_enqueued; k < reducing; ++k) {
       if (engine_.reduces_from_ring()) {
         // The journey learns from the number that no collective comes (ReduceGrads): a result
         // here would go to the first journey waiting, maybe an earlier micro-step's whose
         // collective is still running.
-        c.reduce_numbers.push_back(Chunk::kNeverQueued);
-        c.reduce_queued->Release();
+        s.reduce_numbers.push_back(ChunkStep::kNeverQueued);
+        s.reduce_queued->Release();
       } else {
-        c.reduce_results.push_back(cancelled);
-        c.grads_reduced->Release();
+        s.reduce_results.push_back(cancelled);
+        s.grads_reduced->Release();
       }
     }
-    if (c.micro_steps != gas_) continue;
-    c.gather_status = cancelled;
-    c.params_gathered->Release();
+    if (s.micro_steps != gas_) continue;
+    s.gather_status = cancelled;
+    s.params_gathered->Release();
   }
 }
 

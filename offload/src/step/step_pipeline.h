@@ -34,7 +34,7 @@
 // is resolved, and its commit makes host shadows current as it flips NVMe ones.
 //
 // Retries: a failed step leaves each chunk in a phase that says what is left to do
-// (chunk.h): kArrived chunks are updated again from states that did not change, kStepped
+// (chunk_step.h): kArrived chunks are updated again from states that did not change, kStepped
 // chunks only republish their parameters, kUpdated chunks wait for the commit, and a commit
 // that failed after its flip only uploads again. So Step() after a failure finishes the same
 // step exactly once, in every placement.
@@ -108,6 +108,7 @@
 #include "engine/loop_sync.h"
 #include "engine/thread_signal.h"
 #include "step/state_preloader.h"
+#include "strata/cpu_adam/cpu_optimizer.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/loss_scaler.h"
 
@@ -123,11 +124,15 @@ struct StepHyperParams {
   bool delayed = false;
 };
 
+struct ChunkStep;  // chunk_step.h: private to the step's files.
+
 class StepPipeline {
  public:
   StepPipeline(Engine::Impl& engine, const EngineOptions& options);
+  ~StepPipeline();  // Out of line: ChunkStep is complete only in the step's files.
 
-  /// Creates the per-chunk signals and starts the first preloads. Once, after the chunks exist.
+  /// Makes each chunk's step state (its signals with it) and starts the first preloads. Once,
+  /// after the chunks exist.
   void Initialize();
 
   // --- Trainer thread ---
@@ -164,6 +169,13 @@ class StepPipeline {
   /// Between steps: what Load restores (`chunk_steps`: each chunk's updates so far).
   void Restore(const LossScalerState& scaler, int64_t step_count,
                const std::vector<int64_t>& chunk_steps);
+  /// Between steps: the optimizer updates `chunk` has had (its bias correction's step), which
+  /// Save records.
+  int64_t ChunkStepsTaken(size_t chunk) const;
+  /// Between steps, when a state write has just rewritten `chunk`'s device parameters: they
+  /// supersede the parameters a delayed step held back for it, if any are left, which then never
+  /// go up. No Release or commit looks meanwhile.
+  void DropDelayedParameters(size_t chunk);
 
   // --- Loop thread ---
   /// The read-ahead of NVMe-kept states, which the updates take their states from: the
@@ -235,8 +247,8 @@ class StepPipeline {
   /// Once the chunk's reduce-scatter is queued and its ReduceRing slot is free: widens the
   /// landed gradients into it (or takes grads_sum), quantizes them into what the all-to-all
   /// sends (quantized gradients), and marks the slot filled. Returns the reduce-scatter's
-  /// number (Chunk::kNeverQueued: Cancel ended the step).
-  Awaitable<uint64_t> FillReduceSlot(Chunk& c);
+  /// number (ChunkStep::kNeverQueued: Cancel ended the step).
+  Awaitable<uint64_t> FillReduceSlot(size_t chunk);
   /// Opens shard_updated, waits for the all-gather and uploads what it gathered.
   Awaitable<void> GatherParams(size_t chunk);
   /// With the ranks whose step failed (from the outcome all-reduce, or its own failure):
@@ -362,6 +374,9 @@ class StepPipeline {
   ThreadSignal step_outcome_;
   std::vector<double> failed_ranks_;  // One per rank (sized by Initialize): 1 = failed.
 
+  // Each chunk's part in the step, indexed like the engine's chunks (made by Initialize). Who
+  // writes each field, and on which thread, is written next to it (chunk_step.h).
+  std::vector<ChunkStep> steps_;
   StepState step_;  // Loop thread only, like what follows.
   LoopLatch gate_;  // Opens when a gated step's verdict is in.
   StatePreloader preloader_;

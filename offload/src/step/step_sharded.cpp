@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/engine_impl.h"
+#include "step/chunk_step.h"
 
 namespace strata::offload {
 
@@ -27,7 +28,7 @@ Status StepPipeline::CheckShardedStepLocked() const {
   }
   const std::vector<Chunk>& chunks = engine_.chunks_;
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (!chunks[i].frozen() && chunks[i].micro_steps == 0) {
+    if (!chunks[i].frozen() && steps_[i].micro_steps == 0) {
       return FailedPrecondition(
           "chunk " + std::to_string(i) + " received no gradients this step; with several ranks " +
           "every trained chunk needs them in every step (each rank reduces every chunk)");
@@ -37,33 +38,32 @@ Status StepPipeline::CheckShardedStepLocked() const {
 }
 
 void StepPipeline::DeclareReduceLocked(size_t chunk, bool last) {
-  Chunk& c = engine_.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   if (last) {
     // Nothing of this step's last micro-step has touched the chunk's signals yet: its journey,
     // spawned next, opens them, maybe before its reduce-scatter is enqueued.
-    c.grads_summed.Reset();
-    c.shard_updated.Reset();
+    s.grads_summed.Reset();
+    s.shard_updated.Reset();
   }
   // Reduce-scatters go in one order on every rank, backward's (the last chunk first), whatever
   // order this rank's trainer declares gradients in: a chunk whose turn has not come waits for
   // the chunks before it. Ranks that matched collectives by arrival would sum one rank's chunk
   // with another's whenever their sizes agree. Reducing every micro-step, the order is that of
   // each micro-step in turn.
-  const std::vector<Chunk>& chunks = engine_.chunks_;
   const size_t per_round = reduce_sequence_.size();
   const size_t rounds = engine_.reduces_each_micro_step() ? size_t(gas_) : 1;
   while (reduces_enqueued_ < rounds * per_round) {
     const size_t next = reduce_sequence_[reduces_enqueued_ % per_round];
     const int micro_step = rounds == 1 ? gas_ : int(reduces_enqueued_ / per_round) + 1;
-    if (chunks[next].micro_steps < micro_step) break;
+    if (steps_[next].micro_steps < micro_step) break;
     EnqueueReduceLocked(next);
   }
 }
 
 Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
                                           std::unique_lock<std::mutex>& lock) {
-  Chunk& c = engine_.chunks_[chunk];
-  if (c.reduces_enqueued < micro_step - 1) {
+  ChunkStep& s = steps_[chunk];
+  if (s.reduces_enqueued < micro_step - 1) {
     const size_t waiting_for = reduce_sequence_[reduces_enqueued_ % reduce_sequence_.size()];
     return FailedPrecondition(
         "GradsReady(" + std::to_string(chunk) + ") of micro-step " + std::to_string(micro_step) +
@@ -78,7 +78,7 @@ Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
   lock.unlock();
   {
     WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kCollective));
-    c.landing_taken.Wait().IgnoreError();
+    s.landing_taken.Wait().IgnoreError();
   }
   lock.lock();
   return Status();
@@ -87,30 +87,31 @@ Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
 void StepPipeline::EnqueueReduceLocked(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   ++reduces_enqueued_;
-  ++c.reduces_enqueued;
+  ++s.reduces_enqueued;
   const bool ring = e.reduces_from_ring();
   const bool quantized = e.quantizes_gradients();
   const bool journey_reads = JourneyReadsReduceSlot();
-  const uint64_t number = ring ? e.reduce_ring_.Next() : Chunk::kNeverQueued;
+  const uint64_t number = ring ? e.reduce_ring_.Next() : ChunkStep::kNeverQueued;
   if (ring) {
     // The journey fills the slot when its turn comes (FillReduceSlot).
-    boost::asio::post(e.loop_.executor(), [&c, number] {
-      c.reduce_numbers.push_back(number);
-      c.reduce_queued->Release();
+    boost::asio::post(e.loop_.executor(), [&s, number] {
+      s.reduce_numbers.push_back(number);
+      s.reduce_queued->Release();
     });
   }
-  auto ready = [&e, &c, ring, number] {
-    return ring ? e.reduce_ring_.WaitFilled(number) : c.grads_summed.Wait();
+  auto ready = [&e, &s, ring, number] {
+    return ring ? e.reduce_ring_.WaitFilled(number) : s.grads_summed.Wait();
   };
-  auto done = [&e, &c, ring, journey_reads, number](Status status) {
+  auto done = [&e, &s, ring, journey_reads, number](Status status) {
     boost::asio::post(e.loop_.executor(),
-                      [&e, &c, ring, journey_reads, number, status = std::move(status)] {
+                      [&e, &s, ring, journey_reads, number, status = std::move(status)] {
                         // Done reading the slot, whatever its outcome (unless the journey reads
                         // what the collective wrote: it releases the slot then).
                         if (ring && !journey_reads) e.reduce_ring_.Release(number);
-                        c.reduce_results.push_back(status);
-                        c.grads_reduced->Release();
+                        s.reduce_results.push_back(status);
+                        s.grads_reduced->Release();
                       });
   };
   Communicator& comm = *e.environment_.communicator;
@@ -157,16 +158,17 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
   step_outcome_.Reset();  // The last step's was delivered before this Step() was accepted.
   for (size_t chunk : order) {
     Chunk& c = e.chunks_[chunk];
+    ChunkStep& s = steps_[chunk];
     // Stage 3 gathers parameters when the trainer acquires them (ParamGather), not here.
     if (c.params_sharded) continue;
     e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(c.working_bytes(wsize)));
     comm.AllGather(
         c.param_copy.data() + c.shard.begin * wsize, c.param_copy.data(), c.shard.numel(),
-        e.working_dtype(), [&c] { return c.shard_updated.Wait(); },
-        [&e, &c](Status status) {
-          boost::asio::post(e.loop_.executor(), [&c, status = std::move(status)] {
-            c.gather_status = status;
-            c.params_gathered->Release();
+        e.working_dtype(), [&s] { return s.shard_updated.Wait(); },
+        [&e, &s](Status status) {
+          boost::asio::post(e.loop_.executor(), [&s, status = std::move(status)] {
+            s.gather_status = status;
+            s.params_gathered->Release();
           });
         });
   }
@@ -257,14 +259,16 @@ Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte*
 
 }  // namespace
 
-Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
+Awaitable<uint64_t> StepPipeline::FillReduceSlot(size_t chunk) {
   Engine::Impl& e = engine_;
-  co_await c.reduce_queued->Acquire();
-  const uint64_t number = c.reduce_numbers.front();
-  c.reduce_numbers.pop_front();
+  Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
+  co_await s.reduce_queued->Acquire();
+  const uint64_t number = s.reduce_numbers.front();
+  s.reduce_numbers.pop_front();
   // Never queued: Cancel ended the step, and no collective comes (see ReduceGrads).
-  if (number == Chunk::kNeverQueued) {
-    c.landing_taken.Open(Status());
+  if (number == ChunkStep::kNeverQueued) {
+    s.landing_taken.Open(Status());
     co_return number;
   }
   co_await e.reduce_ring_.WaitTurn(number);
@@ -274,7 +278,7 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
     if (e.sums_micro_steps()) {
       gradients = reinterpret_cast<const float*>(c.grads_sum.data());
     } else {
-      SumGrads(widened, c.landed_grads, e.working_dtype(), c.numel, /*first=*/true);
+      SumGrads(widened, s.landed_grads, e.working_dtype(), c.numel, /*first=*/true);
     }
     if (!e.quantizes_gradients()) return Status();
     return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),
@@ -282,9 +286,9 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
   };
   Status filled = co_await AwaitJob(e.jobs_, fill, &e.jobs_in_flight_);
   // The collective runs whatever happened here (see ReduceGrads); this rank's step fails.
-  if (!filled.ok() && c.land_status.ok()) c.land_status = filled;
+  if (!filled.ok() && s.land_status.ok()) s.land_status = filled;
   e.reduce_ring_.MarkFilled(number);
-  c.landing_taken.Open(Status());  // The next micro-step may land.
+  s.landing_taken.Open(Status());  // The next micro-step may land.
   e.reduce_ring_.Release(number);  // Written: the slot is the next number's once read.
   co_return number;
 }
@@ -292,28 +296,29 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(Chunk& c) {
 Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   const bool each_micro_step = e.reduces_each_micro_step();
   // The reduce-scatter runs whatever this rank's landing did: a failed landing fails this
   // rank's step (land_status), and every rank learns of it from the step's outcome all-reduce.
   // A failed input would fail the collective on this rank only, and MPI peers would wait for it
   // until their timeout.
-  uint64_t number = Chunk::kNeverQueued;
+  uint64_t number = ChunkStep::kNeverQueued;
   if (e.reduces_from_ring()) {
-    number = co_await FillReduceSlot(c);
-    if (number == Chunk::kNeverQueued) {
+    number = co_await FillReduceSlot(chunk);
+    if (number == ChunkStep::kNeverQueued) {
       // Cancel: no collective, so no result to take. Another micro-step's may still be on its
       // way, for that micro-step's journey.
-      c.land_status = Cancelled("the engine was destroyed before Step()");
+      s.land_status = Cancelled("the engine was destroyed before Step()");
       co_return;
     }
   } else {
-    c.grads_summed.Open(Status());  // grads_sum holds them.
+    s.grads_summed.Open(Status());  // grads_sum holds them.
   }
   // Reducing every micro-step, the micro-steps' shards are added in their order, one at a time.
-  if (each_micro_step) co_await c.shard_sum_turn->Acquire();
-  co_await c.grads_reduced->Acquire();
-  const Status reduced = std::move(c.reduce_results.front());
-  c.reduce_results.pop_front();
+  if (each_micro_step) co_await s.shard_sum_turn->Acquire();
+  co_await s.grads_reduced->Acquire();
+  const Status reduced = std::move(s.reduce_results.front());
+  s.reduce_results.pop_front();
   if (JourneyReadsReduceSlot()) {
     if (reduced.ok()) {
       // This rank's shard: the sum of every rank's partition it received, or what the
@@ -330,26 +335,27 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
                                      e.reduce_ring_.Input(number), shard, first);
       };
       Status summed = co_await AwaitJob(e.jobs_, sum, &e.jobs_in_flight_);
-      if (!summed.ok() && c.land_status.ok()) c.land_status = summed;
+      if (!summed.ok() && s.land_status.ok()) s.land_status = summed;
     }
     e.reduce_ring_.Release(number);  // Read: the slot is the next number's.
   }
-  if (each_micro_step) c.shard_sum_turn->Release();
-  if (!reduced.ok()) c.land_status = reduced.WithContext("reducing the gradients across ranks");
+  if (each_micro_step) s.shard_sum_turn->Release();
+  if (!reduced.ok()) s.land_status = reduced.WithContext("reducing the gradients across ranks");
   // The shard is complete at the last micro-step, and measured then.
-  if (!c.land_status.ok() || micro_step != gas_) co_return;
+  if (!s.land_status.ok() || micro_step != gas_) co_return;
   auto measure = [&] {
     return e.optimizer_->ComputeGradientStats(c.grads_shard.data(), DType::kFp32, c.shard.numel());
   };
   Result<cpu_adam::GradientStats> stats = co_await AwaitJob(e.jobs_, measure, &e.jobs_in_flight_);
-  c.land_status = stats.status();
-  if (stats.ok()) c.stats = *stats;
+  s.land_status = stats.status();
+  if (stats.ok()) s.stats = *stats;
 }
 
 Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
   Chunk& c = engine_.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   if (step_.cancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
-  const bool updated = c.phase_now() == ChunkPhase::kUpdated;
+  const bool updated = s.phase_now() == ChunkPhase::kUpdated;
   // The all-gather runs whatever this rank's update did (as the reduce-scatter, see
   // ReduceGrads). A skipped step gathers and uploads nothing; a chunk not updated otherwise
   // fails this rank's step, and so, through the outcome all-reduce, every rank's.
@@ -360,14 +366,14 @@ Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
   if (c.params_sharded) {
     // Stage 3 gathers nothing here: the shard's new parameters wait in param_copy (or the
     // shadow extent, on NVMe) for the commit, and the next Acquire gathers them.
-    c.gathered = true;
+    s.gathered = true;
     co_return;
   }
-  c.shard_updated.Open(Status());
-  co_await c.params_gathered->Acquire();
-  c.gathered = true;
-  if (!c.gather_status.ok()) {
-    KeepFirstError(c.gather_status.WithContext("gathering the parameters of chunk " +
+  s.shard_updated.Open(Status());
+  co_await s.params_gathered->Acquire();
+  s.gathered = true;
+  if (!s.gather_status.ok()) {
+    KeepFirstError(s.gather_status.WithContext("gathering the parameters of chunk " +
                                                std::to_string(chunk) + " across ranks"));
   } else if (updated) {
     if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {

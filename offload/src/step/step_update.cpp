@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
+#include "step/chunk_step.h"
 
 namespace strata::offload {
 namespace {
@@ -64,7 +65,7 @@ Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
   if (gated()) {
     if (CanSpeculate(chunk)) co_await Update(chunk, /*speculative=*/true);
     co_await gate_.Wait();
-    if (engine_.chunks_[chunk].speculated) co_await ResolveSpeculation(chunk);
+    if (steps_[chunk].speculated) co_await ResolveSpeculation(chunk);
   }
   if (!step_.skip && !step_.cancelled) co_await Update(chunk);
   if (sharded()) co_await GatherParams(chunk);
@@ -85,12 +86,13 @@ bool StepPipeline::CanSpeculate(size_t chunk) const {
 Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
-  const ChunkPhase from = c.phase_now();
+  ChunkStep& s = steps_[chunk];
+  const ChunkPhase from = s.phase_now();
   // Only one update per chunk at a time, and only where one is left to do (a retry may race
   // the journey resumed by the gate: whoever comes first updates).
   if (from != ChunkPhase::kArrived && from != ChunkPhase::kStepped) co_return;
   // Left to the commit, or the commit has begun: it updates what is left, not a late journey.
-  if (c.update_at_commit || step_.committing) co_return;
+  if (s.update_at_commit || step_.committing) co_return;
   // This attempt failed already, or failed and ended: Step() again retries.
   if (!step_.error.ok() || attempt_failed_) co_return;
   const bool on_device = c.placement.optimizer_states == Tier::kDevice;
@@ -110,17 +112,17 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
       now = *released;
     }
     if (!now) {
-      c.update_at_commit = true;
+      s.update_at_commit = true;
       co_return;
     }
   }
   {
     std::lock_guard lock(mutex_);
-    c.MoveTo(ChunkPhase::kUpdating);
+    s.MoveTo(ChunkPhase::kUpdating);
   }
   ++step_.updates_running;
   if (speculative) {
-    c.speculated = true;
+    s.speculated = true;
     ++step_.speculations_open;
     e.m_.speculative_updates->Increment(1.0);
   }
@@ -135,7 +137,7 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
   --step_.updates_running;
   {
     std::lock_guard lock(mutex_);
-    c.MoveTo(status.ok() ? ChunkPhase::kUpdated
+    s.MoveTo(status.ok() ? ChunkPhase::kUpdated
              : stepped   ? ChunkPhase::kStepped
                          : ChunkPhase::kArrived);
   }
@@ -144,9 +146,9 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
 
 Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
-  c.speculated = false;
-  const bool updated = c.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
+  ChunkStep& s = steps_[chunk];
+  s.speculated = false;
+  const bool updated = s.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
   const bool kept = !step_.skip && !step_.clipped && !step_.cancelled;
   if (updated && kept) {
     // The update stands; parameters that waited for the verdict go up now.
@@ -158,10 +160,10 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     // The update wrote its states elsewhere — a staging buffer and the NVMe shadow extent, or
     // the host shadow buffer — and left the current ones as they were: dropping it is all it
     // takes.
-    c.states_in_shadow = false;
+    s.states_in_shadow = false;
     step_.rolled_back = true;
     e.m_.rolled_back_updates->Increment(1.0);
-    if (c.params_uploaded) {
+    if (s.params_uploaded) {
       // The device has the speculative parameters (they go up early). Put back what the
       // current master rounds to, which is what it held before, so that however this attempt
       // ends the device never keeps an update the verdict rolled back; a redo uploads its own
@@ -174,7 +176,7 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     // Only now open to a redo: one started meanwhile (Step()'s, for chunks in kArrived) would
     // write param_copy under the put-back, which would then overwrite the redo's parameters.
     std::lock_guard lock(mutex_);
-    c.MoveTo(ChunkPhase::kArrived);
+    s.MoveTo(ChunkPhase::kArrived);
   }
   --step_.speculations_open;
 }
@@ -182,6 +184,7 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
 Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   // The speculative upload has read param_copy once the stream is through it.
   Status status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
   // The current master, rounded: from host memory, or kept in params_before by the update of
@@ -195,12 +198,12 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
     }
   };
   co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);  // What any later upload must send.
-  c.params_uploaded = false;
+  s.params_uploaded = false;
   if (status.ok()) status = UploadEarly(chunk);
   // Read before a redo rewrites param_copy.
   if (status.ok()) status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
-  c.params_uploaded = false;  // Not this step's parameters: a redo or the commit sends those.
-  c.restore_params = !status.ok();
+  s.params_uploaded = false;  // Not this step's parameters: a redo or the commit sends those.
+  s.restore_params = !status.ok();
   co_return status;
 }
 
@@ -208,6 +211,7 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
                                   DType grad_dtype, void* param_copy, double grad_scale) const {
   const OptimizerOptions& o = options_.optimizer;
   const Chunk& c = engine_.chunks_[chunk];
+  const ChunkStep& s = steps_[chunk];
   const size_t numel = c.shard.numel();  // The elements this rank updates.
   const DType wdtype = engine_.working_dtype();
   const bool copy_out = wdtype != DType::kFp32 && param_copy != nullptr;
@@ -233,7 +237,7 @@ Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out
             out_of_place && UsesExpAvgSq(o.type) ? states_out + 2 * numel + begin : nullptr};
     STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
                                     segment.weight_decay.value_or(o.weight_decay),
-                                    c.steps_taken + 1, grad_scale, buffers));
+                                    s.steps_taken + 1, grad_scale, buffers));
   }
   if (wdtype == DType::kFp32 && param_copy != nullptr) {
     // On the optimizer's threads, as the kernel wrote them: one thread's memcpy is a fraction
@@ -250,6 +254,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
                                              bool& stepped) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& step = steps_[chunk];
   EngineMetrics& m = e.m_;
   const size_t home_bytes = c.param_home_bytes(e.working_size());  // Stage 3: the shard.
   const bool nvme_states = c.placement.optimizer_states == Tier::kNvme;
@@ -301,7 +306,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   if (status.ok()) {
     const void* grads = sharded()  ? c.grads_shard.data()
                         : gas_ > 1 ? c.grads_sum.data()
-                                   : c.landed_grads;
+                                   : step.landed_grads;
     const DType grad_dtype = sharded() || gas_ > 1 ? DType::kFp32 : e.working_dtype();
     auto update = [&] {
       Status s;
@@ -332,7 +337,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     // Host-home states stepped in place: from here on a failure must not step them again.
     stepped = !nvme_states && states_out == states && (republish || status.ok());
     // Stepped into the shadow: the commit makes them current, unless the verdict drops them.
-    c.states_in_shadow = status.ok() && states_out != states;
+    step.states_in_shadow = status.ok() && states_out != states;
   }
   // Write-behind into the shadow extents; the commit makes them current.
   std::optional<InFlightGuard> writing;
@@ -366,14 +371,14 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // (Several ranks upload once the other shards are in: GatherParams.)
   const bool can_restore = !speculative || !nvme_states || !c.params_before.empty();
   if (status.ok() && in_place) {
-    c.params_uploaded = true;  // The optimizer wrote them into the device's.
-    c.restore_params = false;
+    step.params_uploaded = true;  // The optimizer wrote them into the device's.
+    step.restore_params = false;
   } else if (status.ok() && can_restore && !sharded()) {
     status = UploadEarly(chunk);
   }
   // A speculative update that failed leaves the current states as they were: the retry's
   // verdict may want another scale.
-  if (!status.ok()) c.states_in_shadow = false;
+  if (!status.ok()) step.states_in_shadow = false;
   co_return status;
 }
 
@@ -398,17 +403,18 @@ Awaitable<bool> StepPipeline::ClaimParamsInPlace(size_t chunk, bool speculative)
 Status StepPipeline::UploadEarly(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   // Device-home parameters go up as soon as their chunk's update is complete, behind the
   // trainer's last use of them; the commit uploads those the trainer still holds. A step that
   // fails later leaves these new: its retry does not update the chunk again, and the commit
   // makes its states (NVMe shadows included) current with them.
-  if (c.placement.params != Tier::kDevice || c.params_uploaded) return Status();
+  if (c.placement.params != Tier::kDevice || s.params_uploaded) return Status();
   // A delayed step's parameters wait (the commit holds them back); so do a later step's while
   // older ones are still held back, which must reach the device first.
   if (hyper_.delayed) return Status();
   {
     std::lock_guard lock(mutex_);
-    if (c.params_delayed) return Status();
+    if (s.params_delayed) return Status();
   }
   STRATA_ASSIGN_OR_RETURN(const bool released,
                           e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
@@ -416,14 +422,15 @@ Status StepPipeline::UploadEarly(size_t chunk) {
   const size_t wbytes = c.working_bytes(e.working_size());
   STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
   e.m_.h2d_bytes->Increment(double(wbytes));
-  c.params_uploaded = true;
-  c.restore_params = false;
+  s.params_uploaded = true;
+  s.restore_params = false;
   return Status();
 }
 
 Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
   Engine::Impl& e = engine_;
   Chunk& c = e.chunks_[chunk];
+  ChunkStep& s = steps_[chunk];
   const void* grads = gas_ > 1 ? c.device_grads_sum.data() : c.grads.data();
   const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
   const double grad_scale = step_.grad_scale;
@@ -438,7 +445,7 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
   if (!done.ok()) co_return done;
   if (result->ok()) {
     e.m_.device_optimizer_params->Increment(double(c.numel));
-    c.params_uploaded = true;  // The kernel wrote the device's parameters itself.
+    s.params_uploaded = true;  // The kernel wrote the device's parameters itself.
   }
   co_return *result;
 }
