@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,9 +55,12 @@ struct Trajectory {
 
 /// Chunks an engine can update ahead of the verdict: states on NVMe, or on host with a shadow
 /// buffer (the tests' automatic host budget has room for every one).
-size_t SpeculativeChunks(const Engine& engine) {
+/// Chunks whose states the host updates (on NVMe or in host memory): all of them, or only
+/// `only` when given.
+size_t SpeculativeChunks(const Engine& engine, std::optional<size_t> only = std::nullopt) {
   size_t n = 0;
   for (size_t c = 0; c < engine.chunk_count(); ++c) {
+    if (only && c != *only) continue;
     const Tier states = *engine.placement(c).optimizer_states;
     n += states == Tier::kNvme || states == Tier::kHost ? 1 : 0;
   }
@@ -70,12 +75,22 @@ Trajectory Train(const EngineOptions& options, uint64_t device_budget, const Tin
   auto engine = MakeEngine(options, *device, model);
   if (engine == nullptr) return run;
   run.speculative_chunks = SpeculativeChunks(*engine);
+  // The chunks that update ahead of chunk 0's verdict (none on the gated path).
+  const uint64_t others = !options.optimizer.speculative_updates
+                              ? 0
+                              : run.speculative_chunks - SpeculativeChunks(*engine, 0);
   EngineTrainer trainer(*engine, model);
   for (int step = 0; step < kSteps; ++step) {
     double loss = 0.0;
     // The poisoned chunk (0, which backward reaches last) lands once the others' updates have
     // started, so that there is something for the overflow to undo however the threads run.
-    trainer.SetLateChunk(0, step == poison_step ? 100ms : 0ms);
+    const uint64_t ahead = engine->counters().speculative_updates;
+    const Engine* e = engine.get();
+    const bool wait = step == poison_step && others > 0;
+    trainer.SetLateChunk(
+        0, !wait ? std::function<bool()>() : [e, ahead, others] {
+          return e->counters().speculative_updates >= ahead + others;
+        });
     Result<StepReport> report = trainer.TrainStep(step, &loss, step == poison_step);
     EXPECT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
     if (!report.ok()) return run;
@@ -450,9 +465,10 @@ TEST(SpeculationFp16Test, ARetriedSkipPutsBackParametersWhoseRestoreUploadFailed
     // Chunk 2's speculative upload goes through; chunk 1's fails, and so does the upload that
     // puts chunk 2's parameters back when the overflow rolls it back.
     if (step == 3) device.FailCopiesToDevice(/*skip=*/1, /*times=*/2);
-    // The poisoned chunk 0 lands late, so that both speculative uploads come before the verdict
-    // however the threads run.
-    trainer.SetLateChunk(0, step == 3 ? 100ms : 0ms);
+    // The poisoned chunk 0 lands once both speculative uploads were tried (one failed), so that
+    // they come before the verdict however the threads run.
+    trainer.SetLateChunk(
+        0, step != 3 ? std::function<bool()>() : [&device] { return device.failed_copies() >= 1; });
     Result<StepReport> report = trainer.TrainStep(step, &loss, step == 3);
     if (step == 3) {
       ASSERT_FALSE(report.ok());
@@ -493,10 +509,10 @@ TEST(SpeculationTest, AFailedClippedStepLeavesNoRolledBackParametersOnTheDevice)
   for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
   const uint64_t ahead = engine->counters().speculative_updates;
   // Chunk 5's speculative upload goes through, chunk 4's fails: the step fails, and the verdict
-  // (a clip) rolls chunk 5 back without redoing it. Chunk 0 lands late, so that the verdict
-  // (and any non-speculative upload) comes after those two however the threads run.
+  // (a clip) rolls chunk 5 back without redoing it. Chunk 0 lands once both were tried, so
+  // that the verdict (and any non-speculative upload) comes after them however the threads run.
   device.FailCopiesToDevice(/*skip=*/1);
-  trainer.SetLateChunk(0, 100ms);
+  trainer.SetLateChunk(0, [&device] { return device.failed_copies() >= 1; });
   Result<StepReport> failed = trainer.TrainStep(2, &loss);
   ASSERT_FALSE(failed.ok());
   ASSERT_GE(engine->counters().speculative_updates, ahead + 2) << "the test needs speculation";

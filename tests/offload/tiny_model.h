@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -188,12 +189,16 @@ class EngineTrainer {
   }
   /// Chunks whose gradients backward does not produce (an unused expert): no GradsReady.
   void SetUnusedChunks(std::vector<bool> unused) { unused_ = std::move(unused); }
-  /// Backward waits `delay` on the trainer thread before `chunk`'s GradsReady (0: none), so
-  /// that the updates of the chunks before it have started (speculation) when it lands.
-  void SetLateChunk(size_t chunk, std::chrono::milliseconds delay) {
+  /// Backward waits on the trainer thread before `chunk`'s GradsReady until `ready()` holds
+  /// (polled every millisecond; empty: no wait), so that what a test needs has happened when it
+  /// lands — the updates of the chunks before it started (speculation), say — however the
+  /// threads run and however loaded the machine is. A condition still false after
+  /// kLateChunkPatience lets the chunk land anyway, and the test's own checks then fail.
+  void SetLateChunk(size_t chunk, std::function<bool()> ready) {
     late_chunk_ = chunk;
-    late_delay_ = delay;
+    late_ready_ = std::move(ready);
   }
+  static constexpr std::chrono::seconds kLateChunkPatience{60};
 
   /// One optimizer step on micro-batches [step * gas, (step + 1) * gas). `poison` sets the
   /// first gradient element to infinity (an fp16 overflow). Returns the mean micro-step loss.
@@ -242,7 +247,7 @@ class EngineTrainer {
           write_grads();
         }
         const TrainerStream on{stream_ != nullptr ? stream_->native() : nullptr};
-        if (c == late_chunk_ && late_delay_.count() > 0) std::this_thread::sleep_for(late_delay_);
+        if (c == late_chunk_ && late_ready_) WaitUntilLateChunkReady();
         STRATA_RETURN_IF_ERROR(engine_.GradsReady(c, on));
         engine_.Release(c, on);
       }
@@ -261,6 +266,13 @@ class EngineTrainer {
   }
 
  private:
+  void WaitUntilLateChunkReady() const {
+    const auto deadline = std::chrono::steady_clock::now() + kLateChunkPatience;
+    while (!late_ready_() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
   template <typename F>
   void ForEachParameter(size_t chunk, F&& f) {
     const ChunkInfo& info = engine_.layout().chunk(chunk);
@@ -276,7 +288,7 @@ class EngineTrainer {
   std::chrono::milliseconds delay_{0};
   std::vector<bool> unused_;
   size_t late_chunk_ = 0;
-  std::chrono::milliseconds late_delay_{0};
+  std::function<bool()> late_ready_;
 };
 
 /// The same training with a plain in-memory AdamW (the cpu_adam kernel per parameter).

@@ -126,7 +126,7 @@ std::optional<AlignedBuffer> Engine::Impl::AllocateWithinBudget(size_t bytes) {
 }
 
 bool Engine::Impl::Speculates() const {
-  // (Several ranks do not speculate yet: step_pipeline.h, "Sharding".)
+  // (Several ranks do not speculate yet: docs/architecture.md, "Several ranks".)
   return options_.optimizer.speculative_updates && pipeline_.gated() && !sharded();
 }
 

@@ -83,10 +83,10 @@ struct ChunkStep {
   // (StepPipeline::Restore); Save reads it through StepPipeline::ChunkStepsTaken.
   int64_t steps_taken = 0;
 
-  // --- Several ranks (step_pipeline.h, "Sharding"): the chunk's collectives. The signals are
-  // what the communicator's thread waits on before a collective reads the chunk's buffers (reset
-  // by the trainer thread at the chunk's last GradsReady, opened by the loop); the semaphores
-  // are released on the loop when a collective is done, with its status.
+  // --- Several ranks (docs/architecture.md, "Several ranks"): the chunk's collectives. The signals
+  // are what the communicator's thread waits on before a collective reads the chunk's buffers
+  // (reset by the trainer thread at the chunk's last GradsReady, opened by the loop); the
+  // semaphores are released on the loop when a collective is done, with its status.
   // Chunk::grads_sum holds this rank's gradients: reduce-scatter them. (From the ReduceRing, a
   // slot's number says it instead: ReduceRing::WaitFilled.)
   ThreadSignal grads_summed;

@@ -1,5 +1,5 @@
-// The delayed parameter update (optimizer.delayed_update; see step_pipeline.h): a delayed
-// step's new parameters wait in Chunk::delayed_params until the next step is done with the
+// The delayed parameter update (optimizer.delayed_update; docs/architecture.md, "A step"): a
+// delayed step's new parameters wait in Chunk::delayed_params until the next step is done with the
 // device's, and go up at the chunk's Release, at the next Step(), or before a checkpoint or a
 // state write (FlushDelayedParameters).
 #include "engine/engine_impl.h"

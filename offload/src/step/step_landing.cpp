@@ -2,7 +2,7 @@
 // work, and the landing sums micro-steps and measures the last one (squares and finiteness, for
 // clipping and fp16 overflow checks). Landing holds a pin on the chunk's gradient buffer, so the
 // next micro-step's Acquire waits until the buffer is free to overwrite. (Several ranks reduce
-// first and measure their shard: sharded_step.cpp.)
+// first and measure their shard: step_sharded.cpp.)
 #include <algorithm>
 #include <chrono>
 #include <cstring>

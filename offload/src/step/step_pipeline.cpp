@@ -201,7 +201,7 @@ std::future<Result<StepReport>> StepPipeline::Step() {
   }
   // Several ranks: the norm's all-reduce, then the parameters' all-gathers, in the order every
   // rank reduced the gradients (CheckShardedStepLocked refused a step without every trained
-  // chunk's). They run as their inputs come (see "Sharding" in the header).
+  // chunk's). They run as their inputs come (docs/architecture.md, "Several ranks").
   if (sharded()) EnqueueStepCollectives(reduce_sequence_);
   if (delayed) {
     // The trainer's next forward runs beside this step: it must find the device's parameters
@@ -239,8 +239,9 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
   // Chunks without gradients this step are known now: a gated step may be decided. (Several
   // ranks decide through a collective, and every chunk has gradients.)
   if (gated() && !sharded() && !step_.decided && AllArrived()) Decide();
-  // A retry after a failed attempt finishes what that attempt left (see step_pipeline.h).
-  // (Several ranks do not retry, and their journeys update and gather each chunk themselves.)
+  // A retry after a failed attempt finishes what that attempt left (docs/architecture.md, "Failure
+  // and retry"). (Several ranks do not retry, and their journeys update and gather each chunk
+  // themselves.)
   if (!sharded() && !step_.skip && (!gated() || step_.decided)) {
     for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
       const ChunkPhase phase = steps_[i].phase_now();

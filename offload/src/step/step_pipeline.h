@@ -1,98 +1,17 @@
 // StepPipeline: a step from the gradients of backward to the commit that makes it visible.
 //
-// Each chunk's journey is one coroutine on the event loop (update_journey.cpp), started by the
-// GradsReady of its last micro-step:
-//
-//   co_await grads_copied                      // D2H behind the trainer's work (or the device
-//                                              // sums them in stream order)
-//   stats = co_await AwaitJob(sum_and_measure) // micro-step sum, squares, finiteness (jobs)
-//   co_await gate                              // gated steps: the global norm / overflow verdict
-//                                              // (or update now, speculatively, and let the
-//                                              // verdict keep or roll back the update)
-//   states = co_await preload                  // NVMe -> staging buffer, read ahead
-//   co_await AwaitJob(optimizer + checksums)   // cpu_adam (oneTBB), new working params rounded
-//   co_await AwaitSwapWrite(shadow extents)    // write-behind; the commit flips them current
-//   queue the h2d copy of the parameters       // now (after the verdict for a speculative NVMe
-//                                              // update), or at the commit if the trainer
-//                                              // still holds the chunk
-//
-// Journeys of different chunks overlap each other and the trainer's backward, bounded by the
-// staging buffers. The commit (step_commit.cpp) runs once every chunk is updated: it flips the
-// shadow extents (the point of no return), uploads what is still to upload, drops stale device
-// copies, and completes Step()'s future. Earlier micro-steps only land and sum
-// (gradient_landing.cpp).
-//
-// Speculation (gated steps, optimizer.speculative_updates): a chunk whose update can be rolled
-// back (states on NVMe, whose new values go to shadow extents; host-kept states with a shadow
-// buffer, which the optimizer writes out of place) does not wait for the gate. It is updated at
-// once with the scale of a step that neither clips nor overflows, which is the gated path's own
-// scale whenever the verdict agrees, so the results are the same bit for bit, and its new
-// parameters go to the device early (a roll-back puts back the current master, rounded). When
-// the verdict clips or overflows, the journey drops the shadows (the current states never changed),
-// moves the chunk back to kArrived and updates it again with the verdict's scale, or, for an
-// overflow, puts back the parameters the device held. The step commits only once every speculation
-// is resolved, and its commit makes host shadows current as it flips NVMe ones.
-//
-// Retries: a failed step leaves each chunk in a phase that says what is left to do
-// (chunk_step.h): kArrived chunks are updated again from states that did not change, kStepped
-// chunks only republish their parameters, kUpdated chunks wait for the commit, and a commit
-// that failed after its flip only uploads again. So Step() after a failure finishes the same
-// step exactly once, in every placement.
+// docs/architecture.md, "A step", tells it once: each chunk's journey (land, gate, read ahead,
+// update, write back, upload), speculation, the delayed update, several ranks' collectives and
+// what a failed step leaves for its retry. Where each part is: GradsReady and the landing in
+// step_landing.cpp, the journey in step_update.cpp, Step() and the verdict of a gated step in
+// step_pipeline.cpp, the commit in step_commit.cpp, the delayed update in step_delayed.cpp and
+// the collectives of several ranks in step_sharded.cpp. Each chunk's part in the step is its
+// ChunkStep (chunk_step.h), which only this pipeline writes.
 //
 // Threads: GradsReady, Step and the accessors run on the trainer thread (or any thread, for the
 // accessors) and take `mutex_`; everything else runs on the loop thread. `mutex_` guards the
 // phases' writes, the micro-step counts, the hyper-parameter snapshot, the loss scaler and
 // whether a step is running. The loop-only state (StepState, the preloader) needs no lock.
-//
-// Delayed parameter update (optimizer.delayed_update): a delayed step's commit swaps its new
-// parameters into Chunk::delayed_params instead of uploading them; Release (after the chunk's
-// last GradsReady of the next step), Step() and FlushDelayedParameters send them, under
-// `mutex_` (which Release and Acquire then take too). While a delayed step runs, Acquire is
-// allowed and the next GradsReady waits on `step_done_` until Step()'s future is ready.
-//
-// Sharding (ZeRO stages 1, 2 and 3; EngineEnvironment::communicator with several ranks): each
-// rank keeps and updates the optimizer states of its shard of every chunk (Chunk::shard), and
-// the whole chunk's working parameters (stages 1 and 2) or its shard of them in host memory or
-// on NVMe (stage 3, Chunk::params_sharded). Collectives are enqueued in program order on the
-// trainer thread, the same on every rank, and run on the communicator's thread as their inputs
-// come:
-//
-//   Acquire (stage 3)             all-gather the parameter shards into a slot, and the chunks
-//                                 expected next ahead (ParamGather, param_gather.h)
-//   GradsReady (last micro-step)  reduce-scatter grads_sum -> grads_shard  (ready: grads_summed),
-//                                 chunk by chunk in one order (the last chunk first), whatever
-//                                 order the trainer declares them in; without accumulation
-//                                 from a ReduceRing slot instead of grads_sum (reduce_ring.h);
-//                                 with quantized gradients an all-to-all of int8 partitions
-//                                 that each rank sums into grads_shard instead
-//   GradsReady (every micro-step, stages 2 and 3 with accumulation)
-//                                 the same from a ReduceRing slot, per micro-step, into the
-//                                 slot's output shard, which the journey adds into grads_shard
-//                                 in micro-step order: no rank keeps a whole chunk's fp32 sum.
-//                                 The order goes round once per micro-step; the next
-//                                 micro-step's GradsReady of a chunk waits until the last one's
-//                                 landing buffer is widened into its slot (landing_taken)
-//   Step()                        all-reduce of the norm and overflow count (ready: all_arrived_)
-//                                 all-gather param_copy, chunk by chunk in that order
-//                                                  (ready: shard_updated; not with stage 3)
-//                                 all-reduce of the ranks whose step failed (ready: step_outcome_)
-//
-// The journey then runs (earlier micro-steps, reducing every micro-step, run its first part):
-// land and sum in fp32 -> grads_summed -> reduce -> measure the shard
-// (ReduceGrads) -> arrive -> gate (gated steps) -> update the shard with the mean gradient
-// (grad_scale / ranks) -> shard_updated -> gather -> upload (GatherParams; with stage 3 the
-// shard's new parameters wait in param_copy, or the shadow extent on NVMe, for the commit,
-// which makes them current and drops the stale device copies, and the next Acquire gathers
-// them); the step commits
-// once the norm's all-reduce (which every step's report needs) and every all-gather are done,
-// and reports once every rank's outcome is in: a step that failed anywhere fails everywhere.
-// A rank's failure (a landing, an update, an upload) fails its step, not the collectives, which
-// run anyway; the outcome all-reduce tells every rank which ranks failed, and the step fails on
-// all of them at once (under MPI too, whose peers would wait for a failed input until their
-// timeout). A collective that itself fails (a peer left or timed out) fails every later one on
-// that rank. Not built yet for several ranks: speculative
-// updates (gated steps' updates wait for the verdict), retrying a failed step (the ranks'
-// collectives diverged), chunks that sit a step out, and what Impl::CheckShardable refuses.
 #pragma once
 
 #include <array>

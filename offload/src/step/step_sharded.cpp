@@ -2,7 +2,7 @@
 // the step, enqueued on the trainer thread in one order on every rank, the journey's two waits
 // on them, and the agreement on the step's outcome. (Stage 3's parameters are gathered at
 // Acquire by ParamGather, not by the step's all-gathers.)
-// See "Sharding" in step_pipeline.h.
+// See "Several ranks" in docs/architecture.md.
 #include <algorithm>
 #include <string>
 #include <vector>
