@@ -67,6 +67,18 @@ size_t SpeculativeChunks(const Engine& engine, std::optional<size_t> only = std:
   return n;
 }
 
+/// For EngineTrainer::SetLateChunk: true once `condition` holds, or `at_most` after the first
+/// call (the wait's start), whichever comes first.
+std::function<bool()> WithinAtMost(std::chrono::milliseconds at_most,
+                                   std::function<bool()> condition) {
+  auto start = std::make_shared<std::optional<std::chrono::steady_clock::time_point>>();
+  return [start, at_most, condition = std::move(condition)] {
+    const auto now = std::chrono::steady_clock::now();
+    if (!*start) *start = now;
+    return condition() || now - **start >= at_most;
+  };
+}
+
 /// Trains kSteps steps; `poison_step` overflows that step's gradients (fp16).
 Trajectory Train(const EngineOptions& options, uint64_t device_budget, const TinyModel& model,
                  int poison_step = -1) {
@@ -83,14 +95,14 @@ Trajectory Train(const EngineOptions& options, uint64_t device_budget, const Tin
   for (int step = 0; step < kSteps; ++step) {
     double loss = 0.0;
     // The poisoned chunk (0, which backward reaches last) lands once the others' updates have
-    // started, so that there is something for the overflow to undo however the threads run.
+    // started (2 s at most), so that there is something for the overflow to undo however the
+    // threads run.
     const uint64_t ahead = engine->counters().speculative_updates;
     const Engine* e = engine.get();
     const bool wait = step == poison_step && others > 0;
-    trainer.SetLateChunk(
-        0, !wait ? std::function<bool()>() : [e, ahead, others] {
-          return e->counters().speculative_updates >= ahead + others;
-        });
+    trainer.SetLateChunk(0, !wait ? std::function<bool()>() : WithinAtMost(2s, [e, ahead, others] {
+                           return e->counters().speculative_updates >= ahead + others;
+                         }));
     Result<StepReport> report = trainer.TrainStep(step, &loss, step == poison_step);
     EXPECT_TRUE(report.ok()) << "step " << step << ": " << report.status().ToString();
     if (!report.ok()) return run;
@@ -465,10 +477,12 @@ TEST(SpeculationFp16Test, ARetriedSkipPutsBackParametersWhoseRestoreUploadFailed
     // Chunk 2's speculative upload goes through; chunk 1's fails, and so does the upload that
     // puts chunk 2's parameters back when the overflow rolls it back.
     if (step == 3) device.FailCopiesToDevice(/*skip=*/1, /*times=*/2);
-    // The poisoned chunk 0 lands once both speculative uploads were tried (one failed), so that
-    // they come before the verdict however the threads run.
-    trainer.SetLateChunk(
-        0, step != 3 ? std::function<bool()>() : [&device] { return device.failed_copies() >= 1; });
+    // The poisoned chunk 0 lands late, once both speculative uploads were tried (one failed)
+    // or after 100 ms, so that they come before the verdict. (Waiting for the failure alone
+    // waited in vain under AddressSanitizer: not every run uploads both ahead of the verdict.)
+    trainer.SetLateChunk(0, step != 3 ? std::function<bool()>() : WithinAtMost(100ms, [&device] {
+                           return device.failed_copies() >= 1;
+                         }));
     Result<StepReport> report = trainer.TrainStep(step, &loss, step == 3);
     if (step == 3) {
       ASSERT_FALSE(report.ok());
@@ -509,10 +523,11 @@ TEST(SpeculationTest, AFailedClippedStepLeavesNoRolledBackParametersOnTheDevice)
   for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
   const uint64_t ahead = engine->counters().speculative_updates;
   // Chunk 5's speculative upload goes through, chunk 4's fails: the step fails, and the verdict
-  // (a clip) rolls chunk 5 back without redoing it. Chunk 0 lands once both were tried, so
-  // that the verdict (and any non-speculative upload) comes after them however the threads run.
+  // (a clip) rolls chunk 5 back without redoing it. Chunk 0 lands once both were tried (2 s at
+  // most), so that the verdict (and any non-speculative upload) comes after them however the
+  // threads run.
   device.FailCopiesToDevice(/*skip=*/1);
-  trainer.SetLateChunk(0, [&device] { return device.failed_copies() >= 1; });
+  trainer.SetLateChunk(0, WithinAtMost(2s, [&device] { return device.failed_copies() >= 1; }));
   Result<StepReport> failed = trainer.TrainStep(2, &loss);
   ASSERT_FALSE(failed.ok());
   ASSERT_GE(engine->counters().speculative_updates, ahead + 2) << "the test needs speculation";
