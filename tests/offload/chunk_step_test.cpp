@@ -4,18 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include "chunk_placement.h"
+
 namespace strata::offload {
 namespace {
 
-/// Places `c`'s states and parameters where `states` and `params` say, with distinct current
-/// and shadow extents.
-void Place(Chunk& c, Tier states, Tier params) {
-  c.placement = {.params = params, .optimizer_states = states};
-  c.state_extents[0] = {.index = 10};
-  c.state_extents[1] = {.index = 11};
-  c.param_extents[0] = {.index = 20};
-  c.param_extents[1] = {.index = 21};
-}
+using testing::Place;
 
 TEST(ChunkStepTest, MakeUpdateCurrentSwapsHostHomesAndShadows) {
   Chunk c;

@@ -13,13 +13,18 @@ import strata.torch as st
 from strata import _log
 
 
-def test_engine_messages_go_to_the_strata_logger_not_stderr(tmp_path, caplog, capfd):
+def step_with_states_on_nvme(tmp_path) -> None:
+    """One step of an optimizer whose NVMe placement makes the engine say so (INFO)."""
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
+    opt = st.OffloadAdamW(model.parameters(), offload="nvme", nvme_path=tmp_path)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+
+
+def test_engine_messages_go_to_the_strata_logger_not_stderr(tmp_path, caplog, capfd):
     with caplog.at_level(logging.INFO, logger="strata"):
-        opt = st.OffloadAdamW(model.parameters(), offload="nvme", nvme_path=tmp_path)
-        model(torch.randn(4, 64)).sum().backward()
-        opt.step()
+        step_with_states_on_nvme(tmp_path)
     staging = [r for r in caplog.records
                if r.name == "strata" and "optimizer states on NVMe" in r.getMessage()]
     assert staging and staging[0].levelno == logging.INFO
@@ -27,12 +32,8 @@ def test_engine_messages_go_to_the_strata_logger_not_stderr(tmp_path, caplog, ca
 
 
 def test_a_silenced_logger_silences_the_engine(tmp_path, caplog, capfd):
-    torch.manual_seed(0)
-    model = nn.Linear(64, 64)
     with caplog.at_level(logging.WARNING, logger="strata"):
-        opt = st.OffloadAdamW(model.parameters(), offload="nvme", nvme_path=tmp_path)
-        model(torch.randn(4, 64)).sum().backward()
-        opt.step()
+        step_with_states_on_nvme(tmp_path)
     assert not [r for r in caplog.records if r.name == "strata" and r.levelno < logging.WARNING]
     assert "strata:" not in capfd.readouterr().err
 
