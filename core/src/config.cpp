@@ -40,8 +40,8 @@ using internal::Show;
 // Fields of Strata's "optimizer" section that a DeepSpeed "optimizer" never has at its top.
 constexpr auto kStrataOptimizerFields = std::to_array<std::string_view>(
     {"lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction", "gradient_clipping",
-     "gradient_accumulation_steps", "cpu_threads", "speculative_updates", "delayed_update",
-     "delayed_update_from_step"});
+     "gradient_accumulation_steps", "cpu_threads", "speculative_updates", "recheck_gradients",
+     "delayed_update", "delayed_update_from_step"});
 
 // --- Format detection ----------------------------------------------------------------------
 

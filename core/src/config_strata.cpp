@@ -142,6 +142,7 @@ Status VisitStrataFields(O& o, Visitor& v) {
       v.Field("gradient_accumulation_steps", o.optimizer.gradient_accumulation_steps));
   STRATA_RETURN_IF_ERROR(v.Field("cpu_threads", o.optimizer.cpu_threads));
   STRATA_RETURN_IF_ERROR(v.Field("speculative_updates", o.optimizer.speculative_updates));
+  STRATA_RETURN_IF_ERROR(v.Field("recheck_gradients", o.optimizer.recheck_gradients));
   STRATA_RETURN_IF_ERROR(v.Field("delayed_update", o.optimizer.delayed_update));
   STRATA_RETURN_IF_ERROR(v.Field("delayed_update_from_step", o.optimizer.delayed_update_from_step));
 

@@ -7,6 +7,7 @@
 #include <tbb/parallel_for.h>
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -359,7 +360,7 @@ Status CpuOptimizer::RooflineStep(OptimizerType type, const StepBuffers& buffers
 }
 
 Result<GradientStats> CpuOptimizer::ComputeGradientStats(const void* grads, DType dtype,
-                                                         size_t numel) {
+                                                         size_t numel, bool checksum) {
   if (numel == 0) return GradientStats{};
   if (grads == nullptr) {
     return InvalidArgument("gradient stats: grads is null but numel is " + std::to_string(numel));
@@ -371,15 +372,28 @@ Result<GradientStats> CpuOptimizer::ComputeGradientStats(const void* grads, DTyp
   // One partial sum per block, summed in block order: the same additions for any thread count.
   const internal::SumOfSquaresKernel kernel =
       impl_->kernels->sum_of_squares[static_cast<int>(dtype)];
-  std::vector<double> block_sums((numel + kBlockElements - 1) / kBlockElements);
+  const size_t blocks = (numel + kBlockElements - 1) / kBlockElements;
+  std::vector<double> block_sums(blocks);
+  std::vector<XXH64_hash_t> block_hashes(checksum ? blocks : 0);
+  const size_t element_bytes = DTypeSize(dtype);
   impl_->ForEachRange(numel, [&](size_t begin, size_t end) {
     for (size_t block_begin = begin; block_begin < end; block_begin += kBlockElements) {
       const size_t block_end = std::min(block_begin + kBlockElements, end);
-      block_sums[block_begin / kBlockElements] = kernel(grads, block_begin, block_end);
+      const size_t block = block_begin / kBlockElements;
+      block_sums[block] = kernel(grads, block_begin, block_end);
+      if (checksum) {
+        // The block was just read: hashing it now costs cache reads, not another memory pass.
+        block_hashes[block] =
+            XXH3_64bits(static_cast<const std::byte*>(grads) + block_begin * element_bytes,
+                        (block_end - block_begin) * element_bytes);
+      }
     }
   });
   GradientStats stats;
   for (double block_sum : block_sums) stats.sum_of_squares += block_sum;
+  if (checksum) {
+    stats.checksum = XXH3_64bits(block_hashes.data(), block_hashes.size() * sizeof(XXH64_hash_t));
+  }
   // A finite fp32 square cannot overflow double, even summed over 2^64 elements, so a
   // non-finite sum means a non-finite element.
   stats.all_finite = std::isfinite(stats.sum_of_squares);

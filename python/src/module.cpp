@@ -266,10 +266,16 @@ class PyEngine {
     out["iteration"] = report.iteration;
     out["skipped"] = report.skipped;
     out["rolled_back"] = report.rolled_back;
+    out["changed_chunks"] = report.changed_chunks;
     out["grad_norm"] = report.grad_norm;
     out["loss_scale"] = report.loss_scale;
     out["seconds"] = report.seconds;
     return out;
+  }
+
+  void AbandonStep() {
+    Engine& e = engine();
+    Check(Unlocked([&] { return e.AbandonStep(); }));
   }
 
   /// Many states at once: (parameter, state, fp32 array) each; one pass per chunk.
@@ -444,6 +450,9 @@ NB_MODULE(_strata, m) {
       .def("grads_ready", &PyEngine::GradsReady, nb::arg("chunk"), nb::arg("stream") = 0,
            "Backward has written the chunk's gradients by work queued on `stream` so far.")
       .def("step", &PyEngine::Step, "Finishes the optimizer step; returns its report.")
+      .def("abandon_step", &PyEngine::AbandonStep,
+           "Drops the open step's gradients and every update made ahead of step() "
+           "(optimizer.recheck_gradients).")
       .def_prop_ro("loss_scale", [](PyEngine& self) { return self.engine().loss_scale(); })
       .def_prop_ro("step_count", [](PyEngine& self) { return self.engine().step_count(); })
       .def_prop_ro("iteration_count",

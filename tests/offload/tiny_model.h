@@ -199,6 +199,12 @@ class EngineTrainer {
     late_ready_ = std::move(ready);
   }
   static constexpr std::chrono::seconds kLateChunkPatience{60};
+  /// Backward multiplies chunk `c`'s gradients of step `step` by factor(step, c) before writing
+  /// them (after the loss scale): what a trainer that edits gradients in place after
+  /// GradsReady should end up with. Empty: by 1.
+  void SetGradientFactor(std::function<float(int step, size_t chunk)> factor) {
+    factor_ = std::move(factor);
+  }
 
   /// One optimizer step on micro-batches [step * gas, (step + 1) * gas). `poison` sets the
   /// first gradient element to infinity (an fp16 overflow). Returns the mean micro-step loss.
@@ -232,11 +238,15 @@ class EngineTrainer {
       for (size_t c = layout.chunk_count(); c-- > 0;) {
         if ((c < unused_.size() && unused_[c]) || layout.chunk(c).frozen) continue;
         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
-        auto write_grads = [this, c, view, dtype, scale, grads] {
+        const float factor = factor_ ? factor_(step, c) : 1.0f;
+        auto write_grads = [this, c, view, dtype, scale, factor, grads] {
           if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
           ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
             std::vector<float> scaled = grads[p];
             for (float& g : scaled) g *= scale;
+            if (factor != 1.0f) {
+              for (float& g : scaled) g *= factor;
+            }
             StoreAs(dtype, scaled.data(), loc.numel,
                     static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype));
           });
@@ -289,6 +299,7 @@ class EngineTrainer {
   std::vector<bool> unused_;
   size_t late_chunk_ = 0;
   std::function<bool()> late_ready_;
+  std::function<float(int, size_t)> factor_;
 };
 
 /// The same training with a plain in-memory AdamW (the cpu_adam kernel per parameter).

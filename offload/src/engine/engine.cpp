@@ -152,6 +152,10 @@ std::future<Result<StepReport>> Engine::Step() {
   impl_->param_gather_.Discard();  // Stage 3: gathers made ahead hold this step's parameters.
   return impl_->pipeline_.Step();
 }
+Status Engine::AbandonStep() {
+  impl_->param_gather_.Discard();
+  return impl_->pipeline_.AbandonStep();
+}
 double Engine::loss_scale() const { return impl_->pipeline_.loss_scale(); }
 int64_t Engine::step_count() const { return impl_->pipeline_.step_count(); }
 int64_t Engine::iteration_count() const { return impl_->pipeline_.iteration_count(); }

@@ -135,8 +135,10 @@ bool Engine::Impl::WantsStateShadow(const Chunk& c) const {
 }
 
 bool Engine::Impl::WantsParamsBefore(const Chunk& c) const {
+  // Rechecking, speculative parameters wait for the verdict on the host (UpdateOnHost): the
+  // device never has them to put back.
   return Speculates() && !c.frozen() && c.placement.optimizer_states == Tier::kNvme &&
-         c.placement.params == Tier::kDevice;
+         c.placement.params == Tier::kDevice && !options_.optimizer.recheck_gradients;
 }
 
 uint64_t Engine::Impl::SpeculationBytes() const {

@@ -278,6 +278,9 @@ class Engine::Impl {
   /// InvalidArgument unless optimizer.delayed_update is off or every trained chunk is placed as
   /// it needs: parameters on the device, optimizer states off it.
   Status CheckDelayedUpdatePlacement() const;
+  /// What optimizer.recheck_gradients needs (options.h): Unavailable or InvalidArgument naming
+  /// what is missing.
+  Status CheckRecheckPlacement() const;
   /// Host budget the engine's own allocations take with the chunks placed as they are: every
   /// chunk's host buffers and the NVMe staging pools.
   uint64_t HostBytesNeeded();

@@ -48,7 +48,12 @@ void EngineMetrics::Register(MetricsRegistry& r) {
       "Chunk updates run ahead of a clipped or fp16 step's global norm, as if it were neither.");
   rolled_back_updates = &r.GetCounter(
       "strata_rolled_back_updates_total",
-      "Speculative chunk updates rolled back because the step clipped or overflowed.");
+      "Speculative chunk updates rolled back because the step clipped or overflowed, its "
+      "gradients changed after they were declared, or it was abandoned.");
+  changed_gradients =
+      &r.GetCounter("strata_changed_gradients_total",
+                    "Chunks whose gradients the trainer changed between declaring them and Step() "
+                    "(optimizer.recheck_gradients): their updates used the gradients at Step().");
   rolled_back_steps = &r.GetCounter("strata_rolled_back_steps_total",
                                     "Steps whose speculative updates were rolled back.");
   step_seconds = &r.GetGauge("strata_step_seconds", "Duration of the last optimizer step.");

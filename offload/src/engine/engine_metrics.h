@@ -65,6 +65,7 @@ struct EngineMetrics {
   Counter* speculative_updates = nullptr;
   Counter* rolled_back_updates = nullptr;
   Counter* rolled_back_steps = nullptr;
+  Counter* changed_gradients = nullptr;
   Gauge* step_seconds = nullptr;
   Gauge* loss_scale = nullptr;
   Gauge* used_bytes[kTierCount] = {};

@@ -35,6 +35,7 @@ Status Engine::Impl::Initialize(std::span<const ParameterSpec> parameters) {
   KeepStatesInHost();
   STRATA_RETURN_IF_ERROR(CheckFetchRoom());
   STRATA_RETURN_IF_ERROR(CheckDelayedUpdatePlacement());
+  STRATA_RETURN_IF_ERROR(CheckRecheckPlacement());
   STRATA_RETURN_IF_ERROR(ReserveCollectiveBuffers());
   SpillStatesToNvme();
   STRATA_RETURN_IF_ERROR(AllocateHostBuffers());
@@ -426,6 +427,45 @@ Status Engine::Impl::CheckDelayedUpdatePlacement() const {
           "optimizer.delayed_update needs every trained chunk's optimizer states off the "
           "device (the device steps its own at once), but chunk " +
           std::to_string(i) + "'s are kept there; set placement.offload_ratio to 1");
+    }
+  }
+  return Status();
+}
+
+Status Engine::Impl::CheckRecheckPlacement() const {
+  const OptimizerOptions& o = options_.optimizer;
+  if (!o.recheck_gradients) return Status();
+  // Step() reads each chunk's gradients again where the trainer keeps them, on the CPU.
+  if (!device_.properties().host_accessible) {
+    return Unavailable(
+        "optimizer.recheck_gradients reads the trainer's gradient buffers on the CPU at Step(); "
+        "on " +
+        device_.properties().name +
+        " that is not built yet (it needs a device kernel): leave it off and hand the gradients "
+        "over only when they are final");
+  }
+  if (sharded()) {
+    return Unavailable("optimizer.recheck_gradients across several ranks is not built yet");
+  }
+  if (o.gradient_accumulation_steps != 1) {
+    return InvalidArgument(
+        "optimizer.recheck_gradients needs gradient_accumulation_steps 1 (the trainer sums its "
+        "micro-steps and declares the sum once), got " +
+        std::to_string(o.gradient_accumulation_steps));
+  }
+  if (o.delayed_update) {
+    return InvalidArgument(
+        "optimizer.recheck_gradients and optimizer.delayed_update exclude each other: a delayed "
+        "step has left Step() before its gradients could be read again");
+  }
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = chunks_[i];
+    if (!c.frozen() && c.placement.params != Tier::kDevice) {
+      return InvalidArgument(
+          "optimizer.recheck_gradients needs the trained parameters on the device (their "
+          "gradient buffers stay where the trainer keeps them), but chunk " +
+          std::to_string(i) + "'s live in " + std::string(TierName(c.placement.params)) +
+          " memory; set placement.params to device");
     }
   }
   return Status();

@@ -59,6 +59,7 @@ void ChunkStep::EndStep(bool updated) {
   MoveTo(ChunkPhase::kIdle);
   micro_steps = 0;
   stats = {};
+  grads_changed = false;
   land_status = Status();
   params_uploaded = false;
   restore_params = false;

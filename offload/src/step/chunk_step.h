@@ -58,9 +58,15 @@ struct ChunkStep {
   // for its retry (StepPipeline::SetGradientsAside). Set by GradsReady (trainer thread) before
   // the landing's journey starts; read on the loop and by its jobs.
   const std::byte* landed_grads = nullptr;
-  cpu_adam::GradientStats stats;  // Of the summed gradients (loop thread).
-  Status land_status;             // Failure while summing or measuring them (loop thread).
-  bool params_uploaded = false;   // Device-home parameters already carry this step's update.
+  // Of the summed gradients (loop thread); with optimizer.recheck_gradients its checksum is of
+  // the gradients as they landed, which Step() compares with the trainer's buffer then.
+  cpu_adam::GradientStats stats;
+  // optimizer.recheck_gradients: the trainer changed the gradients after GradsReady; stats now
+  // measure them as they are at Step(), and an update made before is rolled back and redone
+  // (loop thread).
+  bool grads_changed = false;
+  Status land_status;            // Failure while summing or measuring them (loop thread).
+  bool params_uploaded = false;  // Device-home parameters already carry this step's update.
   // Chunk::delayed_params holds parameters the device is still to get (pipeline mutex;
   // WriteMemoryHome clears it between steps through StepPipeline::DropDelayedParameters, when
   // no other thread looks).

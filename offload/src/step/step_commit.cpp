@@ -136,10 +136,14 @@ Awaitable<void> StepPipeline::Commit() {
     norm = finite ? std::sqrt(sum) : std::nan("");  // As ApplyVerdict reports it.
   }
   bool stuck = false;
+  // An abandoned step counts nothing: no iteration, and the loss scale stays.
+  const bool counted = !step_.abandon;
   {
     std::lock_guard lock(mutex_);
-    stuck = skipped && loss_scaler_.AtMinimumScale();
-    loss_scaler_.Update(skipped);
+    if (counted) {
+      stuck = skipped && loss_scaler_.AtMinimumScale();
+      loss_scaler_.Update(skipped);
+    }
     if (!skipped) step_count_.fetch_add(1);
     for (ChunkStep& s : steps_) {
       if (s.micro_steps == 0) continue;  // Had no part in this step.
@@ -148,7 +152,7 @@ Awaitable<void> StepPipeline::Commit() {
     step_open_ = false;
   }
   e.m_.steps->Increment(skipped ? 0.0 : 1.0);
-  e.m_.skipped_steps->Increment(skipped ? 1.0 : 0.0);
+  e.m_.skipped_steps->Increment(skipped && counted ? 1.0 : 0.0);
   e.m_.rolled_back_steps->Increment(step_.rolled_back ? 1.0 : 0.0);
   e.m_.loss_scale->Set(loss_scale());
   e.residency_.StepCommitted();
@@ -170,6 +174,7 @@ Awaitable<void> StepPipeline::Commit() {
                         .iteration = scaler.iteration,
                         .skipped = skipped,
                         .rolled_back = step_.rolled_back,
+                        .changed_chunks = int64_t(step_.changed_chunks),
                         .grad_norm = norm,
                         .loss_scale = scaler.scale,
                         .seconds = seconds},

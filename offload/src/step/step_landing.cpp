@@ -161,8 +161,9 @@ Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const vo
   // without accumulation they widen the gradients into the ReduceRing only when their
   // reduce-scatter's turn comes.
   if (!last || engine_.sharded()) return cpu_adam::GradientStats{};
+  // Rechecking (gas_ is 1 then), the checksum Step() compares the trainer's buffer with.
   return gas_ > 1 ? optimizer.ComputeGradientStats(sum, DType::kFp32, numel)
-                  : optimizer.ComputeGradientStats(grads, dtype, numel);
+                  : optimizer.ComputeGradientStats(grads, dtype, numel, rechecks());
 }
 
 void StepPipeline::SumGrads(float* sum, const void* grads, DType dtype, size_t numel, bool first) {

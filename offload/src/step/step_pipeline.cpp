@@ -50,7 +50,7 @@ StepPipeline::StepState StepPipeline::FreshStepState() const {
 }
 
 bool StepPipeline::gated() const {
-  return options_.optimizer.gradient_clipping > 0.0 || loss_scaler_.checks_overflow();
+  return options_.optimizer.gradient_clipping > 0.0 || loss_scaler_.checks_overflow() || rechecks();
 }
 
 double StepPipeline::loss_scale() const {
@@ -151,7 +151,29 @@ Status StepPipeline::CheckBetweenSteps(const std::string& operation) const {
   return Status();
 }
 
-std::future<Result<StepReport>> StepPipeline::Step() {
+std::future<Result<StepReport>> StepPipeline::Step() { return RequestStep(/*abandon=*/false); }
+
+Status StepPipeline::AbandonStep() {
+  {
+    std::lock_guard lock(mutex_);
+    if (!rechecks()) {
+      return FailedPrecondition(
+          "AbandonStep needs optimizer.recheck_gradients: without it, updates that started "
+          "during backward are not all held for Step()'s verdict, so they cannot be dropped");
+    }
+    if (attempt_failed_) {
+      return FailedPrecondition(
+          "AbandonStep after a failed step; call Step() again to retry it first");
+    }
+    if (std::all_of(steps_.begin(), steps_.end(),
+                    [](const ChunkStep& s) { return s.micro_steps == 0; })) {
+      return Status();  // No gradients declared: nothing to drop.
+    }
+  }
+  return RequestStep(/*abandon=*/true).get().status();
+}
+
+std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
   std::promise<Result<StepReport>> promise;
   std::future<Result<StepReport>> future = promise.get_future();
   bool delayed = false;
@@ -161,7 +183,7 @@ std::future<Result<StepReport>> StepPipeline::Step() {
     if (step_running_) refused = FailedPrecondition("Step() while the previous step is running");
     // A chunk gets gradients in every micro-step or in none (it is not updated this step).
     const std::vector<Chunk>& chunks = engine_.chunks_;
-    for (size_t i = 0; i < chunks.size() && refused.ok(); ++i) {
+    for (size_t i = 0; i < chunks.size() && refused.ok() && !abandon; ++i) {
       if (steps_[i].micro_steps != gas_ && steps_[i].micro_steps != 0) {
         refused = FailedPrecondition(
             "chunk " + std::to_string(i) + " received the gradients of " +
@@ -214,16 +236,17 @@ std::future<Result<StepReport>> StepPipeline::Step() {
   }
   // Counted like every coroutine, so that an engine destroyed right after Step() finishes the
   // step first.
-  engine_.Spawn(StartStep(std::move(promise)));
+  engine_.Spawn(StartStep(std::move(promise), abandon));
   return future;
 }
 
-Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise) {
+Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise, bool abandon) {
   {
     std::lock_guard lock(mutex_);
     attempt_failed_ = false;
   }
   step_.requested = true;
+  step_.abandon = abandon;
   step_.promise.emplace(std::move(promise));
   step_.started = Clock::now();
   step_.used = 0;
@@ -238,7 +261,7 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
   }
   // Chunks without gradients this step are known now: a gated step may be decided. (Several
   // ranks decide through a collective, and every chunk has gradients.)
-  if (gated() && !sharded() && !step_.decided && AllArrived()) Decide();
+  if (gated() && !sharded()) MaybeDecide();
   // A retry after a failed attempt finishes what that attempt left (docs/architecture.md, "Failure
   // and retry"). (Several ranks do not retry, and their journeys update and gather each chunk
   // themselves.)
@@ -278,8 +301,8 @@ void StepPipeline::Arrive(size_t chunk) {
   if (!AllArrived()) return;
   if (sharded()) {
     all_arrived_.Open(Status());  // The norm's all-reduce may read every chunk's stats.
-  } else if (gated() && !step_.decided) {
-    Decide();
+  } else if (gated()) {
+    MaybeDecide();
   }
 }
 
@@ -303,6 +326,62 @@ StepPipeline::VerdictTotals StepPipeline::LocalTotals() const {
 }
 
 void StepPipeline::Decide() { ApplyVerdict(LocalTotals()); }
+
+void StepPipeline::MaybeDecide() {
+  if (step_.decided || step_.rechecking || !AllArrived()) return;
+  if (step_.abandon) {
+    // Nothing of this step stays: updates made ahead roll back, and no chunk updates.
+    step_.decided = true;
+    step_.skip = true;
+    gate_.Open();
+    return;
+  }
+  if (!rechecks()) {
+    Decide();
+    return;
+  }
+  if (!step_.requested) return;  // The trainer may still change the gradients.
+  step_.rechecking = true;
+  engine_.Spawn(RecheckGradients());
+}
+
+Awaitable<void> StepPipeline::RecheckGradients() {
+  Engine::Impl& e = engine_;
+  std::vector<size_t> used;
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    if (steps_[i].micro_steps > 0 && steps_[i].land_status.ok()) used.push_back(i);
+  }
+  // Where the trainer keeps them (CheckRecheckPlacement: device-home parameters on a device the
+  // CPU reads), measured in the same pass as the checksum; one job, each chunk's pass parallel.
+  std::vector<Result<cpu_adam::GradientStats>> now(used.size(), cpu_adam::GradientStats{});
+  auto measure = [&] {
+    for (size_t k = 0; k < used.size(); ++k) {
+      const Chunk& c = e.chunks_[used[k]];
+      now[k] = e.optimizer_->ComputeGradientStats(c.grads.data(), e.working_dtype(), c.numel,
+                                                  /*checksum=*/true);
+    }
+  };
+  co_await AwaitJob(e.jobs_, measure, &e.jobs_in_flight_);
+  for (size_t k = 0; k < used.size(); ++k) {
+    ChunkStep& s = steps_[used[k]];
+    if (!now[k].ok()) {
+      KeepFirstError(now[k].status().WithContext("measuring the gradients of chunk " +
+                                                 std::to_string(used[k]) + " again at Step()"));
+      continue;
+    }
+    const bool changed = now[k]->checksum != s.stats.checksum;
+    // The verdict measures the gradients as they are now, changed or not: an edit that came
+    // while the landing read them may have reached its checksum but not its sum.
+    s.stats = *now[k];
+    if (!changed) continue;
+    s.grads_changed = true;
+    ++step_.changed_chunks;
+    e.m_.changed_gradients->Increment(1.0);
+  }
+  step_.rechecking = false;
+  Decide();
+  MaybeFinish();
+}
 
 void StepPipeline::ApplyVerdict(const VerdictTotals& totals) {
   // Several ranks sum their gradients: the step takes their mean, as DeepSpeed and DDP do.

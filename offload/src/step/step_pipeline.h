@@ -57,6 +57,8 @@ class StepPipeline {
   // --- Trainer thread ---
   Status GradsReady(size_t chunk, TrainerStream stream);
   std::future<Result<StepReport>> Step();
+  /// Engine::AbandonStep: ends the open step with nothing of it kept.
+  Status AbandonStep();
   /// FailedPrecondition naming `chunk` when a step is running or the chunk's update may be
   /// (from its last GradsReady until the step completes): its parameters and master may change.
   /// `acquire`: the trainer's Acquire, which a delayed step (StepHyperParams::delayed) allows
@@ -77,8 +79,11 @@ class StepPipeline {
   Status CheckBetweenSteps(const std::string& operation) const;
 
   // --- Any thread ---
-  /// Whether updates need the step's verdict (global norm, overflow): clipping or fp16.
+  /// Whether updates need the step's verdict (global norm, overflow, the gradients unchanged
+  /// since GradsReady): clipping, fp16 or optimizer.recheck_gradients.
   bool gated() const;
+  /// optimizer.recheck_gradients: Step() reads the gradients again where the trainer keeps them.
+  bool rechecks() const { return options_.optimizer.recheck_gradients; }
   double loss_scale() const;
   int64_t step_count() const { return step_count_.load(); }
   int64_t iteration_count() const;
@@ -108,6 +113,12 @@ class StepPipeline {
   /// The step in progress (loop thread only).
   struct StepState {
     bool requested = false;  // Step() was called and waits for its future.
+    // AbandonStep asked for it: the verdict drops every update, and the commit counts nothing.
+    bool abandon = false;
+    // optimizer.recheck_gradients: Step() is reading the gradients again (RecheckGradients),
+    // and how many chunks' had changed.
+    bool rechecking = false;
+    size_t changed_chunks = 0;
     std::optional<std::promise<Result<StepReport>>> promise;
     std::chrono::steady_clock::time_point started;
     size_t arrived = 0;    // Chunks whose gradients have landed.
@@ -229,7 +240,10 @@ class StepPipeline {
 
   // step_pipeline.cpp; from MaybeFinish on, step_commit.cpp
   /// Step()'s work on the loop: the request, a retry of what a failed attempt left.
-  Awaitable<void> StartStep(std::promise<Result<StepReport>> promise);
+  /// `abandon`: AbandonStep's.
+  Awaitable<void> StartStep(std::promise<Result<StepReport>> promise, bool abandon);
+  /// Step() and AbandonStep: refuses what they cannot do, or starts StartStep.
+  std::future<Result<StepReport>> RequestStep(bool abandon);
   void Arrive(size_t chunk);
   /// Whether every chunk that has gradients this step has landed them: the verdict of a gated
   /// step can be made.
@@ -247,6 +261,14 @@ class StepPipeline {
   double ClipCoefficient(double norm) const;
   /// One rank: the verdict from this rank's totals.
   void Decide();
+  /// One rank, gated: makes the verdict once it can be made. Once every chunk has arrived it
+  /// decides, except with optimizer.recheck_gradients: then only once Step() was called and
+  /// RecheckGradients has run; an abandoned step's verdict drops every update.
+  void MaybeDecide();
+  /// optimizer.recheck_gradients, at Step(): measures every chunk's gradients again where the
+  /// trainer keeps them; a chunk whose checksum changed takes the new measure (and its update
+  /// made ahead is rolled back by the verdict). Then decides.
+  Awaitable<void> RecheckGradients();
   void MaybeFinish();
   Awaitable<void> Commit();
   /// Ends the step with `result` (`completed`: it committed). Several ranks first agree on

@@ -74,6 +74,8 @@ Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
 
 bool StepPipeline::CanSpeculate(size_t chunk) const {
   if (!engine_.Speculates() || step_.decided || step_.cancelled) return false;
+  // Rechecking, a chunk that arrives after Step() was called has its verdict a moment away.
+  if (rechecks() && step_.requested) return false;
   // A speculation the verdict is sure to roll back is work thrown away: the step overflows, or
   // the norm of the gradients arrived so far (it only grows) already needs clipping.
   if (loss_scaler_.checks_overflow() && step_.arrived_non_finite) return false;
@@ -149,7 +151,7 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   ChunkStep& s = steps_[chunk];
   s.speculated = false;
   const bool updated = s.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
-  const bool kept = !step_.skip && !step_.clipped && !step_.cancelled;
+  const bool kept = !step_.skip && !step_.clipped && !step_.cancelled && !s.grads_changed;
   if (updated && kept) {
     // The update stands; parameters that waited for the verdict go up now.
     if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
@@ -367,13 +369,16 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   // Speculative parameters go up early too: ResolveSpeculation puts back what the device held
   // if the verdict rolls the update back (the master in host memory, rounded, or the NVMe-kept
   // chunk's params_before; one without waits for the verdict, as reading the states back would
-  // cost more than the wait).
+  // cost more than the wait). Not when rechecking: the trainer may run another forward before
+  // Step() (a longer accumulation window, a step it skips), which must find the parameters as
+  // they were, so they wait for the verdict (ResolveSpeculation uploads them).
   // (Several ranks upload once the other shards are in: GatherParams.)
   const bool can_restore = !speculative || !nvme_states || !c.params_before.empty();
+  const bool upload_now = !speculative || (can_restore && !rechecks());
   if (status.ok() && in_place) {
     step.params_uploaded = true;  // The optimizer wrote them into the device's.
     step.restore_params = false;
-  } else if (status.ok() && can_restore && !sharded()) {
+  } else if (status.ok() && upload_now && !sharded()) {
     status = UploadEarly(chunk);
   }
   // A speculative update that failed leaves the current states as they were: the retry's

@@ -155,6 +155,18 @@ struct OptimizerOptions {
   /// for the norm). Device-kept states always wait. false: every update waits for the norm.
   /// DeepSpeed has no such key (its SuperOffload does this on GH200).
   bool speculative_updates = true;
+  /// The trainer may change the gradients between GradsReady and Step() (PyTorch's
+  /// clip_grad_norm_, GradScaler's unscale_, an edit through .data), and the step must use them
+  /// as they are at Step(). Every step is then gated: each chunk's gradients get a checksum as
+  /// they land, and Step() reads them again where the trainer keeps them; a chunk whose
+  /// gradients changed is measured again and its update made ahead of Step() is rolled back and
+  /// redone (a multiplication by exactly 1 changes nothing). The verdict (norm, clipping,
+  /// overflow) comes from the gradients at Step(), and Engine::AbandonStep may drop a step
+  /// before it. Needs a device whose memory the CPU reads in place (HostDevice standing for CPU
+  /// tensors), one rank, gradient_accumulation_steps 1 (the trainer sums micro-steps itself), no
+  /// delayed update and every trained chunk's parameters on the device. DeepSpeed has no such
+  /// key: its trainer hands gradients over only at step().
+  bool recheck_gradients = false;
   /// Delayed parameter update (the ZeRO-Offload paper's DPU): from step
   /// delayed_update_from_step on, a step's new parameters reach the device only after the next
   /// step's backward is done with them, so the next step computes its gradients with parameters

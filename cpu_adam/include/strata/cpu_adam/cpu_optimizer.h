@@ -176,6 +176,11 @@ struct GradientStats {
   double sum_of_squares = 0.0;
   /// False when any element is Inf or NaN (e.g. an fp16 overflow: skip the step).
   bool all_finite = true;
+  /// When asked for: a 64-bit xxHash (XXH3) of the gradients' bytes, taken block by block while
+  /// each block is in cache from the sum and combined in block order, so equal bytes give the
+  /// same value whatever the thread count. Compared later, it tells whether someone changed the
+  /// gradients since (a multiplication by exactly 1 does not). 0 when not asked for.
+  uint64_t checksum = 0;
 };
 
 struct CpuOptimizerOptions {
@@ -225,8 +230,10 @@ class CpuOptimizer {
 
   /// Sum of squares of `numel` gradient elements and whether all are finite, in one vectorized
   /// parallel pass. Reproducible: the result depends on the SIMD level but not on the thread
-  /// count. InvalidArgument for a null or misaligned buffer.
-  Result<GradientStats> ComputeGradientStats(const void* grads, DType dtype, size_t numel);
+  /// count. InvalidArgument for a null or misaligned buffer. `checksum`: fill
+  /// GradientStats::checksum too, in the same pass.
+  Result<GradientStats> ComputeGradientStats(const void* grads, DType dtype, size_t numel,
+                                             bool checksum = false);
 
   /// Sets `numel` elements of `data` to `value` (rounded to `dtype`), with the same threads and
   /// partitioning as Step, so that pages are first touched by the threads that will update them.

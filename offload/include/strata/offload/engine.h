@@ -106,8 +106,12 @@ struct StepReport {
                           ///< global_steps).
   bool skipped = false;   ///< fp16 overflow: nothing was updated and the scale was lowered.
   /// Some chunks were updated ahead of the global norm (OptimizerOptions::speculative_updates)
-  /// and the step clipped or overflowed, so those updates were redone or undone.
+  /// and the step clipped or overflowed, or their gradients changed before Step()
+  /// (recheck_gradients), so those updates were redone or undone.
   bool rolled_back = false;
+  /// optimizer.recheck_gradients: chunks whose gradients the trainer changed between GradsReady
+  /// and Step() (clipping, unscaling, an edit); this step used them as they were at Step().
+  int64_t changed_chunks = 0;
   /// Global L2 norm of the (unscaled) gradients; NaN when skipped, or when a gradient was not
   /// finite (without a loss scaler such a step still updates; clipping bounds the finite
   /// chunks by their own norm).
@@ -259,6 +263,15 @@ class Engine {
   /// did, or while a chunk is acquired. On an error Step() may be called again to retry with
   /// the same gradients (see "Failures" at the top of this file for what a failure leaves).
   std::future<Result<StepReport>> Step();
+  /// optimizer.recheck_gradients only: ends the open step keeping nothing of it — the gradients
+  /// declared since the last Step() are dropped and every update made ahead of Step() is rolled
+  /// back, as if backward had not run (torch's zero_grad() after a backward without step(): a
+  /// skipped batch, or GradScaler skipping a step whose gradients overflowed). No step or
+  /// iteration is counted and the loss scale stays. Blocks until done; OK at once when no
+  /// gradients were declared. FailedPrecondition without optimizer.recheck_gradients (updates
+  /// may already have been kept), while a step runs or a chunk is acquired, and after a failed
+  /// Step() (retry it first).
+  Status AbandonStep();
 
   /// Scale the trainer multiplies its loss by (fp16; 1 otherwise).
   double loss_scale() const;
