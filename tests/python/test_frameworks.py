@@ -2,21 +2,44 @@
 torch.optim.AdamW (same seed, same framework settings): losses within 1e-5 and parameters
 within 1e-4. Small random-init models on CPU tensors.
 
-Built so far: gradient accumulation as each framework drives it (the optimizer's default,
-gradient_accumulation_steps="auto", follows the framework's count, an epoch's short last window
-included). The frameworks' clipping defaults (the HF Trainer's max_grad_norm=1.0, Lightning's
-gradient_clip_val) are switched off here: clipping outside the optimizer is not built yet."""
+Each framework with its defaults: gradient accumulation as it drives it (the optimizer's
+default, gradient_accumulation_steps="auto", follows the framework's count, an epoch's short
+last window included) and its own gradient clipping (the HF Trainer's max_grad_norm=1.0,
+Lightning's gradient_clip_val by norm and by value, accelerate's clip_grad_norm_), which edits
+the gradients after the updates started: the optimizer redoes what changed."""
 
 import math
 import tempfile
 
 import accelerate
+import pytest
 import pytorch_lightning as pl
 import torch
 import transformers
 from torch import nn
 
 import strata.torch as st
+
+
+class Made:
+    """Makes an OffloadAdamW and keeps it, to read its metrics after the framework is done."""
+
+    def __init__(self, **options) -> None:
+        self.options = options
+        self.optimizer = None
+
+    def __call__(self, params):
+        if hasattr(params, "parameters"):  # The HF Trainer's factory gets the model.
+            params = params.parameters()
+        self.optimizer = st.OffloadAdamW(params, **self.options)
+        return self.optimizer
+
+    def redone(self) -> int:
+        """Chunk updates made during backward and redone because the gradients changed."""
+        return self.optimizer.metrics()["rolled_back_updates"]
+
+    def ahead(self) -> int:
+        return self.optimizer.metrics()["speculative_updates"]
 
 
 def close_runs(losses, reference_losses, model, reference):
@@ -67,9 +90,22 @@ def hf_train(make_optimizer, **arguments) -> tuple[list[float], nn.Module]:
     return losses, model
 
 
+def test_hf_trainer_with_default_arguments_clips_at_one_exactly():
+    # max_grad_norm=1.0 by default: clip_grad_norm_ after every backward, clipping or not.
+    arguments = dict(num_train_epochs=4)
+    made = Made(lr=1e-3)
+    losses, model = hf_train(made, **arguments)
+    reference_losses, reference = hf_train(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), **arguments)
+    assert len(losses) == 36
+    close_runs(losses, reference_losses, model, reference)
+    assert made.redone() > 0  # Some steps clipped after the updates had started.
+
+
 def test_hf_trainer_accumulating_with_a_short_last_window():
-    # 18 samples in batches of 2: nine micro-batches an epoch, windows of 4, 4 and 1.
-    arguments = dict(gradient_accumulation_steps=4, num_train_epochs=10, max_grad_norm=0.0)
+    # 18 samples in batches of 2: nine micro-batches an epoch, windows of 4, 4 and 1; clipping at
+    # the default 1.0 after each window.
+    arguments = dict(gradient_accumulation_steps=4, num_train_epochs=10)
     losses, model = hf_train(lambda m: st.OffloadAdamW(m.parameters(), lr=1e-3), **arguments)
     reference_losses, reference = hf_train(
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), **arguments)
@@ -109,6 +145,18 @@ def lightning_train(make_optimizer, **arguments) -> Regression:
     return module
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightning_gradient_clipping(algorithm):
+    # Small enough to clip most steps: the clip changes every gradient after backward.
+    arguments = dict(gradient_clip_val=0.05, gradient_clip_algorithm=algorithm, max_epochs=3)
+    made = Made(lr=1e-2)
+    module = lightning_train(made, **arguments)
+    reference = lightning_train(lambda p: torch.optim.AdamW(p, lr=1e-2), **arguments)
+    assert len(module.losses) == 39
+    close_runs(module.losses, reference.losses, module.net, reference.net)
+    assert made.redone() > 0
+
+
 def test_lightning_accumulate_grad_batches_with_a_short_last_window():
     # 13 batches an epoch, accumulated by 3: windows of 3, 3, 3, 3 and 1.
     arguments = dict(accumulate_grad_batches=3, max_epochs=6)
@@ -121,7 +169,7 @@ def test_lightning_accumulate_grad_batches_with_a_short_last_window():
 # ---------------------------------------------------------------------------- accelerate
 
 
-def accelerate_train(make_optimizer) -> tuple[list[float], nn.Module]:
+def accelerate_train(make_optimizer, max_norm: float = 0.0) -> tuple[list[float], nn.Module]:
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -136,6 +184,8 @@ def accelerate_train(make_optimizer) -> tuple[list[float], nn.Module]:
             with accelerator.accumulate(model):
                 loss = nn.functional.mse_loss(model(xb), yb)
                 accelerator.backward(loss)
+                if max_norm > 0 and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), max_norm)
                 opt.step()
                 opt.zero_grad()
             losses.append(loss.item())
@@ -148,3 +198,17 @@ def test_accelerate_accumulate_with_a_short_last_window():
     reference_losses, reference = accelerate_train(lambda p: torch.optim.AdamW(p, lr=1e-2))
     assert len(losses) == 40
     close_runs(losses, reference_losses, model, reference)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])  # Clipping most steps; never clipping.
+def test_accelerate_accumulate_and_clip_grad_norm(max_norm):
+    made = Made(lr=1e-2)
+    losses, model = accelerate_train(made, max_norm)
+    reference_losses, reference = accelerate_train(lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                                   max_norm)
+    close_runs(losses, reference_losses, model, reference)
+    assert made.ahead() > 0  # Updates ran during backward...
+    if max_norm > 1e6:
+        assert made.redone() == 0  # ...and a clip that does not clip kept every one.
+    else:
+        assert made.redone() > 0

@@ -29,6 +29,7 @@ _OWN_KEYS = {
     ("device", "cuda_device"): "the parameters' device",
     ("optimizer", "type"): "the optimizer class",
     ("optimizer", "gradient_accumulation_steps"): "the gradient_accumulation_steps argument",
+    ("optimizer", "recheck_gradients"): "the parameters' device",
     ("optimizer", "delayed_update"): "nothing yet (forward does not wait for delayed updates)",
     ("optimizer", "delayed_update_from_step"): "nothing yet",
     ("precision", "working_dtype"): "the parameters' dtype",
@@ -55,6 +56,11 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
         "gradient_accumulation_steps": 1,  # torch accumulates in .grad; the hooks count.
         "cpu_threads": cpu_threads,
         "speculative_updates": speculative_updates,
+        # Whatever the trainer does to .grad between backward and step() (clip_grad_norm_,
+        # GradScaler, edits through .data), step() uses the gradients as they are then: the
+        # engine reads them again at step() and redoes the chunks that changed. CPU tensors
+        # only (the engine reads a GPU's gradients on the CPU only through a copy).
+        "recheck_gradients": rechecks_gradients(device),
     }
     if "betas" in group:
         optimizer["beta1"], optimizer["beta2"] = (float(b) for b in group["betas"])
@@ -90,6 +96,12 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
     _refuse_own_keys(owner, config or {})
     _merge(options, config or {})
     return options
+
+
+def rechecks_gradients(device: torch.device) -> bool:
+    """Whether the engine reads the gradients again at step() (optimizer.recheck_gradients):
+    on CPU tensors, which the engine reads in place."""
+    return device.type == "cpu"
 
 
 def auto_chunk_bytes(working_bytes: int) -> int:

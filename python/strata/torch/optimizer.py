@@ -15,11 +15,20 @@ How it works, in the terms of engine.h's trainer contract:
   chunk is handed to the engine, whose CPU update starts while backward goes on.
 * ``step()`` hands over the chunks still waiting, waits for every update, and returns with the
   parameters updated in place.
+* An update made during backward is speculative: on CPU tensors the engine reads every chunk's
+  gradients again at ``step()`` (optimizer.recheck_gradients, a checksum taken as it first
+  measured them), and a chunk whose gradients the trainer changed meanwhile
+  (``clip_grad_norm_`` that clips, ``GradScaler``'s unscale, an edit through ``.data``, a
+  replaced ``.grad``) is rolled back and updated again from them. Multiplying by exactly 1 (a
+  clip that does not clip) changes nothing, so the overlap stays. On a GPU that recheck is not
+  built yet, and a change the version counters see raises instead.
 
 A step's life: closed -> open (first gradient hook: torch-side changes reach the engine) ->
-chunks handed over (from then on the step can only be finished, by step()) -> closed. Until a
-chunk is handed over, zero_grad() discards the step as torch would. A failed engine step keeps
-the step open and the next step() retries it.
+chunks handed over -> closed by step(). zero_grad() before step() discards the step as torch
+would, and so does a backward that follows a handed-over one without step() (a longer
+accumulation window, a skipped GradScaler step): the engine drops what it did for it
+(_take_back). On a GPU, once a chunk is handed over the step can only be finished. A failed
+engine step keeps the step open and the next step() retries it.
 
 Hyper-parameters: the engine fixes betas, eps and each group's weight decay at construction;
 the learning rate is read from ``param_groups`` at the first backward of every step, so any
@@ -41,7 +50,8 @@ import torch
 
 from strata import _strata
 from strata.torch import _lifetime
-from strata.torch._options import WORKING_DTYPES, auto_chunk_bytes, engine_options
+from strata.torch._options import (WORKING_DTYPES, auto_chunk_bytes, engine_options,
+                                   rechecks_gradients)
 
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 # Tolerance for "the same learning-rate ratio": schedulers compute each group's lr in floating
@@ -112,6 +122,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_parameters()
         self._device = self._params[0].device
+        # The engine reads the gradients again at step() and redoes what changed (CPU tensors,
+        # _options.rechecks_gradients): whatever the trainer did to them between backward and
+        # step(), the step uses them as they are then. torch.amp.GradScaler then unscales the
+        # gradients itself (an edit like any other) and skips step() on overflow.
+        self._rechecks = rechecks_gradients(self._device)
+        self._step_supports_amp_scaling = not self._rechecks
         self._trained = [p.requires_grad for p in self._params]
         self._fixed = [self._fixed_hyperparameters(g) for g in self.param_groups]
         self._lr_scales = self._learning_rate_scales()
@@ -210,7 +226,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open("zero_grad()")
         if self._step_open:
             handed = [c for c, done in enumerate(self._submitted) if done]
-            if handed:
+            if handed and self._rechecks:
+                self._take_back()
+            elif handed:
                 raise RuntimeError(
                     f"zero_grad() after backward() without step(): chunks {handed} already "
                     "started updating with those gradients (the update overlaps backward); call "
@@ -233,7 +251,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         modified = None
         if not self._retry_pending:
             self._check_backward_count()
-            modified = self._gradients_modified_after_backward()
+            if self._rechecks:
+                self._sync_handed_gradients()
+            else:
+                modified = self._gradients_modified_after_backward()
             self._hand_over_the_rest()
         # Whether the engine finished the step is its iteration count's business, not the
         # exception's: a Ctrl-C can arrive just after a successful call returns.
@@ -366,11 +387,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         values, the optimizer's hooks go, and every later call on it raises. Call it before
         training the same parameters with another optimizer that is not a strata one (a new
         strata optimizer takes them over by itself); an LR scheduler or a framework that keeps
-        this optimizer alive then no longer matters. Calling it again does nothing. Between
-        steps, or before any chunk of this step was handed to the engine: an update in flight
-        would race with the copy the parameters get."""
+        this optimizer alive then no longer matters. Calling it again does nothing. Mid-step,
+        the open step is dropped first (CPU tensors; on a GPU, once a chunk was handed over,
+        call step() first: an update in flight would race with the copy the parameters get)."""
         if self._closed is not None:
             return
+        if any(self._submitted) and not self._retry_pending and self._rechecks:
+            self._take_back()
         if any(self._submitted) and not self._retry_pending:
             raise RuntimeError(
                 f"close() while chunks {[c for c, s in enumerate(self._submitted) if s]} are "
@@ -390,6 +413,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @property
     def last_step(self) -> dict[str, Any] | None:
         """The last step's report: step, iteration, skipped (fp16 overflow), rolled_back,
+        changed_chunks (chunks whose gradients changed after they were handed over, by
+        clipping or unscaling, say: their updates were redone from the gradients at step()),
         grad_norm (before clipping), loss_scale, seconds."""
         return self._last_report
 
@@ -538,6 +563,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._begin_step()
         gas = self.gradient_accumulation_steps
         chunk = self._chunk_of[i]
+        if self._submitted[chunk] and self._rechecks:
+            # A backward after this chunk was handed over, without step() between: a longer
+            # window than any before ("auto"), or a skipped step (GradScaler) whose gradients the
+            # trainer set to None. The engine drops what it did; step() hands over again.
+            self._take_back()
+            self._restart_discarded_counts()
         if gas == "auto" and self._submitted[chunk]:
             raise RuntimeError(
                 f"parameter {i} (shape {tuple(p.shape)}) received its gradient "
@@ -605,7 +636,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         are saved here and put back after the step (_restore_untouched), and its .grad stays
         None. Torch's per-parameter step count has no equivalent: the chunk's advances."""
         def has_gradient(i: int) -> bool:
-            return self._counts[i] > 0 or self._params[i].grad is not None
+            return self._params[i].grad is not None
 
         chunks = [c for c, members in enumerate(self._members)
                   if not self._submitted[c] and any(has_gradient(i) for i in members)]
@@ -615,9 +646,41 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._untouched += [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
         for c in chunks:
             for i in self._members[c]:
-                if not self._placed[i]:
-                    self._place_gradient(i)
+                # Placed before too, when .grad was replaced since (nothing to copy otherwise).
+                self._place_gradient(i)
             self._submit(c)
+
+    def _sync_handed_gradients(self) -> None:
+        """Rechecking, at step(): a handed-over parameter whose ``.grad`` the trainer replaced
+        gets the new one copied into its chunk's buffer, where the engine's recheck sees it.
+        One whose ``.grad`` became None is skipped by torch, which a chunk already with the
+        engine cannot do: the engine drops this step and every chunk goes again
+        (_hand_over_the_rest keeps such parameters' states as they were)."""
+        handed = [i for c, members in enumerate(self._members) if self._submitted[c]
+                  for i in members]
+        if any(self._params[i].grad is None for i in handed):
+            self._take_back()
+            return
+        for i in handed:
+            if self._params[i].grad is not self._grad_views[i]:
+                self._place_gradient(i)
+
+    def _take_back(self) -> None:
+        """Rechecking: the engine drops the open step (its gradients and every update made
+        ahead of step()), so no chunk is with it any more; the gradients stay in ``.grad``."""
+        with self._on_device():
+            self._engine.abandon_step()
+        self._submitted = [False] * len(self._members)
+
+    def _restart_discarded_counts(self) -> None:
+        """After _take_back in a backward: a parameter whose ``.grad`` is no longer its chunk's
+        buffer (set to None by zero_grad, or replaced) starts counting backward passes again;
+        one whose ``.grad`` still is accumulates on."""
+        for i, p in enumerate(self._params):
+            if self._placed[i] and p.grad is not self._grad_views[i]:
+                self._counts[i] = 0
+                self._placed[i] = False
+        self._waiting = [sum(not self._placed[i] for i in members) for members in self._members]
 
     def _restore_untouched(self) -> None:
         """Puts back the states saved by _hand_over_the_rest; on an error they stay pending
