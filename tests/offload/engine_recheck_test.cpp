@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine_test_support.h"
+#include "strata/nvme/fault_injection.h"
 #include "support/scratch_dir.h"
 #include "tiny_model.h"
 
@@ -271,6 +272,67 @@ TEST(RecheckAbandonTest, AnAbandonedStepLeavesNoTrace) {
     // Nothing declared: nothing to drop.
     EXPECT_TRUE(engine->AbandonStep().ok());
   }
+}
+
+// An update made ahead of Step() that failed (an NVMe write) is dropped with the rest: the
+// abandoned step still leaves no trace, and the run goes on as if it had never been.
+TEST(RecheckAbandonTest, AFailedUpdateAheadIsAbandonedWithTheRest) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options = MakeOptions(kDeviceHome[2], nvme.path());  // States on NVMe.
+  options.optimizer.recheck_gradients = true;
+  auto plain_device = MakeDevice(64 << 20, kHostAccessible);
+  auto plain = MakeEngine(options, *plain_device, model);
+  auto plan = std::make_shared<nvme::FaultPlan>();
+  auto device = MakeDevice(64 << 20, kHostAccessible);
+  auto engine = MakeEngine(options, *device, model, testing::FaultyNvme(plan));
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer plain_trainer(*plain, model);
+  EngineTrainer trainer(*engine, model);
+  double loss = 0.0;
+  ASSERT_TRUE(plain_trainer.TrainStep(0, &loss).ok());
+  ASSERT_TRUE(trainer.TrainStep(0, &loss).ok());
+  plan->Add({.kind = nvme::FaultKind::kError, .op = nvme::IoOp::kWrite, .times = 1, .error = EIO});
+  ASSERT_TRUE(trainer.ForwardBackward(100, &loss).ok());
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (plan->fired() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ(plan->fired(), 1);
+  const Status abandoned = engine->AbandonStep();
+  ASSERT_TRUE(abandoned.ok()) << abandoned.ToString();
+  EXPECT_EQ(engine->iteration_count(), 1);
+  for (int step = 1; step < 4; ++step) {
+    ASSERT_TRUE(plain_trainer.TrainStep(step, &loss).ok());
+    Result<StepReport> report = trainer.TrainStep(step, &loss);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    EXPECT_EQ(report->iteration, step + 1);
+    EXPECT_FALSE(report->skipped);
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), plain_trainer.MasterParameters()));
+}
+
+// AbandonStep's refusals name it, not Step().
+TEST(RecheckAbandonTest, ARefusedAbandonSaysAbandonStep) {
+  ScratchDir nvme;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  EngineOptions options = MakeOptions(kDeviceHome[1], nvme.path());
+  options.optimizer.recheck_gradients = true;
+  auto device = MakeDevice(64 << 20, kHostAccessible);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  EngineTrainer trainer(*engine, model);
+  trainer.SetUnusedChunks({true});  // Chunk 0 gets no gradients: the trainer may hold it.
+  double loss = 0.0;
+  ASSERT_TRUE(trainer.ForwardBackward(0, &loss).ok());
+  ASSERT_TRUE(engine->Acquire(0).ok());
+  const Status refused = engine->AbandonStep();
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(refused.message().rfind("AbandonStep() while chunk 0 is acquired", 0), 0u)
+      << refused.ToString();
+  engine->Release(0);
+  EXPECT_TRUE(engine->AbandonStep().ok());
 }
 
 TEST(RecheckAbandonTest, WithoutRecheckingAStepCannotBeAbandoned) {

@@ -30,6 +30,10 @@ void StepPipeline::MaybeFinish() {
       if (s.micro_steps > 0 && !s.gathered) return;
     }
   }
+  if (!step_.error.ok() && step_.abandon) {
+    // What failed (an update made ahead, a landing) belonged to what the abandon drops.
+    step_.error = Status();
+  }
   if (!step_.error.ok()) {
     FinishStep(std::exchange(step_.error, Status()), /*completed=*/false);
     return;
@@ -225,6 +229,8 @@ void StepPipeline::DeliverStep(Result<StepReport> result, bool completed) {
     if (result.ok()) engine_.m_.UpdateRates();
     step_ = FreshStepState();
     gate_.Reset();
+    std::lock_guard lock(mutex_);
+    abandoning_ = false;
   } else {
     step_.promise.reset();
     step_.requested = false;

@@ -161,9 +161,10 @@ Status StepPipeline::AbandonStep() {
           "AbandonStep needs optimizer.recheck_gradients: without it, updates that started "
           "during backward are not all held for Step()'s verdict, so they cannot be dropped");
     }
-    if (attempt_failed_) {
+    // A failed abandon is retried by the next AbandonStep (or Step(): it stays an abandon).
+    if (attempt_failed_ && !abandoning_) {
       return FailedPrecondition(
-          "AbandonStep after a failed step; call Step() again to retry it first");
+          "AbandonStep() after a failed step; call Step() again to retry it first");
     }
     if (std::all_of(steps_.begin(), steps_.end(),
                     [](const ChunkStep& s) { return s.micro_steps == 0; })) {
@@ -177,10 +178,11 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
   std::promise<Result<StepReport>> promise;
   std::future<Result<StepReport>> future = promise.get_future();
   bool delayed = false;
+  const std::string call = abandon ? "AbandonStep()" : "Step()";
   {
     std::lock_guard lock(mutex_);
     Status refused;
-    if (step_running_) refused = FailedPrecondition("Step() while the previous step is running");
+    if (step_running_) refused = FailedPrecondition(call + " while the previous step is running");
     // A chunk gets gradients in every micro-step or in none (it is not updated this step).
     const std::vector<Chunk>& chunks = engine_.chunks_;
     for (size_t i = 0; i < chunks.size() && refused.ok() && !abandon; ++i) {
@@ -203,7 +205,7 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
     if (refused.ok()) {
       if (std::optional<size_t> held = engine_.residency_.FirstAcquired()) {
         refused = FailedPrecondition(
-            "Step() while chunk " + std::to_string(*held) +
+            call + " while chunk " + std::to_string(*held) +
             " is acquired; Release every chunk first (the step replaces its parameters)");
       }
     }
@@ -219,6 +221,7 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
       return future;
     }
     step_running_ = true;
+    abandoning_ = abandoning_ || abandon;
     delayed = hyper_.delayed;
   }
   // Several ranks: the norm's all-reduce, then the parameters' all-gathers, in the order every
@@ -246,7 +249,8 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
     attempt_failed_ = false;
   }
   step_.requested = true;
-  step_.abandon = abandon;
+  // A retry of a failed abandon stays one, whoever asks: its verdict already dropped the updates.
+  step_.abandon = step_.abandon || abandon;
   step_.promise.emplace(std::move(promise));
   step_.started = Clock::now();
   step_.used = 0;

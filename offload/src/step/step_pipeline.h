@@ -296,6 +296,9 @@ class StepPipeline {
   // The last attempt failed and Step() has not been called again: no update runs or starts
   // (written on the loop under mutex_).
   bool attempt_failed_ = false;
+  // The step in progress (or the failed attempt to retry) is an AbandonStep's: a retry stays one
+  // (set by RequestStep, cleared once a step completes; under mutex_).
+  bool abandoning_ = false;
   StepHyperParams hyper_;
   double next_lr_;
   LossScaler loss_scaler_;
