@@ -451,3 +451,48 @@ def test_a_bad_entry_in_a_state_dict_loads_nothing():
     unknown["state"][99] = unknown["state"][0]
     with pytest.raises(ValueError, match="99"):
         opt.load_state_dict(unknown)
+
+
+def test_a_step_whose_gradients_were_all_set_to_none_does_nothing_as_in_torch():
+    # model.zero_grad() after backward (every chunk with the engine, updating), then step():
+    # torch skips every parameter; so does the optimizer, and it goes on.
+    runs = []
+    for make in (lambda p: st.OffloadAdamW(p, lr=0.1), lambda p: torch.optim.AdamW(p, lr=0.1)):
+        model = mlp()
+        opt = make(model.parameters())
+        backward(model)
+        opt.step()
+        opt.zero_grad()
+        backward(model, 1)  # From the second step on, chunks go to the engine during backward.
+        model.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        backward(model, 2)
+        opt.step()
+        runs.append(model)
+    assert training.relative_difference(*runs) < 1e-6
+
+
+def test_a_backward_after_gradients_set_to_none_restarts_an_explicit_count():
+    # gradient_accumulation_steps=1, a parameter no backward reaches (its chunk never completes
+    # during backward), and a step the loop skipped by setting every .grad to None
+    # (model.zero_grad(), as after a skipped GradScaler step): the next backward is the first
+    # of its step, as in torch.
+    def net():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"used": nn.Linear(8, 8), "unused": nn.Linear(8, 8)})
+
+    runs = []
+    for make in (lambda p: st.OffloadAdamW(p, lr=0.1, gradient_accumulation_steps=1),
+                 lambda p: torch.optim.AdamW(p, lr=0.1)):
+        model = net()
+        opt = make(model.parameters())
+        for seed in range(3):
+            model["used"](torch.randn(4, 8)).pow(2).mean().backward()
+            if seed == 1:
+                model.zero_grad()  # Skipped.
+                continue
+            opt.step()
+            opt.zero_grad()
+        runs.append(model)
+    assert training.relative_difference(*runs) < 1e-6

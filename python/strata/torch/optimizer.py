@@ -10,9 +10,11 @@ How it works, in the terms of engine.h's trainer contract:
 * A post-accumulate-grad hook on every trained parameter counts backward passes. On the last
   micro-step of a step (``gradient_accumulation_steps``, or with "auto" the most backward passes
   a step has had so far; the first step, which has no such count yet, hands everything over in
-  step()), the parameter's gradient is placed in its chunk's gradient buffer (``.grad`` becomes a view of it; when autograd already accumulated
-  into that view nothing is copied), and once every parameter of a chunk has its gradient the
-  chunk is handed to the engine, whose CPU update starts while backward goes on.
+  step()), the parameter's gradient is placed in its chunk's gradient buffer (``.grad`` becomes
+  a view of it; when autograd already accumulated into that view nothing is copied), and once
+  every parameter of a chunk has its gradient the chunk is handed to the engine, whose CPU
+  update starts while backward goes on. What a step has gathered so far is its StepState
+  (_step_state.py); state_dict translation is _state_dict.py's.
 * ``step()`` hands over the chunks still waiting, waits for every update, and returns with the
   parameters updated in place.
 * An update made during backward is speculative: on CPU tensors the engine reads every chunk's
@@ -49,11 +51,12 @@ from typing import Any
 import torch
 
 from strata import _strata
-from strata.torch import _lifetime
+from strata.torch import _lifetime, _state_dict
 from strata.torch._options import (WORKING_DTYPES, auto_chunk_bytes, engine_options,
                                    rechecks_gradients)
+from strata.torch._state_dict import MASTER
+from strata.torch._step_state import StepState
 
-MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 # Tolerance for "the same learning-rate ratio": schedulers compute each group's lr in floating
 # point, so the ratios of two groups drift in the last bits.
 _LR_RATIO_TOLERANCE = 1e-9
@@ -100,7 +103,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"{gradient_accumulation_steps!r}"
             )
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
-            raise ValueError(f"max_grad_norm must be finite and >= 0 (0 = off), got {max_grad_norm!r}")
+            raise ValueError(
+                f"max_grad_norm must be finite and >= 0 (0 = off), got {max_grad_norm!r}")
         _refuse_several_ranks()
         self._constructed = False
         super().__init__(params, defaults)
@@ -136,7 +140,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if chunk_size == "auto":
             chunk_size = auto_chunk_bytes(sum(p.numel() * p.element_size() for p in self._params))
         options = engine_options(
-            type(self).__name__, self.param_groups[0], max(float(g["lr"]) for g in self.param_groups),
+            type(self).__name__, self.param_groups[0],
+            max(float(g["lr"]) for g in self.param_groups),
             self._engine_type, float(self.defaults.get("weight_decay", 0.0)),
             device=self._device, dtype=self._params[0].dtype, offload=offload,
             nvme_path=nvme_path, offload_ratio=offload_ratio, chunk_size=chunk_size,
@@ -224,8 +229,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         discards that backward (a skipped batch); once chunks were handed to the engine the step
         can only be finished, by step()."""
         self._check_open("zero_grad()")
-        if self._step_open:
-            handed = [c for c, done in enumerate(self._submitted) if done]
+        if self._this_step.open:
+            handed = self._this_step.handed()
             if handed and self._rechecks:
                 self._take_back()
             elif handed:
@@ -256,6 +261,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:
                 modified = self._gradients_modified_after_backward()
             self._hand_over_the_rest()
+            if not self._this_step.handed():
+                # Every .grad was set to None after backward (model.zero_grad()): torch skips
+                # every parameter, and so does this step.
+                self._reset_step()
+                return loss
         # Whether the engine finished the step is its iteration count's business, not the
         # exception's: a Ctrl-C can arrive just after a successful call returns.
         before = self._engine.iteration_count
@@ -265,7 +275,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         finally:
             self._retry_pending = self._engine.iteration_count == before
             if not self._retry_pending:
-                self._restore_pending += self._untouched
+                self._restore_pending += self._this_step.untouched
                 self._learn_rhythm()
                 self._reset_step()
         self._restore_untouched()
@@ -290,25 +300,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open("state_dict()")
         self._check_between_steps("state_dict()")
         self._restore_untouched()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        steps = self._engine.step_count
-        if steps > 0:
-            names = dict(self._state_names)
-            if self._params[0].dtype != torch.float32:
-                names[MASTER] = "master"
-            wanted = [(i, kind) for i in range(len(self._params)) if self._trained[i]
-                      for kind in sorted(names)]
-            for (i, kind), values in zip(wanted, self._read_states(wanted)):
-                entry = state.setdefault(i, {"step": torch.tensor(float(steps))})
-                entry[names[kind]] = values.view(self._params[i].shape)
-        groups = []
-        first = 0
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = list(range(first, first + len(g["params"])))
-            first += len(g["params"])
-            groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        return _state_dict.pack(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this optimizer or of the matching torch optimizer (AdamW's into
@@ -318,67 +310,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open("load_state_dict()")
         self._check_between_steps("load_state_dict()")
         self._restore_untouched()
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the state_dict has {len(saved_groups)} parameter groups; this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        for gi, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved["params"]) != len(mine["params"]):
-                raise ValueError(
-                    f"parameter group {gi} of the state_dict has {len(saved['params'])} "
-                    f"parameters; this optimizer's has {len(mine['params'])}"
-                )
-            for flag in ("amsgrad", "maximize"):
-                if saved.get(flag, False):
-                    raise NotImplementedError(
-                        f"parameter group {gi} of the state_dict has {flag}=True, which "
-                        f"{type(self).__name__} does not build"
-                    )
-            fixed = self._fixed_hyperparameters(saved)
-            if fixed != self._fixed[gi]:
-                raise ValueError(
-                    f"parameter group {gi} of the state_dict has {fixed}, this optimizer "
-                    f"{self._fixed[gi]}: the engine fixes these at construction, so build "
-                    f"{type(self).__name__} with the saved values"
-                )
-        index_of = {}
-        first = 0
-        for saved in saved_groups:
-            for position, saved_index in enumerate(saved["params"]):
-                index_of[saved_index] = first + position
-            first += len(saved["params"])
-        unknown = [k for k in state_dict["state"] if k not in index_of]
-        if unknown:
-            raise ValueError(f"the state_dict has state for parameters {unknown}, which none of "
-                             "its param_groups lists")
-        saved_state = {index_of[k]: v for k, v in state_dict["state"].items()}
-        steps = 0
-        writes = []
-        for i, p in enumerate(self._params):
-            if not self._trained[i]:
-                continue
-            entry = saved_state.get(i, {})
-            for kind, name in [(MASTER, "master"), *self._state_names.items()]:
-                if name in entry:
-                    writes.append((i, kind, entry[name], name))
-                elif kind != MASTER:
-                    writes.append((i, kind, torch.zeros(p.numel()), name))
-            if "step" in entry:
-                steps = max(steps, int(float(entry["step"])))
-        # Every entry is checked before anything is written; then values the model loaded in
-        # place become the masters, then the saved states go in.
-        batch = self._state_batch(writes)
-        self._adopt_parameter_changes()
-        self._write_state_batch(batch)
-        with self._on_device():
-            self._engine.set_step_count(steps)
-        for mine, saved in zip(self.param_groups, saved_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    mine[key] = value
-        self._param_versions = [p._version for p in self._params]
+        _state_dict.unpack(self, state_dict)
 
     # ------------------------------------------------------------------------- extras
 
@@ -392,11 +324,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         call step() first: an update in flight would race with the copy the parameters get)."""
         if self._closed is not None:
             return
-        if any(self._submitted) and not self._retry_pending and self._rechecks:
+        if self._this_step.handed() and not self._retry_pending and self._rechecks:
             self._take_back()
-        if any(self._submitted) and not self._retry_pending:
+        if self._this_step.handed() and not self._retry_pending:
             raise RuntimeError(
-                f"close() while chunks {[c for c, s in enumerate(self._submitted) if s]} are "
+                f"close() while chunks {self._this_step.handed()} are "
                 "updating with this step's gradients: call step() to finish the step first")
         self._close("close() was called")
 
@@ -504,14 +436,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------------- a step's life
 
     def _reset_step(self) -> None:
-        n = len(self._params)
-        self._counts = [0] * n  # Backward passes that reached each parameter this step.
-        self._placed = [False] * n  # Its gradient is in its chunk's buffer (_place_gradient).
-        self._waiting = [len(m) for m in self._members]  # Members without their last gradient.
-        self._submitted = [False] * len(self._members)
-        self._placed_version: dict[int, int] = {}  # chunk -> its gradients' version once placed.
-        self._untouched: list[tuple[int, int, torch.Tensor]] = []  # See _hand_over_the_rest.
-        self._step_open = False
+        self._this_step = StepState(self._members, len(self._params))
 
     def _begin_step(self) -> None:
         """At the first gradient of a step: what torch-side code changed since the last step
@@ -546,7 +471,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
         self._adopt_parameter_changes()
         self._engine.set_learning_rate(base)
-        self._step_open = True
+        self._this_step.open = True
 
     def _on_gradient(self, i: int) -> None:
         """Parameter i's post-accumulate-grad hook: one more backward pass reached it. Checks
@@ -559,20 +484,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         if self._retry_pending:
             self._check_open("backward()")
-        if not self._step_open:
+        if not self._this_step.open:
             self._begin_step()
+        step = self._this_step
         gas = self.gradient_accumulation_steps
         chunk = self._chunk_of[i]
-        if self._submitted[chunk] and self._rechecks:
-            # A backward after this chunk was handed over, without step() between: a longer
-            # window than any before ("auto"), or a skipped step (GradScaler) whose gradients the
-            # trainer set to None. The engine drops what it did; step() hands over again.
-            self._take_back()
+        if self._rechecks and (step.submitted[chunk] or
+                               (step.placed[i] and p.grad is not self._grad_views[i])):
+            # A backward after this chunk was handed over without step() between (a window
+            # longer than any before, with "auto"), or after this parameter's placed gradient
+            # was set to None or replaced (a step the loop skipped with model.zero_grad()): the
+            # engine drops what it did, if anything, and gradients the loop discarded count
+            # afresh; step() hands over again.
+            if step.handed():
+                self._take_back()
             self._restart_discarded_counts()
-        if gas == "auto" and self._submitted[chunk]:
+        if gas == "auto" and step.submitted[chunk]:
             raise RuntimeError(
                 f"parameter {i} (shape {tuple(p.shape)}) received its gradient "
-                f"{self._counts[i] + 1} times since the last step(), more than the "
+                f"{step.counts[i] + 1} times since the last step(), more than the "
                 f"{self._rhythm} backward passes of any step before, and chunk {chunk}'s update "
                 f"had already started with {self._rhythm} passes' gradients (the update "
                 "overlaps backward), so this step's update of it is partial. With "
@@ -581,10 +511,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "passes per step(); the HF Trainer's gradient_accumulation_steps, Lightning's "
                 "accumulate_grad_batches) or overlap=False. " + self._hooks_hint()
             )
-        if gas != "auto" and self._counts[i] + 1 > gas:
+        if gas != "auto" and step.counts[i] + 1 > gas:
             raise RuntimeError(
                 f"parameter {i} (shape {tuple(p.shape)}) received its gradient "
-                f"{self._counts[i] + 1} times since the last step(), but this optimizer was "
+                f"{step.counts[i] + 1} times since the last step(), but this optimizer was "
                 f"built with gradient_accumulation_steps={gas}: call step() after every {gas} "
                 "backward(), one backward per micro-batch, or leave gradient_accumulation_steps "
                 "at its default, 'auto', to follow the trainer's (the HF Trainer's "
@@ -592,18 +522,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "torch.utils.checkpoint with use_reentrant=True runs a parameter's gradient hook "
                 "twice: use use_reentrant=False. " + self._hooks_hint()
             )
-        self._counts[i] += 1
+        step.counts[i] += 1
         # A parameter past the rhythm ("auto", a longer window) was placed at the rhythm and
         # goes on accumulating in its chunk's buffer until the chunk is handed over.
-        if self._counts[i] != self._rhythm or not self.overlap:
+        if step.counts[i] != self._rhythm or not self.overlap:
             return
         self._place_gradient(i)
-        self._waiting[chunk] -= 1
-        if self._waiting[chunk] == 0:
+        step.waiting[chunk] -= 1
+        if step.waiting[chunk] == 0:
             self._submit(chunk)
 
     def _check_backward_count(self) -> None:
-        most = max(self._counts, default=0)
+        most = max(self._this_step.counts, default=0)
         if most == 0:
             raise RuntimeError(
                 "step() before any backward(): no parameter received a gradient since the last "
@@ -622,7 +552,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _learn_rhythm(self) -> None:
         """After a completed step, with "auto": the most backward passes a step has had."""
         if self.gradient_accumulation_steps == "auto":
-            self._rhythm = max(self._rhythm or 0, max(self._counts, default=0)) or None
+            self._rhythm = max(self._rhythm or 0, max(self._this_step.counts, default=0)) or None
 
     def _hooks_hint(self) -> str:
         return (f"If another optimizer trains these parameters now, this {type(self).__name__} "
@@ -638,12 +568,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         def has_gradient(i: int) -> bool:
             return self._params[i].grad is not None
 
+        step = self._this_step
         chunks = [c for c, members in enumerate(self._members)
-                  if not self._submitted[c] and any(has_gradient(i) for i in members)]
+                  if not step.submitted[c] and any(has_gradient(i) for i in members)]
         kinds = [MASTER, *self._state_names]
         saved = [(i, k) for c in chunks for i in self._members[c] if not has_gradient(i)
                  for k in kinds]
-        self._untouched += [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
+        step.untouched += [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
         for c in chunks:
             for i in self._members[c]:
                 # Placed before too, when .grad was replaced since (nothing to copy otherwise).
@@ -656,8 +587,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         One whose ``.grad`` became None is skipped by torch, which a chunk already with the
         engine cannot do: the engine drops this step and every chunk goes again
         (_hand_over_the_rest keeps such parameters' states as they were)."""
-        handed = [i for c, members in enumerate(self._members) if self._submitted[c]
-                  for i in members]
+        handed = [i for c in self._this_step.handed() for i in self._members[c]]
         if any(self._params[i].grad is None for i in handed):
             self._take_back()
             return
@@ -670,17 +600,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ahead of step()), so no chunk is with it any more; the gradients stay in ``.grad``."""
         with self._on_device():
             self._engine.abandon_step()
-        self._submitted = [False] * len(self._members)
+        self._this_step.took_back()
 
     def _restart_discarded_counts(self) -> None:
         """After _take_back in a backward: a parameter whose ``.grad`` is no longer its chunk's
         buffer (set to None by zero_grad, or replaced) starts counting backward passes again;
         one whose ``.grad`` still is accumulates on."""
-        for i, p in enumerate(self._params):
-            if self._placed[i] and p.grad is not self._grad_views[i]:
-                self._counts[i] = 0
-                self._placed[i] = False
-        self._waiting = [sum(not self._placed[i] for i in members) for members in self._members]
+        step = self._this_step
+        step.restart([i for i, p in enumerate(self._params)
+                      if step.placed[i] and p.grad is not self._grad_views[i]], self._members)
 
     def _restore_untouched(self) -> None:
         """Puts back the states saved by _hand_over_the_rest; on an error they stay pending
@@ -702,8 +630,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
             p.grad = view
-        self._placed[i] = True
-        self._placed_version[self._chunk_of[i]] = self._chunk_grads[self._chunk_of[i]]._version
+        chunk = self._chunk_of[i]
+        self._this_step.placed[i] = True
+        self._this_step.placed_version[chunk] = self._chunk_grads[chunk]._version
 
     def _submit(self, chunk: int) -> None:
         stream = self._stream()
@@ -713,20 +642,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._engine.grads_ready(chunk, stream)
             finally:
                 self._engine.release(chunk, stream)
-        self._submitted[chunk] = True
-        self._placed_version[chunk] = self._chunk_grads[chunk]._version
+        self._this_step.submitted[chunk] = True
+        self._this_step.placed_version[chunk] = self._chunk_grads[chunk]._version
 
     def _gradients_modified_after_backward(self) -> str | None:
         """Which parameters' gradients changed (or were replaced) after the engine took them."""
         changed = []
         for chunk, members in enumerate(self._members):
-            if not self._submitted[chunk]:
+            if not self._this_step.submitted[chunk]:
                 continue
-            if self._chunk_grads[chunk]._version != self._placed_version[chunk]:
+            if self._chunk_grads[chunk]._version != self._this_step.placed_version[chunk]:
                 changed.append(f"chunk {chunk}'s parameters {members[0]}..{members[-1]}")
                 continue
             for i in members:
-                if self._counts[i] > 0 and self._params[i].grad is not self._grad_views[i]:
+                if (self._this_step.counts[i] > 0
+                        and self._params[i].grad is not self._grad_views[i]):
                     changed.append(f"parameter {i}")
         return ", ".join(changed) if changed else None
 
@@ -738,7 +668,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         advice = ("Use fp16 parameters with opt.scale(loss).backward() (the engine scales, checks "
                   "and skips), or bf16")
-        if not any(self._submitted):
+        if not self._this_step.handed():
             self._reset_step()
             super().zero_grad(set_to_none=True)
             raise NotImplementedError(
@@ -851,7 +781,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._engine.write_states(batch)
 
     def _check_between_steps(self, what: str) -> None:
-        if self._step_open:
+        if self._this_step.open:
             raise RuntimeError(
                 f"{what} between backward() and step(): the engine is updating with this "
                 "step's gradients; call it after step()"

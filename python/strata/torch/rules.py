@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from strata.torch.optimizer import EXP_AVG, EXP_AVG_SQ, OffloadOptimizer
+from strata.torch._state_dict import EXP_AVG, EXP_AVG_SQ
+from strata.torch.optimizer import OffloadOptimizer
 
 
 def _torch_defaults(reference: type[torch.optim.Optimizer], **kwargs: Any) -> dict[str, Any]:
