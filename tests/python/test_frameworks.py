@@ -9,6 +9,9 @@ Lightning's gradient_clip_val by norm and by value, accelerate's clip_grad_norm_
 the gradients after the updates started: the optimizer redoes what changed."""
 
 import math
+import pathlib
+import subprocess
+import sys
 import tempfile
 
 import accelerate
@@ -19,6 +22,8 @@ import transformers
 from torch import nn
 
 import strata.torch as st
+
+HERE = pathlib.Path(__file__).parent
 
 
 class Made:
@@ -111,6 +116,22 @@ def test_hf_trainer_accumulating_with_a_short_last_window():
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), **arguments)
     assert len(losses) == 30
     close_runs(losses, reference_losses, model, reference)
+
+
+def test_hf_trainer_resumes_from_its_checkpoint_in_a_new_process(tmp_path):
+    # Twelve steps with checkpoints at 6 and 12; then, in another process, a new OffloadAdamW
+    # resumed from the one at 6 by the Trainer (optimizer.pt through state_dict) finishes them.
+    def run(*arguments):
+        subprocess.run([sys.executable, str(HERE / "hf_resume.py"), *map(str, arguments)],
+                       check=True, cwd=HERE, timeout=600)
+
+    run("strata", tmp_path / "whole")
+    run("torch", tmp_path / "torch")
+    run("strata", tmp_path / "resumed", tmp_path / "whole" / "checkpoint-6")
+    whole, reference, resumed = (torch.load(tmp_path / name / "final.pt")
+                                 for name in ("whole", "torch", "resumed"))
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+    assert max((a - b).abs().max().item() for a, b in zip(whole, reference)) < 1e-4
 
 
 # ----------------------------------------------------------------------------- Lightning
