@@ -1,6 +1,9 @@
 #include "strata/core/aligned_buffer.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <utility>
 
@@ -8,16 +11,27 @@
 
 namespace strata {
 
-AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+AlignedBuffer::~AlignedBuffer() { Free(); }
+
+void AlignedBuffer::Free() {
+  if (mapped_) {
+    munmap(data_, size_);
+  } else {
+    std::free(data_);
+  }
+}
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      mapped_(std::exchange(other.mapped_, false)) {}
 
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   if (this != &other) {
-    std::free(data_);
+    Free();
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    mapped_ = std::exchange(other.mapped_, false);
   }
   return *this;
 }
@@ -31,6 +45,23 @@ Result<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes) {
                              " of aligned host memory: the system is out of memory");
   }
   return AlignedBuffer(static_cast<std::byte*>(memory), rounded);
+}
+
+Result<AlignedBuffer> AlignedBuffer::AllocateZeroed(size_t bytes) {
+  const size_t rounded = AlignUp(bytes, kHostAlignment);
+  if (rounded < kMappedBytes) {
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, Allocate(bytes));
+    std::memset(buffer.data(), 0, buffer.size());
+    return buffer;
+  }
+  // Anonymous pages are zero and page-aligned, and the kernel backs each only when first
+  // written.
+  void* memory = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) {
+    return ResourceExhausted("cannot map " + FormatBytes(rounded) +
+                             " of zeroed host memory: the system is out of memory");
+  }
+  return AlignedBuffer(static_cast<std::byte*>(memory), rounded, /*mapped=*/true);
 }
 
 }  // namespace strata

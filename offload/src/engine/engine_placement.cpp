@@ -15,11 +15,7 @@
 namespace strata::offload {
 namespace {
 
-Result<AlignedBuffer> AllocateZeroed(size_t bytes) {
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::Allocate(bytes));
-  std::memset(buffer.data(), 0, buffer.size());
-  return buffer;
-}
+Result<AlignedBuffer> AllocateZeroed(size_t bytes) { return AlignedBuffer::AllocateZeroed(bytes); }
 
 }  // namespace
 

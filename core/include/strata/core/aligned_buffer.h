@@ -29,6 +29,12 @@ class AlignedBuffer {
   /// Allocates `bytes` rounded up to a multiple of kHostAlignment. ResourceExhausted when the
   /// system has no memory for it (the message gives the size). Zero bytes gives an empty buffer.
   static Result<AlignedBuffer> Allocate(size_t bytes);
+  /// Allocate, zero-filled. Large buffers (kMappedBytes and up) come straight from the kernel,
+  /// already zero, so their pages take memory only once written: a buffer kept for a rare path
+  /// (a failed step's gradients) or one a configuration never writes costs address space, not
+  /// resident memory.
+  static Result<AlignedBuffer> AllocateZeroed(size_t bytes);
+  static constexpr size_t kMappedBytes = size_t{1} << 20;
 
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
@@ -36,9 +42,12 @@ class AlignedBuffer {
   std::span<std::byte> span() const { return {data_, size_}; }
 
  private:
-  AlignedBuffer(std::byte* data, size_t size) : data_(data), size_(size) {}
+  AlignedBuffer(std::byte* data, size_t size, bool mapped = false)
+      : data_(data), size_(size), mapped_(mapped) {}
+  void Free();
   std::byte* data_ = nullptr;
   size_t size_ = 0;
+  bool mapped_ = false;  // From mmap (AllocateZeroed), not aligned_alloc.
 };
 
 }  // namespace strata
