@@ -83,8 +83,14 @@ def train(make_optimizer, edit) -> tuple[list[float], nn.Module]:
     return losses, net
 
 
-def offload(params):
-    return st.OffloadAdamW(params, lr=1e-2, chunk_size="16KiB")  # Several chunks.
+def offload(params, speculative_updates=True):
+    # Several chunks, updated during backward (the path that redoes what an edit changed).
+    return st.OffloadAdamW(params, lr=1e-2, chunk_size="16KiB",
+                           speculative_updates=speculative_updates)
+
+
+def offload_waiting(params):
+    return offload(params, speculative_updates=None)  # The default on CPU tensors.
 
 
 def torch_adamw(params):
@@ -112,6 +118,7 @@ def test_an_edit_between_backward_and_step_gives_torchs_step_every_time(edit):
     assert_close(runs[0], reference)
     assert_identical(runs[0], runs[1])
     assert_identical(runs[0], runs[2])
+    assert_close(train(offload_waiting, edit), reference)
 
 
 def test_a_skipped_batch_is_dropped_after_its_updates_started():

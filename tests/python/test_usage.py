@@ -120,7 +120,7 @@ def test_weights_loaded_after_construction_are_the_ones_trained():
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e9])  # Clipping; not (multiplying by 1).
 def test_clipping_outside_the_optimizer_is_exact(max_norm):
-    model, opt, reference, ropt = twin()
+    model, opt, reference, ropt = twin(speculative_updates=True)
     for m, o in ((model, opt), (reference, ropt)):
         for step in range(6):
             g = torch.Generator().manual_seed(step)

@@ -42,7 +42,7 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
                    weight_decay: float, *,
                    device: torch.device, dtype: torch.dtype, offload: str | None,
                    nvme_path: Any, offload_ratio: float, chunk_size: Any, host_memory: Any,
-                   cpu_threads: int, loss_scale: Any, speculative_updates: bool,
+                   cpu_threads: int, loss_scale: Any, speculative_updates: bool | None,
                    max_grad_norm: float, config: dict[str, Any] | None) -> dict[str, Any]:
     """`group` is the first param group (betas, eps); `lr` the engine's base learning rate."""
     if offload not in _TIERS:
@@ -54,8 +54,9 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
         "weight_decay": weight_decay,
         "gradient_clipping": max_grad_norm,
         "gradient_accumulation_steps": 1,  # torch accumulates in .grad; the hooks count.
-        "cpu_threads": cpu_threads,
-        "speculative_updates": speculative_updates,
+        "cpu_threads": cpu_threads or default_cpu_threads(device),
+        "speculative_updates": (speculates_by_default(device) if speculative_updates is None
+                                else bool(speculative_updates)),
         # Whatever the trainer does to .grad between backward and step() (clip_grad_norm_,
         # GradScaler, edits through .data), step() uses the gradients as they are then: the
         # engine reads them again at step() and redoes the chunks that changed. CPU tensors
@@ -96,6 +97,27 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
     _refuse_own_keys(owner, config or {})
     _merge(options, config or {})
     return options
+
+
+def speculates_by_default(device: torch.device) -> bool:
+    """speculative_updates=None: on a GPU, updates run during backward (the CPU is free while
+    the GPU computes). On CPU tensors they wait for step(): there the update would compete with
+    backward for the same cores (on a quiet 2-core machine overlapping saved nothing:
+    bench/torch_optimizer.py), and the speculative states' second buffer costs a copy of the
+    states in host memory."""
+    return device.type == "cuda"
+
+
+def default_cpu_threads(device: torch.device) -> int:
+    """cpu_threads=0: every core beside a GPU; half of them on CPU tensors, whose forward and
+    backward torch runs on every core. The update splits its work statically across its
+    threads, so one thread descheduled by other work on the machine holds the rest up; on a
+    2-core machine beside two busy processes (bench/contention.py) train_gpt's step took 1.6x
+    torch AdamW's with two threads and 1.2x with one. The update is memory-bound, so half the
+    cores lose little on a quiet machine."""
+    if device.type == "cuda":
+        return 0  # The engine's default: the hardware threads.
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def rechecks_gradients(device: torch.device) -> bool:

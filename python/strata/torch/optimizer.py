@@ -90,7 +90,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_memory: int | str | None = None,
         cpu_threads: int = 0,
         loss_scale: float | str = "dynamic",
-        speculative_updates: bool = True,
+        speculative_updates: bool | None = None,
         overlap: bool = True,
         config: dict[str, Any] | None = None,
     ) -> None:
