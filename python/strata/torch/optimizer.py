@@ -17,12 +17,13 @@ How it works, in the terms of engine.h's trainer contract:
   (_step_state.py); state_dict translation is _state_dict.py's.
 * ``step()`` hands over the chunks still waiting, waits for every update, and returns with the
   parameters updated in place.
-* An update made during backward is speculative: on CPU tensors the engine reads every chunk's
+* An update made during backward (speculative_updates; by default beside a GPU only, see
+  _options.speculates_by_default) is speculative: on CPU tensors the engine reads every chunk's
   gradients again at ``step()`` (optimizer.recheck_gradients, a checksum taken as it first
   measured them), and a chunk whose gradients the trainer changed meanwhile
   (``clip_grad_norm_`` that clips, ``GradScaler``'s unscale, an edit through ``.data``, a
   replaced ``.grad``) is rolled back and updated again from them. Multiplying by exactly 1 (a
-  clip that does not clip) changes nothing, so the overlap stays. On a GPU that recheck is not
+  clip that does not clip) changes nothing, so the updates made ahead stand. On a GPU that recheck is not
   built yet, and a change the version counters see raises instead.
 
 A step's life: closed -> open (first gradient hook: torch-side changes reach the engine) ->
