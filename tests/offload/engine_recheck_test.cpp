@@ -101,6 +101,13 @@ std::string CaseName(const ::testing::TestParamInfo<RecheckCase>& info) {
   return std::string(info.param.placement.name) + (info.param.clip ? "_clipped" : "");
 }
 
+/// `placement`'s options (MakeOptions) with optimizer.recheck_gradients on.
+EngineOptions RecheckOptions(const Placement& placement, const std::string& nvme_path) {
+  EngineOptions options = MakeOptions(placement, nvme_path);
+  options.optimizer.recheck_gradients = true;
+  return options;
+}
+
 /// Each chunk's gradient buffer: device-home chunks keep theirs for the engine's life, so a
 /// trainer may hold on to it (PyTorch's .grad views it).
 std::vector<float*> GradientBuffers(Engine& engine) {
@@ -211,8 +218,7 @@ TEST(RecheckUnchangedTest, UnchangedGradientsKeepTheUpdatesMadeAhead) {
   const TinyModel model(kLayers, kWidth, kBatch);
   for (const Placement& placement : kDeviceHome) {
     SCOPED_TRACE(placement.name);
-    EngineOptions options = MakeOptions(placement, nvme.path());
-    options.optimizer.recheck_gradients = true;
+    EngineOptions options = RecheckOptions(placement, nvme.path());
     auto device = MakeDevice(placement.device_budget, kHostAccessible);
     auto engine = MakeEngine(options, *device, model);
     ASSERT_NE(engine, nullptr);
@@ -240,8 +246,7 @@ TEST(RecheckAbandonTest, AnAbandonedStepLeavesNoTrace) {
   const TinyModel model(kLayers, kWidth, kBatch);
   for (const Placement& placement : kDeviceHome) {
     SCOPED_TRACE(placement.name);
-    EngineOptions options = MakeOptions(placement, nvme.path());
-    options.optimizer.recheck_gradients = true;
+    EngineOptions options = RecheckOptions(placement, nvme.path());
     auto plain_device = MakeDevice(placement.device_budget, kHostAccessible);
     auto plain = MakeEngine(options, *plain_device, model);
     auto device = MakeDevice(placement.device_budget, kHostAccessible);
@@ -279,8 +284,7 @@ TEST(RecheckAbandonTest, AnAbandonedStepLeavesNoTrace) {
 TEST(RecheckAbandonTest, AFailedUpdateAheadIsAbandonedWithTheRest) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
-  EngineOptions options = MakeOptions(kDeviceHome[2], nvme.path());  // States on NVMe.
-  options.optimizer.recheck_gradients = true;
+  EngineOptions options = RecheckOptions(kDeviceHome[2], nvme.path());  // States on NVMe.
   auto plain_device = MakeDevice(64 << 20, kHostAccessible);
   auto plain = MakeEngine(options, *plain_device, model);
   auto plan = std::make_shared<nvme::FaultPlan>();
@@ -317,8 +321,7 @@ TEST(RecheckAbandonTest, AFailedUpdateAheadIsAbandonedWithTheRest) {
 TEST(RecheckAbandonTest, ARefusedAbandonSaysAbandonStep) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
-  EngineOptions options = MakeOptions(kDeviceHome[1], nvme.path());
-  options.optimizer.recheck_gradients = true;
+  EngineOptions options = RecheckOptions(kDeviceHome[1], nvme.path());
   auto device = MakeDevice(64 << 20, kHostAccessible);
   auto engine = MakeEngine(options, *device, model);
   ASSERT_NE(engine, nullptr);
@@ -376,8 +379,7 @@ TEST(RecheckPlacementTest, CreateRefusesWhatTheRecheckCannotRead) {
   };
   for (const Refusal& r : refusals) {
     SCOPED_TRACE(r.what);
-    EngineOptions options = MakeOptions(kDeviceHome[1], nvme.path());
-    options.optimizer.recheck_gradients = true;
+    EngineOptions options = RecheckOptions(kDeviceHome[1], nvme.path());
     r.change(options);
     auto device = MakeDevice(64 << 20, r.host_accessible);
     Result<std::unique_ptr<Engine>> engine = Engine::Create(options, *device, specs);

@@ -239,18 +239,19 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
   }
   // Counted like every coroutine, so that an engine destroyed right after Step() finishes the
   // step first.
-  engine_.Spawn(StartStep(std::move(promise), abandon));
+  engine_.Spawn(StartStep(std::move(promise)));
   return future;
 }
 
-Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise, bool abandon) {
+Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise) {
   {
     std::lock_guard lock(mutex_);
     attempt_failed_ = false;
+    // A retry of a failed abandon stays one, whoever asks: its verdict already dropped the
+    // updates.
+    step_.abandon = abandoning_;
   }
   step_.requested = true;
-  // A retry of a failed abandon stays one, whoever asks: its verdict already dropped the updates.
-  step_.abandon = step_.abandon || abandon;
   step_.promise.emplace(std::move(promise));
   step_.started = Clock::now();
   step_.used = 0;

@@ -239,9 +239,9 @@ class StepPipeline {
   void ReadAhead();
 
   // step_pipeline.cpp; from MaybeFinish on, step_commit.cpp
-  /// Step()'s work on the loop: the request, a retry of what a failed attempt left.
-  /// `abandon`: AbandonStep's.
-  Awaitable<void> StartStep(std::promise<Result<StepReport>> promise, bool abandon);
+  /// Step()'s work on the loop: the request, a retry of what a failed attempt left (an
+  /// AbandonStep's when abandoning_).
+  Awaitable<void> StartStep(std::promise<Result<StepReport>> promise);
   /// Step() and AbandonStep: refuses what they cannot do, or starts StartStep.
   std::future<Result<StepReport>> RequestStep(bool abandon);
   void Arrive(size_t chunk);

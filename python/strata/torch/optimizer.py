@@ -23,8 +23,8 @@ How it works, in the terms of engine.h's trainer contract:
   measured them), and a chunk whose gradients the trainer changed meanwhile
   (``clip_grad_norm_`` that clips, ``GradScaler``'s unscale, an edit through ``.data``, a
   replaced ``.grad``) is rolled back and updated again from them. Multiplying by exactly 1 (a
-  clip that does not clip) changes nothing, so the updates made ahead stand. On a GPU that recheck is not
-  built yet, and a change the version counters see raises instead.
+  clip that does not clip) changes nothing, so the updates made ahead stand. On a GPU that
+  recheck is not built yet, and a change the version counters see raises instead.
 
 A step's life: closed -> open (first gradient hook: torch-side changes reach the engine) ->
 chunks handed over -> closed by step(). zero_grad() before step() discards the step as torch
