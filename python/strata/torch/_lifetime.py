@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from strata.torch import _sharded
+
 # id(parameter) -> (the parameter, the optimizer that drives it), both weakly. Keyed by id:
 # tensors compare elementwise, so they cannot be dictionary keys themselves.
 _owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -57,8 +59,8 @@ def detach(refs: list[weakref.ref], hooks: list[Any], storages: set[int]) -> Non
     with torch.no_grad():
         for ref in refs:
             p = ref()
-            if p is None:
-                continue
+            if p is None or _sharded.is_sharded(p):
+                continue  # FSDP2's sharded parameters never view a chunk (_sharded.py).
             if p.untyped_storage().data_ptr() in storages:
                 p.data = p.data.clone()
             if p.grad is not None and p.grad.untyped_storage().data_ptr() in storages:

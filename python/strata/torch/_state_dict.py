@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from strata.torch import _sharded
+
 if TYPE_CHECKING:
     from strata.torch.optimizer import OffloadOptimizer
 
@@ -28,7 +30,8 @@ def pack(opt: OffloadOptimizer) -> dict[str, Any]:
                   for kind in sorted(names)]
         for (i, kind), values in zip(wanted, opt._read_states(wanted)):
             entry = state.setdefault(i, {"step": torch.tensor(float(steps))})
-            entry[names[kind]] = values.view(opt._params[i].shape)
+            # Sharded: a DTensor of the parameter's sharding, as torch AdamW keeps under FSDP2.
+            entry[names[kind]] = _sharded.as_parameter_state(values, opt._params[i])
     groups = []
     first = 0
     for g in opt.param_groups:
@@ -87,7 +90,7 @@ def unpack(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
             if name in entry:
                 writes.append((i, kind, entry[name], name))
             elif kind != MASTER:
-                writes.append((i, kind, torch.zeros(p.numel()), name))
+                writes.append((i, kind, torch.zeros(_sharded.local(p).numel()), name))
         if "step" in entry:
             steps = max(steps, int(float(entry["step"])))
     # Every entry is checked before anything is written; then values the model loaded in
@@ -101,4 +104,4 @@ def unpack(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
         for key, value in saved.items():
             if key != "params":
                 mine[key] = value
-    opt._param_versions = [p._version for p in opt._params]
+    opt._param_versions = opt._versions()

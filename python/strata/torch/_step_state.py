@@ -23,6 +23,11 @@ class StepState:
         # (parameter, state kind, values) of parameters without a gradient in a chunk handed
         # over in step(), to put back after the step (OffloadOptimizer._hand_over_the_rest).
         self.untouched: list[tuple[int, int, torch.Tensor]] = []
+        # Sharded (FSDP2): parameter -> the gradient tensor whose values were copied into its
+        # chunk's buffer, to tell it from one that replaced it.
+        self.placed_gradient: dict[int, torch.Tensor] = {}
+        # Sharded: the gradients' norm over every rank, taken by step().
+        self.grad_norm: float | None = None
         # The first gradient hook ran: torch-side changes have reached the engine.
         self.open = False
 

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from strata import _strata
-from strata.torch import _lifetime, _state_dict
+from strata.torch import _lifetime, _sharded, _state_dict
 from strata.torch._options import (WORKING_DTYPES, auto_chunk_bytes, engine_options,
                                    rechecks_gradients)
 from strata.torch._state_dict import MASTER
@@ -106,7 +106,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
             raise ValueError(
                 f"max_grad_norm must be finite and >= 0 (0 = off), got {max_grad_norm!r}")
-        _refuse_several_ranks()
         self._constructed = False
         super().__init__(params, defaults)
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -127,6 +126,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_parameters()
         self._device = self._params[0].device
+        # FSDP2's parameters: each rank's engine mirrors and updates its local shards, and the
+        # gradient norm is taken over every rank at step() (_sharded.py).
+        self._sharded = _sharded.is_sharded(self._params[0])
         # The engine reads the gradients again at step() and redoes what changed (CPU tensors,
         # _options.rechecks_gradients): whatever the trainer did to them between backward and
         # step(), the step uses them as they are then. torch.amp.GradScaler then unscales the
@@ -139,7 +141,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._closed: str | None = None  # Why this optimizer no longer drives its parameters.
 
         if chunk_size == "auto":
-            chunk_size = auto_chunk_bytes(sum(p.numel() * p.element_size() for p in self._params))
+            chunk_size = auto_chunk_bytes(sum(_sharded.local(p).numel() * p.element_size()
+                                              for p in self._params))
         options = engine_options(
             type(self).__name__, self.param_groups[0],
             max(float(g["lr"]) for g in self.param_groups),
@@ -147,12 +150,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             device=self._device, dtype=self._params[0].dtype, offload=offload,
             nvme_path=nvme_path, offload_ratio=offload_ratio, chunk_size=chunk_size,
             host_memory=host_memory, cpu_threads=cpu_threads, loss_scale=loss_scale,
-            speculative_updates=speculative_updates, max_grad_norm=self.max_grad_norm,
+            speculative_updates=speculative_updates,
+            # Sharded, the engine sees one rank's gradients: step() clips on the global norm.
+            max_grad_norm=0.0 if self._sharded else self.max_grad_norm,
             config=config)
         registered = []
         for i, p in enumerate(self._params):
             group = self.param_groups[self._group_of[i]]
-            registered.append((f"param.{i}", list(p.shape) or [1], _flat_fp32(p).numpy(),
+            registered.append((f"param.{i}", _sharded.engine_shape(p), _flat_fp32(p).numpy(),
                                float(group["weight_decay"]),
                                self._lr_scales[self._group_of[i]], not p.requires_grad))
         # A live optimizer on these parameters gives them up to this one (`opt = ...` again).
@@ -172,8 +177,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._chunk_grads.append(None if grads_view is None else torch.from_dlpack(grads_view))
 
         self._chunk_of: list[int] = []
-        # Each parameter's place in its chunk, shaped as the parameter: what .data (and .grad)
-        # view. Fixed for the engine's life (device-home chunks do not move).
+        # Elements each parameter has in its chunk: its local part's, or 1 for an empty shard.
+        self._engine_numel: list[int] = []
+        # Each parameter's place in its chunk, shaped as the parameter (as its local shard,
+        # sharded): what .data (and .grad) view. Fixed for the engine's life (device-home chunks
+        # do not move).
         self._param_views: list[torch.Tensor] = []
         self._grad_views: list[torch.Tensor | None] = []
         self._members: list[list[int]] = [[] for _ in range(self._engine.chunk_count)]
@@ -181,12 +189,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(self._params):
             chunk, offset, numel = self._engine.location(i)
             self._chunk_of.append(chunk)
+            self._engine_numel.append(numel)
+            mine = _sharded.local(p)
             self._param_views.append(
-                self._chunk_params[chunk][offset : offset + numel].view(p.shape))
-            p.data = self._param_views[i]
+                self._chunk_params[chunk][offset : offset + mine.numel()].view(mine.shape))
+            if not self._sharded:  # FSDP2 keeps its shards' memory: the chunk mirrors them.
+                p.data = self._param_views[i]
             if p.requires_grad:
                 self._grad_views.append(
-                    self._chunk_grads[chunk][offset : offset + numel].view(p.shape))
+                    self._chunk_grads[chunk][offset : offset + mine.numel()].view(mine.shape))
                 self._members[chunk].append(i)
                 hooks.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
             else:
@@ -195,7 +206,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                           self._chunk_params + [g for g in self._chunk_grads
                                                                 if g is not None])
         _lifetime.claim(self, self._params)
-        self._param_versions = [p._version for p in self._params]
+        self._param_versions = self._versions()
         self._last_report: dict[str, Any] | None = None
         self._skipped_steps = 0
         self._retry_pending = False  # The engine's step failed; the next step() retries it.
@@ -257,6 +268,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         modified = None
         if not self._retry_pending:
             self._check_backward_count()
+            if self._sharded:
+                trained = [p for p, t in zip(self._params, self._trained) if t]
+                self._this_step.grad_norm = _sharded.global_grad_norm(trained,
+                                                                      self.max_grad_norm)
             if self._rechecks:
                 self._sync_handed_gradients()
             else:
@@ -270,6 +285,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Whether the engine finished the step is its iteration count's business, not the
         # exception's: a Ctrl-C can arrive just after a successful call returns.
         before = self._engine.iteration_count
+        grad_norm = self._this_step.grad_norm
         try:
             with self._on_device():
                 report = self._engine.step()
@@ -280,6 +296,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._learn_rhythm()
                 self._reset_step()
         self._restore_untouched()
+        if self._sharded:
+            self._publish_shards()
+            report["grad_norm"] = grad_norm
         self._last_report = report
         if report["skipped"]:
             self._skipped_steps += 1
@@ -401,6 +420,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
             if p.is_sparse:
                 raise ValueError(f"{name} is sparse; dense parameters only")
+            if _sharded.is_sharded(p) != _sharded.is_sharded(first):
+                raise ValueError(
+                    f"{name} is {'' if _sharded.is_sharded(p) else 'not '}a DTensor but "
+                    f"parameter 0 is {'' if _sharded.is_sharded(first) else 'not'}: shard the "
+                    "whole model with fully_shard (FSDP2), or none of it")
+            if _sharded.is_sharded(p) and p.device.type != "cpu":
+                raise NotImplementedError(
+                    f"{name} is sharded by FSDP2 on {p.device}: strata.torch with FSDP2 runs on "
+                    "CPU tensors (the gloo backend) so far; on GPUs it is not built yet")
 
     def _fixed_hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
         """What the engine fixes at construction, per group."""
@@ -491,7 +519,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         gas = self.gradient_accumulation_steps
         chunk = self._chunk_of[i]
         if self._rechecks and (step.submitted[chunk] or
-                               (step.placed[i] and p.grad is not self._grad_views[i])):
+                               (step.placed[i] and not self._holds_placed_gradient(i))):
             # A backward after this chunk was handed over without step() between (a window
             # longer than any before, with "auto"), or after this parameter's placed gradient
             # was set to None or replaced (a step the loop skipped with model.zero_grad()): the
@@ -593,6 +621,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._take_back()
             return
         for i in handed:
+            # A sharded parameter's gradient is FSDP2's, copied in: it is copied again.
             if self._params[i].grad is not self._grad_views[i]:
                 self._place_gradient(i)
 
@@ -608,8 +637,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         buffer (set to None by zero_grad, or replaced) starts counting backward passes again;
         one whose ``.grad`` still is accumulates on."""
         step = self._this_step
-        step.restart([i for i, p in enumerate(self._params)
-                      if step.placed[i] and p.grad is not self._grad_views[i]], self._members)
+        step.restart([i for i in range(len(self._params))
+                      if step.placed[i] and not self._holds_placed_gradient(i)], self._members)
 
     def _restore_untouched(self) -> None:
         """Puts back the states saved by _hand_over_the_rest; on an error they stay pending
@@ -627,6 +656,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             view.zero_()
+        elif self._sharded:
+            # FSDP2 owns the sharded gradient (it accumulates into it): the chunk gets a copy.
+            view.copy_(_sharded.local(grad))
+            self._this_step.placed_gradient[i] = grad
         else:
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
@@ -634,6 +667,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         chunk = self._chunk_of[i]
         self._this_step.placed[i] = True
         self._this_step.placed_version[chunk] = self._chunk_grads[chunk]._version
+
+    def _holds_placed_gradient(self, i: int) -> bool:
+        """Whether parameter i's ``.grad`` is still the gradient _place_gradient placed (not
+        set to None or replaced since): its chunk's buffer, or, sharded, the same tensor."""
+        grad = self._params[i].grad
+        if self._sharded:
+            return grad is not None and grad is self._this_step.placed_gradient.get(i)
+        return grad is self._grad_views[i]
 
     def _submit(self, chunk: int) -> None:
         stream = self._stream()
@@ -713,9 +754,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ``.data`` was replaced is copied in and pointed back at its chunk."""
         self._refuse_cast_or_moved()
         changed = {}
+        versions = self._versions()
         for i, p in enumerate(self._params):
-            replaced = p.data_ptr() != self._param_views[i].data_ptr()
-            if everything or replaced or p._version != self._param_versions[i]:
+            # A sharded parameter's memory is FSDP2's: only its values can change.
+            replaced = not self._sharded and p.data_ptr() != self._param_views[i].data_ptr()
+            if everything or replaced or versions[i] != self._param_versions[i]:
                 changed[i] = (_flat_fp32(p, copy=True), replaced)
         # Every new value is read before any is written: writing one master rewrites the working
         # values of its whole chunk from the masters, undoing the others' in-place changes.
@@ -730,7 +773,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for i, (_, replaced) in changed.items():
             if replaced:
                 self._params[i].data = self._param_views[i]
-        self._param_versions = [p._version for p in self._params]
+        self._param_versions = self._versions()
+
+    def _versions(self) -> list[int]:
+        """Each parameter's version counter (its local shard's, sharded): what finds writes to
+        it."""
+        return [_sharded.local(p)._version for p in self._params]
+
+    def _publish_shards(self) -> None:
+        """Sharded: the chunks' values (the step's update, a loaded master) into FSDP2's local
+        shards, which the engine only mirrors."""
+        with torch.no_grad():
+            for p, view in zip(self._params, self._param_views):
+                _sharded.local(p).copy_(view)
+        self._param_versions = self._versions()
 
     def _refuse_cast_or_moved(self) -> None:
         """A model cast (``model.to(torch.bfloat16)``) or moved (``model.to("cuda")``) after the
@@ -752,7 +808,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """States (parameter index, kind) as flat fp32 tensors, in one engine call."""
         if not wanted:
             return []
-        out = [torch.empty(self._params[i].numel(), dtype=torch.float32) for i, _ in wanted]
+        out = [torch.empty(self._engine_numel[i], dtype=torch.float32) for i, _ in wanted]
         with self._on_device():
             self._engine.read_states([(i, kind, o.numpy()) for (i, kind), o in zip(wanted, out)])
         return out
@@ -766,13 +822,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameter)."""
         batch = []
         for i, kind, values, what in writes:
-            tensor = torch.as_tensor(values).detach().to("cpu", torch.float32)
-            tensor = tensor.reshape(-1).contiguous()
-            if tensor.numel() != self._params[i].numel():
-                raise ValueError(
-                    f"{what} of parameter {i} has {tensor.numel()} elements; the parameter has "
-                    f"{self._params[i].numel()}"
-                )
+            try:
+                tensor = _sharded.local_state(values, self._params[i], self._engine_numel[i])
+            except ValueError as e:
+                raise ValueError(f"{what} of parameter {i} {e}") from None
             batch.append((i, kind, tensor.numpy()))
         return batch
 
@@ -780,6 +833,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if batch:
             with self._on_device():
                 self._engine.write_states(batch)
+            if self._sharded and any(kind == MASTER for _, kind, _ in batch):
+                self._publish_shards()  # Masters rewrite the chunks' working values.
 
     def _check_between_steps(self, what: str) -> None:
         if self._this_step.open:
@@ -821,15 +876,9 @@ class _GradHook:
 
 
 def _flat_fp32(p: torch.Tensor, copy: bool = False) -> torch.Tensor:
-    """A parameter's values as a flat, contiguous fp32 host tensor."""
-    return p.detach().reshape(-1).to("cpu", torch.float32, copy=copy).contiguous()
-
-
-def _refuse_several_ranks() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError(
-            "strata.torch optimizers across several ranks (torchrun, ZeRO sharding) are not "
-            "built yet; run one process per model"
-        )
+    """A parameter's values (its local shard's, sharded) as a flat, contiguous fp32 host
+    tensor of the engine's numel: an empty shard's stand-in is one zero."""
+    mine = _sharded.local(p).detach()
+    if mine.numel() == 0:
+        return torch.zeros(1)
+    return mine.reshape(-1).to("cpu", torch.float32, copy=copy).contiguous()
