@@ -1,7 +1,12 @@
-"""One rank of test_ranks.py's runs under torchrun (gloo, CPU tensors): the same 20 steps of
-training.py's transformer with torch.optim.AdamW and with strata.torch.OffloadAdamW, wrapped in
-FSDP2 (fully_shard) or DDP, every rank on its own batches. Rank 0 prints one JSON line per
-scenario: how far the two runs' losses and parameters are apart."""
+"""One rank of test_ranks.py's runs under torchrun (gloo, CPU tensors), on training.py's
+transformer wrapped in FSDP2 (fully_shard) or DDP. Every step trains on one global batch that
+the ranks split between them, so that a run's losses do not depend on the number of ranks.
+
+  compare SCENARIO...   the same 20 steps with torch.optim.AdamW and with OffloadAdamW; rank 0
+                        prints one JSON line per scenario: how far the runs are apart.
+  checkpoint            10 steps then a torch.distributed.checkpoint (DCP) save (--save), or a
+                        DCP load (--load); then steps 10 to 19. Rank 0 prints their losses.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -26,7 +33,9 @@ import training
 STEPS = 20
 LR = 3e-3
 KIND = "transformer"
-# --die: the rank that kills itself (SIGKILL, as the OOM killer would) in its first strata step.
+GLOBAL_BATCH = 6  # Split evenly by 1, 2 or 3 ranks.
+# compare --die: the rank that kills itself (SIGKILL, as the OOM killer would) after its first
+# strata step.
 DYING_RANK = -1
 
 
@@ -39,98 +48,153 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def run(how: str, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], *, gas: int,
-        user_clip: float | None) -> tuple[list[float], list[torch.Tensor], list[float], list[float]]:
-    """Losses (averaged over ranks), the full parameters at the end, the gradient norms the
-    user's clip_grad_norm_ returned, and those strata's step reported."""
-    model = wrap(training.make_model(KIND), how)
-    opt = make_optimizer(model)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses, clip_norms, step_norms = [], [], []
-    for step in range(STEPS):
-        total = torch.zeros(())
-        for micro in range(gas):
-            x, y = training.batch(KIND, step * world + rank, micro)
-            loss = training.loss_of(KIND, model, x, y) / gas
-            loss.backward()
-            total += loss.detach()
-        if user_clip is not None:
-            norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                            user_clip)
-            clip_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        opt.step()
-        if isinstance(opt, st.OffloadOptimizer):
-            step_norms.append(opt.last_step["grad_norm"])
-            if rank == DYING_RANK:
-                os.kill(os.getpid(), signal.SIGKILL)
-        opt.zero_grad()
-        scheduler.step()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-              for p in model.parameters()]
-    if isinstance(opt, st.OffloadOptimizer):
-        opt.close()
-    return losses, params, clip_norms, step_norms
+def rank_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the global batch of (step, micro)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    tokens = torch.randint(0, training.VOCAB, (GLOBAL_BATCH, training.SEQ + 1), generator=g)
+    rows = GLOBAL_BATCH // dist.get_world_size()
+    mine = tokens[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
+    return mine[:, :-1], mine[:, 1:]
 
 
-def compare(name: str, how: str, strata_options: dict, *, gas: int = 1,
-            strata_clips: bool = True) -> dict:
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+class Trainer:
+    """A model, its optimizer and a cosine schedule over STEPS."""
+
+    def __init__(self, how: str, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+        self.model = wrap(training.make_model(KIND), how)
+        self.opt = make_optimizer(self.model)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=STEPS)
+        self.clip_norms: list[float] = []  # What the user's clip_grad_norm_ returned.
+        self.step_norms: list[float] = []  # What strata's steps reported.
+
+    def train(self, steps: range, *, gas: int = 1, user_clip: float | None = None) -> list[float]:
+        """The steps' losses, averaged over ranks."""
+        losses = []
+        for step in steps:
+            total = torch.zeros(())
+            for micro in range(gas):
+                x, y = rank_batch(step, micro)
+                loss = training.loss_of(KIND, self.model, x, y) / gas
+                loss.backward()
+                total += loss.detach()
+            if user_clip is not None:
+                norm = nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.grad is not None], user_clip)
+                self.clip_norms.append(float(full(norm)))
+            self.opt.step()
+            if isinstance(self.opt, st.OffloadOptimizer):
+                self.step_norms.append(self.opt.last_step["grad_norm"])
+                if dist.get_rank() == DYING_RANK:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            self.opt.zero_grad()
+            self.scheduler.step()
+            dist.all_reduce(total)
+            losses.append(total.item() / dist.get_world_size())
+        return losses
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [full(p) for p in self.model.parameters()]
+
+
+def torch_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(training.param_groups(model, LR), lr=LR)
+
+
+def offload_adamw(**options) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda model: st.OffloadAdamW(training.param_groups(model, LR), lr=LR,
+                                         chunk_size="16KiB", **options)
+
+
+def compare(name: str, how: str, options: dict, *, gas: int = 1, strata_clips: bool = True) -> dict:
     """torch AdamW with the user's clip_grad_norm_, against OffloadAdamW clipping itself
-    (max_grad_norm) or, with strata_clips False, under the same user's clip_grad_norm_."""
-    def reference(model):
-        return torch.optim.AdamW(training.param_groups(model, LR), lr=LR)
+    (max_grad_norm) or, with strata_clips False, under the same user's clip_grad_norm_. The
+    clip is at the median norm of an unclipped run: about half the steps clip, so both of the
+    step's paths run."""
+    calibration = Trainer(how, torch_adamw)
+    calibration.train(range(STEPS), gas=gas, user_clip=math.inf)
+    max_norm = statistics.median(calibration.clip_norms)
 
-    def offload(model):
-        return st.OffloadAdamW(training.param_groups(model, LR), lr=LR, chunk_size="16KiB",
-                               max_grad_norm=max_norm if strata_clips else 0.0,
-                               **strata_options)
-
-    # The median norm of an unclipped run: about half the steps clip, so both of the step's
-    # paths run.
-    max_norm = statistics.median(run(how, reference, gas=gas, user_clip=math.inf)[2])
-    ref_losses, ref_params, ref_norms, _ = run(how, reference, gas=gas, user_clip=max_norm)
-    losses, params, _, norms = run(how, offload, gas=gas,
-                                   user_clip=None if strata_clips else max_norm)
+    reference = Trainer(how, torch_adamw)
+    reference_losses = reference.train(range(STEPS), gas=gas, user_clip=max_norm)
+    strata = Trainer(how, offload_adamw(max_grad_norm=max_norm if strata_clips else 0.0,
+                                        **options))
+    losses = strata.train(range(STEPS), gas=gas, user_clip=None if strata_clips else max_norm)
     # The step reports the norm of the gradients it used: after the user's clip, if any.
-    expected = ref_norms if strata_clips else [min(n, max_norm) for n in ref_norms]
+    norms = reference.clip_norms
+    expected = norms if strata_clips else [min(n, max_norm) for n in norms]
     return {
         "scenario": name,
         "world": dist.get_world_size(),
-        "loss_difference": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        "parameter_difference": max((a - b).abs().max().item()
-                                    for a, b in zip(params, ref_params)),
-        "norm_difference": max(abs(a - b) / b for a, b in zip(norms, expected)),
-        "clipped_steps": sum(n > max_norm for n in ref_norms),
-        "first_loss": ref_losses[0],
-        "last_loss": ref_losses[-1],
+        "loss_difference": max(abs(a - b) for a, b in zip(losses, reference_losses)),
+        "parameter_difference": max((a - b).abs().max().item() for a, b in
+                                    zip(strata.parameters(), reference.parameters())),
+        "norm_difference": max(abs(a - b) / b for a, b in zip(strata.step_norms, expected)),
+        "clipped_steps": sum(n > max_norm for n in norms),
     }
+
+
+def checkpoint(args: argparse.Namespace) -> dict:
+    make = torch_adamw if args.optimizer == "torch" else offload_adamw(
+        offload=args.offload, nvme_path=args.nvme)
+    trainer = Trainer("fsdp2", make)
+    half = STEPS // 2
+    if args.save:
+        trainer.train(range(half))
+    # DCP's recipe: the state_dicts (the template a load fills in, resharded to this world).
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.opt)
+    state = {"model": model_state, "optimizer": optimizer_state,
+             "scheduler": trainer.scheduler.state_dict()}
+    if args.save:
+        dcp.save(state, checkpoint_id=args.save)
+    else:
+        dcp.load(state, checkpoint_id=args.load)
+        set_state_dict(trainer.model, trainer.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        trainer.scheduler.load_state_dict(state["scheduler"])
+    losses = trainer.train(range(half, STEPS))
+    return {"world": dist.get_world_size(), "losses": losses,
+            "parameters": [p.tolist() for p in trainer.parameters()]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--nvme", required=True, help="one directory for every rank")
-    parser.add_argument("--die", type=int, default=-1,
-                        help="this rank kills itself in the middle of the first scenario")
-    parser.add_argument("scenarios", nargs="+")
+    commands = parser.add_subparsers(dest="command", required=True)
+    compare_parser = commands.add_parser("compare")
+    compare_parser.add_argument("--nvme", required=True, help="one directory for every rank")
+    compare_parser.add_argument("--die", type=int, default=-1, help="this rank kills itself")
+    compare_parser.add_argument("scenarios", nargs="+")
+    checkpoint_parser = commands.add_parser("checkpoint")
+    checkpoint_parser.add_argument("--optimizer", choices=["strata", "torch"], required=True)
+    checkpoint_parser.add_argument("--offload", default="cpu")
+    checkpoint_parser.add_argument("--nvme")
+    where = checkpoint_parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--save")
+    where.add_argument("--load")
     args = parser.parse_args()
-    global DYING_RANK
-    DYING_RANK = args.die
+
     dist.init_process_group("gloo")
-    scenarios = {
-        "fsdp2-cpu-max_grad_norm": lambda: compare(
-            "fsdp2-cpu-max_grad_norm", "fsdp2", {"offload": "cpu"}),
-        "fsdp2-nvme-user-clip": lambda: compare(
-            "fsdp2-nvme-user-clip", "fsdp2", {"offload": "nvme", "nvme_path": args.nvme},
-            strata_clips=False),
-        "fsdp2-accumulate": lambda: compare(
-            "fsdp2-accumulate", "fsdp2", {"offload": "cpu"}, gas=2),
-        "ddp-cpu": lambda: compare("ddp-cpu", "ddp", {"offload": "cpu"}),
-    }
-    for name in args.scenarios:
-        result = scenarios[name]()
-        if dist.get_rank() == 0:
+    if args.command == "compare":
+        global DYING_RANK
+        DYING_RANK = args.die
+        scenarios = {
+            "fsdp2-cpu-max_grad_norm": lambda: compare(
+                "fsdp2-cpu-max_grad_norm", "fsdp2", {"offload": "cpu"}),
+            "fsdp2-nvme-user-clip": lambda: compare(
+                "fsdp2-nvme-user-clip", "fsdp2", {"offload": "nvme", "nvme_path": args.nvme},
+                strata_clips=False),
+            "fsdp2-accumulate": lambda: compare(
+                "fsdp2-accumulate", "fsdp2", {"offload": "cpu"}, gas=2),
+            "ddp-cpu": lambda: compare("ddp-cpu", "ddp", {"offload": "cpu"}),
+        }
+        results = [scenarios[name]() for name in args.scenarios]
+    else:
+        results = [checkpoint(args)]
+    if dist.get_rank() == 0:
+        for result in results:
             print(json.dumps(result), flush=True)
     dist.destroy_process_group()
     os._exit(0)  # Skips gloo's teardown races at interpreter exit.

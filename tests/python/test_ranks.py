@@ -1,11 +1,15 @@
 """strata.torch across ranks under torchrun (gloo, CPU tensors): OffloadAdamW on FSDP2's
 sharded parameters and under DDP trains as torch.optim.AdamW does, with 2 and 3 ranks
-(ranks_worker.py runs both and compares); a rank that dies takes the job down, named."""
+(ranks_worker.py runs both and compares); its torch.distributed.checkpoint checkpoints reshard
+to other world sizes and load into torch AdamW and back; a rank that dies takes the job down,
+named."""
 
 import json
 import subprocess
 import sys
 import time
+
+import torch
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,7 @@ def torchrun(ranks: int, *arguments: str, timeout: float = TIMEOUT) -> subproces
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_offload_adamw_across_ranks_matches_torch_adamw(ranks, tmp_path):
-    run = torchrun(ranks, "--nvme", str(tmp_path), *SCENARIOS)
+    run = torchrun(ranks, "compare", "--nvme", str(tmp_path), *SCENARIOS)
     assert run.returncode == 0, run.stdout + run.stderr
     results = {r["scenario"]: r for r in map(json.loads, run.stdout.splitlines())}
     assert sorted(results) == sorted(SCENARIOS)
@@ -43,8 +47,40 @@ def test_offload_adamw_across_ranks_matches_torch_adamw(ranks, tmp_path):
 
 def test_a_killed_rank_fails_the_job_naming_it(tmp_path):
     start = time.monotonic()
-    run = torchrun(2, "--nvme", str(tmp_path), "--die", "1", "fsdp2-nvme-user-clip")
+    run = torchrun(2, "compare", "--nvme", str(tmp_path), "--die", "1", "fsdp2-nvme-user-clip")
     assert run.returncode != 0
     # torchrun stops the surviving rank and names the one that died, and how.
     assert "rank      : 1" in run.stderr and "SIGKILL" in run.stderr, run.stderr
     assert time.monotonic() - start < TIMEOUT
+
+
+def checkpoint_run(ranks: int, optimizer: str, *arguments: str) -> dict:
+    """Steps 10 to 19 of a run that saved a DCP checkpoint at step 10 (--save) or loaded one."""
+    run = torchrun(ranks, "checkpoint", "--optimizer", optimizer, *arguments)
+    assert run.returncode == 0, run.stdout + run.stderr
+    [result] = map(json.loads, run.stdout.splitlines())
+    assert result["world"] == ranks
+    return result
+
+
+def assert_continues(run: dict, uninterrupted: dict) -> None:
+    assert run["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-5)
+    for a, b in zip(run["parameters"], uninterrupted["parameters"]):
+        assert torch.tensor(a).sub(torch.tensor(b)).abs().max() < 1e-4
+
+
+def test_a_dcp_checkpoint_reshards_and_loads_into_torch_adamw_and_back(tmp_path):
+    # Saved by 2 ranks with the states on NVMe, which then go on to step 20 uninterrupted.
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    strata_dir, torch_dir = str(tmp_path / "strata"), str(tmp_path / "torch")
+    strata = checkpoint_run(2, "strata", "--offload", "nvme", "--nvme", str(nvme),
+                            "--save", strata_dir)
+    torch_adamw = checkpoint_run(2, "torch", "--save", torch_dir)
+    assert_continues(strata, torch_adamw)
+    # Loaded by 1 and by 3 ranks (host memory), the run goes on as if never stopped.
+    for ranks in (1, 3):
+        assert_continues(checkpoint_run(ranks, "strata", "--load", strata_dir), strata)
+    # torch AdamW's checkpoint into OffloadAdamW, and OffloadAdamW's into torch AdamW.
+    assert_continues(checkpoint_run(2, "strata", "--load", torch_dir), torch_adamw)
+    assert_continues(checkpoint_run(3, "torch", "--load", strata_dir), strata)

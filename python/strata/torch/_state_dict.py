@@ -5,6 +5,8 @@ not fp32. The engine's states are read and written in one batch each."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,19 +21,10 @@ MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
 
 def pack(opt: OffloadOptimizer) -> dict[str, Any]:
-    """The state_dict, between steps."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    steps = opt._engine.step_count
-    if steps > 0:
-        names = dict(opt._state_names)
-        if opt._params[0].dtype != torch.float32:
-            names[MASTER] = "master"
-        wanted = [(i, kind) for i in range(len(opt._params)) if opt._trained[i]
-                  for kind in sorted(names)]
-        for (i, kind), values in zip(wanted, opt._read_states(wanted)):
-            entry = state.setdefault(i, {"step": torch.tensor(float(steps))})
-            # Sharded: a DTensor of the parameter's sharding, as torch AdamW keeps under FSDP2.
-            entry[names[kind]] = _sharded.as_parameter_state(values, opt._params[i])
+    """The state_dict, between steps. Every trained parameter has its states, from
+    construction on (zero moments at step 0, which torch AdamW's first step starts from too):
+    torch.distributed.checkpoint loads only what the target's state_dict lists."""
+    state = states(opt, [i for i in range(len(opt._params)) if opt._trained[i]])
     groups = []
     first = 0
     for g in opt.param_groups:
@@ -40,6 +33,61 @@ def pack(opt: OffloadOptimizer) -> dict[str, Any]:
         first += len(g["params"])
         groups.append(packed)
     return {"state": state, "param_groups": groups}
+
+
+def states(opt: OffloadOptimizer, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """Parameter index -> its step and states (named as torch names them), in one engine
+    read; a sharded parameter's as DTensors of its sharding, as torch AdamW keeps them under
+    FSDP2."""
+    names = dict(opt._state_names)
+    if opt._params[0].dtype != torch.float32:
+        names[MASTER] = "master"
+    steps = torch.tensor(float(opt._engine.step_count))
+    out: dict[int, dict[str, torch.Tensor]] = {i: {"step": steps.clone()} for i in indices}
+    wanted = [(i, kind) for i in indices for kind in sorted(names)]
+    for (i, kind), values in zip(wanted, opt._read_states(wanted)):
+        out[i][names[kind]] = _sharded.as_parameter_state(values, opt._params[i])
+    return out
+
+
+class StateView(Mapping):
+    """``optimizer.state`` as torch code reads it (torch.distributed.checkpoint's
+    get_state_dict, Lightning moving states to a device): each trained parameter -> its step
+    and states, read from the engine at each access. Copies: writing to them changes nothing
+    (load_state_dict writes). Non-empty from construction on, so get_state_dict does not take
+    the optimizer for a fresh torch one and run a step with zero gradients to create states."""
+
+    def __init__(self, opt: OffloadOptimizer) -> None:
+        self._opt = weakref.ref(opt)  # The optimizer holds its view: no cycle to delay close.
+
+    def _optimizer(self) -> OffloadOptimizer:
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError("the optimizer of this state view is gone")
+        return opt
+
+    def _index(self, p: Any) -> int | None:
+        opt = self._optimizer()
+        for i, q in enumerate(opt._params):
+            if q is p and opt._trained[i]:
+                return i
+        return None
+
+    def __getitem__(self, p: Any) -> dict[str, torch.Tensor]:
+        i = self._index(p)
+        if i is None:
+            raise KeyError("not a trained parameter of this optimizer")
+        return self._optimizer()._states_of([i])[i]
+
+    def __contains__(self, p: Any) -> bool:
+        return self._index(p) is not None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        opt = self._optimizer()
+        return iter([p for p, trained in zip(opt._params, opt._trained) if trained])
+
+    def __len__(self) -> int:
+        return sum(self._optimizer()._trained)
 
 
 def unpack(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
@@ -93,10 +141,12 @@ def unpack(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
                 writes.append((i, kind, torch.zeros(_sharded.local(p).numel()), name))
         if "step" in entry:
             steps = max(steps, int(float(entry["step"])))
-    # Every entry is checked before anything is written; then values the model loaded in
-    # place become the masters, then the saved states go in.
+    # Every entry is checked before anything is written; then the values the model loaded
+    # become the masters, then the saved states go in. Every parameter is compared, not only
+    # those whose version counter moved: torch.distributed.checkpoint's load writes into the
+    # parameters without moving it.
     batch = opt._state_batch(writes)
-    opt._adopt_parameter_changes()
+    opt._adopt_parameter_changes(everything=True)
     opt._write_state_batch(batch)
     with opt._on_device():
         opt._engine.set_step_count(steps)

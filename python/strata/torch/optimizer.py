@@ -214,6 +214,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # _hand_over_the_rest), kept until written.
         self._restore_pending: list[tuple[int, int, torch.Tensor]] = []
         self._reset_step()
+        # torch's per-parameter state, read from the engine (torch.optim's own dict is unused).
+        self.state = _state_dict.StateView(self)
         self._constructed = True
 
     # ----------------------------------------------------------------- torch.optim interface
@@ -321,6 +323,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_between_steps("state_dict()")
         self._restore_untouched()
         return _state_dict.pack(self)
+
+    def _states_of(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        """``self.state[p]``'s read (_state_dict.StateView), checked as state_dict() is."""
+        self._check_open("optimizer.state")
+        self._check_between_steps("optimizer.state")
+        self._restore_untouched()
+        return _state_dict.states(self, indices)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this optimizer or of the matching torch optimizer (AdamW's into
