@@ -125,6 +125,15 @@ def compare(name: str, how: str, options: dict, *, gas: int = 1, strata_clips: b
     losses = strata.train(range(STEPS), gas=gas, user_clip=None if strata_clips else max_norm)
     # The step reports the norm of the gradients it used: after the user's clip, if any.
     norms = reference.clip_norms
+    # The states, as state_dict() gives them (gathered from every rank's part), against torch's.
+    states, reference_states = strata.opt.state_dict()["state"], reference.opt.state_dict()["state"]
+    assert sorted(states) == sorted(reference_states)
+    state_difference = max(
+        (full(states[i][k]) - full(reference_states[i][k])).abs().max().item()
+        / full(reference_states[i][k]).abs().max().clamp_min(1e-30).item()
+        for i in states for k in ("exp_avg", "exp_avg_sq"))
+    # The elements this rank's engine holds, against the model's.
+    held = sum(strata.opt._engine_numel) / sum(p.numel() for p in strata.opt._params)
     expected = norms if strata_clips else [min(n, max_norm) for n in norms]
     return {
         "scenario": name,
@@ -134,6 +143,8 @@ def compare(name: str, how: str, options: dict, *, gas: int = 1, strata_clips: b
                                     zip(strata.parameters(), reference.parameters())),
         "norm_difference": max(abs(a - b) / b for a, b in zip(strata.step_norms, expected)),
         "clipped_steps": sum(n > max_norm for n in norms),
+        "state_difference": state_difference,
+        "held_fraction": held,
     }
 
 
@@ -189,6 +200,12 @@ def main() -> None:
             "fsdp2-accumulate": lambda: compare(
                 "fsdp2-accumulate", "fsdp2", {"offload": "cpu"}, gas=2),
             "ddp-cpu": lambda: compare("ddp-cpu", "ddp", {"offload": "cpu"}),
+            "ddp-shard_states-nvme": lambda: compare(
+                "ddp-shard_states-nvme", "ddp",
+                {"offload": "nvme", "nvme_path": args.nvme, "shard_states": True}),
+            "ddp-shard_states-user-clip": lambda: compare(
+                "ddp-shard_states-user-clip", "ddp", {"offload": "cpu", "shard_states": True},
+                strata_clips=False),
         }
         results = [scenarios[name]() for name in args.scenarios]
     else:

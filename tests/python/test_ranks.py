@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-SCENARIOS = ["fsdp2-cpu-max_grad_norm", "fsdp2-nvme-user-clip", "fsdp2-accumulate", "ddp-cpu"]
+SCENARIOS = ["fsdp2-cpu-max_grad_norm", "fsdp2-nvme-user-clip", "fsdp2-accumulate", "ddp-cpu",
+             "ddp-shard_states-nvme", "ddp-shard_states-user-clip"]
 # torchrun's own start and 3 ranks importing torch on a loaded 2-core machine, then 8 runs of 20
 # steps each.
 TIMEOUT = 900
@@ -41,6 +42,13 @@ def test_offload_adamw_across_ranks_matches_torch_adamw(ranks, tmp_path):
         # The step's norm is the global one (every rank's gradients), as torch's clip computes.
         assert r["norm_difference"] < 1e-5, name
         assert 0 < r["clipped_steps"] < 20, f"{name}: both clipped and unclipped steps"
+        assert r["state_difference"] < 1e-4, name
+        # FSDP2 and shard_states: each rank's engine holds 1/N of the model (and a stand-in
+        # element for each empty part); DDP without shard_states, all of it.
+        if name == "ddp-cpu":
+            assert r["held_fraction"] == 1.0
+        else:
+            assert r["held_fraction"] < 1 / ranks + 0.02, name
     # Every rank updates its shards on NVMe, in the one directory they share, and leaves it clean.
     assert list(tmp_path.iterdir()) == []
 
@@ -84,3 +92,11 @@ def test_a_dcp_checkpoint_reshards_and_loads_into_torch_adamw_and_back(tmp_path)
     # torch AdamW's checkpoint into OffloadAdamW, and OffloadAdamW's into torch AdamW.
     assert_continues(checkpoint_run(2, "strata", "--load", torch_dir), torch_adamw)
     assert_continues(checkpoint_run(3, "torch", "--load", strata_dir), strata)
+
+
+def test_shard_states_without_a_process_group_says_what_to_do():
+    import strata.torch as st
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="init_process_group"):
+        st.OffloadAdamW(model.parameters(), shard_states=True)

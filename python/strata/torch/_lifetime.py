@@ -59,7 +59,7 @@ def detach(refs: list[weakref.ref], hooks: list[Any], storages: set[int]) -> Non
     with torch.no_grad():
         for ref in refs:
             p = ref()
-            if p is None or _sharded.is_sharded(p):
+            if p is None or _sharded.is_dtensor(p):
                 continue  # FSDP2's sharded parameters never view a chunk (_sharded.py).
             if p.untyped_storage().data_ptr() in storages:
                 p.data = p.data.clone()

@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strata.torch import _sharded
-
 if TYPE_CHECKING:
     from strata.torch.optimizer import OffloadOptimizer
 
@@ -36,17 +34,17 @@ def pack(opt: OffloadOptimizer) -> dict[str, Any]:
 
 
 def states(opt: OffloadOptimizer, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """Parameter index -> its step and states (named as torch names them), in one engine
-    read; a sharded parameter's as DTensors of its sharding, as torch AdamW keeps them under
-    FSDP2."""
+    """Parameter index -> its step and states (named as torch names them), one engine read
+    per kind; as the layout gives them (_sharded.py: whole, or DTensors under FSDP2)."""
     names = dict(opt._state_names)
     if opt._params[0].dtype != torch.float32:
         names[MASTER] = "master"
     steps = torch.tensor(float(opt._engine.step_count))
     out: dict[int, dict[str, torch.Tensor]] = {i: {"step": steps.clone()} for i in indices}
-    wanted = [(i, kind) for i in indices for kind in sorted(names)]
-    for (i, kind), values in zip(wanted, opt._read_states(wanted)):
-        out[i][names[kind]] = _sharded.as_parameter_state(values, opt._params[i])
+    for kind in sorted(names):
+        read = opt._read_states([(i, kind) for i in indices])
+        for i, state in zip(indices, opt._layout.states(indices, read)):
+            out[i][names[kind]] = state
     return out
 
 
@@ -138,7 +136,7 @@ def unpack(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
             if name in entry:
                 writes.append((i, kind, entry[name], name))
             elif kind != MASTER:
-                writes.append((i, kind, torch.zeros(_sharded.local(p).numel()), name))
+                writes.append((i, kind, torch.zeros(opt._layout.state_numel(i)), name))
         if "step" in entry:
             steps = max(steps, int(float(entry["step"])))
     # Every entry is checked before anything is written; then the values the model loaded

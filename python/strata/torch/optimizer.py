@@ -93,6 +93,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         loss_scale: float | str = "dynamic",
         speculative_updates: bool | None = None,
         overlap: bool = True,
+        shard_states: bool = False,
         config: dict[str, Any] | None = None,
     ) -> None:
         if gradient_accumulation_steps != "auto" and (
@@ -126,9 +127,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_parameters()
         self._device = self._params[0].device
-        # FSDP2's parameters: each rank's engine mirrors and updates its local shards, and the
-        # gradient norm is taken over every rank at step() (_sharded.py).
-        self._sharded = _sharded.is_sharded(self._params[0])
+        # Which part of each parameter this rank's engine holds (_sharded.py): all of it, its
+        # FSDP2 shard, or with shard_states its 1/N slice.
+        self._layout = _sharded.layout(self._params, shard_states)
         # The engine reads the gradients again at step() and redoes what changed (CPU tensors,
         # _options.rechecks_gradients): whatever the trainer did to them between backward and
         # step(), the step uses them as they are then. torch.amp.GradScaler then unscales the
@@ -141,8 +142,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._closed: str | None = None  # Why this optimizer no longer drives its parameters.
 
         if chunk_size == "auto":
-            chunk_size = auto_chunk_bytes(sum(_sharded.local(p).numel() * p.element_size()
-                                              for p in self._params))
+            chunk_size = auto_chunk_bytes(sum(self._layout.local(i, p).numel() * p.element_size()
+                                              for i, p in enumerate(self._params)))
         options = engine_options(
             type(self).__name__, self.param_groups[0],
             max(float(g["lr"]) for g in self.param_groups),
@@ -151,13 +152,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             nvme_path=nvme_path, offload_ratio=offload_ratio, chunk_size=chunk_size,
             host_memory=host_memory, cpu_threads=cpu_threads, loss_scale=loss_scale,
             speculative_updates=speculative_updates,
-            # Sharded, the engine sees one rank's gradients: step() clips on the global norm.
-            max_grad_norm=0.0 if self._sharded else self.max_grad_norm,
+            # Mirrored, the engine sees one rank's part: step() clips on the whole norm.
+            max_grad_norm=0.0 if self._layout.mirrors else self.max_grad_norm,
             config=config)
         registered = []
         for i, p in enumerate(self._params):
             group = self.param_groups[self._group_of[i]]
-            registered.append((f"param.{i}", _sharded.engine_shape(p), _flat_fp32(p).numpy(),
+            registered.append((f"param.{i}", self._layout.engine_shape(i),
+                               _flat_fp32(self._layout.local(i, p)).numpy(),
                                float(group["weight_decay"]),
                                self._lr_scales[self._group_of[i]], not p.requires_grad))
         # A live optimizer on these parameters gives them up to this one (`opt = ...` again).
@@ -190,10 +192,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             chunk, offset, numel = self._engine.location(i)
             self._chunk_of.append(chunk)
             self._engine_numel.append(numel)
-            mine = _sharded.local(p)
+            mine = self._layout.local(i, p)
             self._param_views.append(
                 self._chunk_params[chunk][offset : offset + mine.numel()].view(mine.shape))
-            if not self._sharded:  # FSDP2 keeps its shards' memory: the chunk mirrors them.
+            if not self._layout.mirrors:  # Mirrored, the chunk copies the parameter's part.
                 p.data = self._param_views[i]
             if p.requires_grad:
                 self._grad_views.append(
@@ -270,10 +272,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         modified = None
         if not self._retry_pending:
             self._check_backward_count()
-            if self._sharded:
-                trained = [p for p, t in zip(self._params, self._trained) if t]
-                self._this_step.grad_norm = _sharded.global_grad_norm(trained,
-                                                                      self.max_grad_norm)
+            if self._layout.mirrors:
+                trained = [i for i, t in enumerate(self._trained) if t]
+                self._this_step.grad_norm = self._layout.grad_norm(trained, self.max_grad_norm)
             if self._rechecks:
                 self._sync_handed_gradients()
             else:
@@ -298,8 +299,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._learn_rhythm()
                 self._reset_step()
         self._restore_untouched()
-        if self._sharded:
-            self._publish_shards()
+        if self._layout.mirrors:
+            self._publish_parts()
             report["grad_norm"] = grad_norm
         self._last_report = report
         if report["skipped"]:
@@ -429,12 +430,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
             if p.is_sparse:
                 raise ValueError(f"{name} is sparse; dense parameters only")
-            if _sharded.is_sharded(p) != _sharded.is_sharded(first):
+            if _sharded.is_dtensor(p) != _sharded.is_dtensor(first):
                 raise ValueError(
-                    f"{name} is {'' if _sharded.is_sharded(p) else 'not '}a DTensor but "
-                    f"parameter 0 is {'' if _sharded.is_sharded(first) else 'not'}: shard the "
+                    f"{name} is {'' if _sharded.is_dtensor(p) else 'not '}a DTensor but "
+                    f"parameter 0 is {'' if _sharded.is_dtensor(first) else 'not'}: shard the "
                     "whole model with fully_shard (FSDP2), or none of it")
-            if _sharded.is_sharded(p) and p.device.type != "cpu":
+            if _sharded.is_dtensor(p) and p.device.type != "cpu":
                 raise NotImplementedError(
                     f"{name} is sharded by FSDP2 on {p.device}: strata.torch with FSDP2 runs on "
                     "CPU tensors (the gloo backend) so far; on GPUs it is not built yet")
@@ -665,9 +666,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             view.zero_()
-        elif self._sharded:
-            # FSDP2 owns the sharded gradient (it accumulates into it): the chunk gets a copy.
-            view.copy_(_sharded.local(grad))
+        elif self._layout.mirrors:
+            # The gradient is FSDP2's or DDP's (they accumulate into it): the chunk gets a copy.
+            view.copy_(self._layout.local(i, grad))
             self._this_step.placed_gradient[i] = grad
         else:
             if grad.data_ptr() != view.data_ptr():
@@ -681,7 +682,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Whether parameter i's ``.grad`` is still the gradient _place_gradient placed (not
         set to None or replaced since): its chunk's buffer, or, sharded, the same tensor."""
         grad = self._params[i].grad
-        if self._sharded:
+        if self._layout.mirrors:
             return grad is not None and grad is self._this_step.placed_gradient.get(i)
         return grad is self._grad_views[i]
 
@@ -765,10 +766,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         changed = {}
         versions = self._versions()
         for i, p in enumerate(self._params):
-            # A sharded parameter's memory is FSDP2's: only its values can change.
-            replaced = not self._sharded and p.data_ptr() != self._param_views[i].data_ptr()
+            # A mirrored parameter's memory is not the chunk's: only its values can change.
+            replaced = not self._layout.mirrors and (
+                p.data_ptr() != self._param_views[i].data_ptr())
             if everything or replaced or versions[i] != self._param_versions[i]:
-                changed[i] = (_flat_fp32(p, copy=True), replaced)
+                changed[i] = (_flat_fp32(self._layout.local(i, p), copy=True), replaced)
         # Every new value is read before any is written: writing one master rewrites the working
         # values of its whole chunk from the masters, undoing the others' in-place changes.
         if changed and self._params[0].dtype != torch.float32:
@@ -785,16 +787,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._param_versions = self._versions()
 
     def _versions(self) -> list[int]:
-        """Each parameter's version counter (its local shard's, sharded): what finds writes to
-        it."""
-        return [_sharded.local(p)._version for p in self._params]
+        """Each parameter's version counter (its part's, mirrored): what finds writes to it."""
+        return [self._layout.local(i, p)._version for i, p in enumerate(self._params)]
 
-    def _publish_shards(self) -> None:
-        """Sharded: the chunks' values (the step's update, a loaded master) into FSDP2's local
-        shards, which the engine only mirrors."""
-        with torch.no_grad():
-            for p, view in zip(self._params, self._param_views):
-                _sharded.local(p).copy_(view)
+    def _publish_parts(self, local_only: bool = False) -> None:
+        """Mirrored: the chunks' values (the step's update, a loaded master) into the
+        parameters' parts, and with StateShards (not `local_only`) all-gathered across ranks."""
+        if local_only:
+            self._layout.publish_local(self._param_views)
+        else:
+            self._layout.publish(self._param_views)
         self._param_versions = self._versions()
 
     def _refuse_cast_or_moved(self) -> None:
@@ -832,7 +834,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         batch = []
         for i, kind, values, what in writes:
             try:
-                tensor = _sharded.local_state(values, self._params[i], self._engine_numel[i])
+                tensor = self._layout.local_state(i, values, self._engine_numel[i])
             except ValueError as e:
                 raise ValueError(f"{what} of parameter {i} {e}") from None
             batch.append((i, kind, tensor.numpy()))
@@ -842,8 +844,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if batch:
             with self._on_device():
                 self._engine.write_states(batch)
-            if self._sharded and any(kind == MASTER for _, kind, _ in batch):
-                self._publish_shards()  # Masters rewrite the chunks' working values.
+            if self._layout.mirrors and any(kind == MASTER for _, kind, _ in batch):
+                # Masters rewrite the chunks' working values. Every rank's part only: a write
+                # need not happen on every rank (a parameter loaded on one), so no collective.
+                self._publish_parts(local_only=True)
 
     def _check_between_steps(self, what: str) -> None:
         if self._this_step.open:
@@ -884,10 +888,9 @@ class _GradHook:
             optimizer._on_gradient(self._index)
 
 
-def _flat_fp32(p: torch.Tensor, copy: bool = False) -> torch.Tensor:
-    """A parameter's values (its local shard's, sharded) as a flat, contiguous fp32 host
-    tensor of the engine's numel: an empty shard's stand-in is one zero."""
-    mine = _sharded.local(p).detach()
-    if mine.numel() == 0:
+def _flat_fp32(part: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """A parameter's part (Layout.local) as a flat, contiguous fp32 host tensor of the
+    engine's numel: an empty part's stand-in is one zero."""
+    if part.numel() == 0:
         return torch.zeros(1)
-    return mine.reshape(-1).to("cpu", torch.float32, copy=copy).contiguous()
+    return part.detach().reshape(-1).to("cpu", torch.float32, copy=copy).contiguous()

@@ -31,8 +31,10 @@ class OffloadAdamW(OffloadOptimizer):
     ``gradient_accumulation_steps`` (backward passes per step; "auto" follows the trainer),
     ``chunk_size`` (bytes of working parameters per chunk: the unit of overlap; "auto"),
     ``host_memory`` (budget; default 80% of RAM),
-    ``cpu_threads``, ``loss_scale`` (fp16: "dynamic" or a fixed scale), ``speculative_updates``
-    and ``config`` (a Strata-format config fragment merged over the rest).
+    ``cpu_threads``, ``loss_scale`` (fp16: "dynamic" or a fixed scale), ``speculative_updates``,
+    ``shard_states`` (ZeRO stage 1 under DDP: each rank holds and updates 1/N of the states)
+    and ``config`` (a Strata-format config fragment merged over the rest). On FSDP2's sharded
+    parameters each rank holds its shards' states by itself.
     """
 
     _engine_type = "adamw"
