@@ -190,6 +190,9 @@ class StateShards(_Mirrored):
         return _flat(t)[start:end]
 
     def publish(self, views: list[torch.Tensor]) -> None:
+        if self._world == 1:
+            self.publish_local(views)
+            return
         with torch.no_grad():
             self._gather(list(range(len(self._params))), [v.reshape(-1) for v in views],
                          [_flat(p) for p in self._params])
@@ -220,7 +223,8 @@ class StateShards(_Mirrored):
         dtype = whole[0].dtype
         sizes = [sum(self._len(r, i) for i in indices) for r in range(self._world)]
         longest = max(sizes)
-        send = torch.zeros(longest, dtype=dtype)
+        send = torch.empty(longest, dtype=dtype)
+        send[sizes[self._rank]:].zero_()
         if mine:
             torch.cat([m.to(dtype) for m in mine], out=send[: sizes[self._rank]])
         received = torch.empty(self._world * longest, dtype=dtype)
@@ -239,6 +243,10 @@ def layout(params: list[torch.Tensor], shard_states: bool) -> Layout:
     if is_dtensor(params[0]):
         return Fsdp2Shards(params)
     if shard_states:
+        if params[0].device.type != "cpu":
+            raise NotImplementedError(
+                "shard_states=True runs on CPU tensors (the gloo backend) so far; on GPUs it is "
+                "not built yet")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "shard_states=True shards the optimizer states across the ranks of the default "

@@ -7,6 +7,9 @@ How it works, in the terms of engine.h's trainer contract:
   a view into its chunk's device memory (as FSDP's FlatParameter does), which stays put for the
   engine's life: the model, its hooks and ``model.state_dict()`` keep working on the same
   ``Parameter`` objects. When the optimizer goes, they get memory of their own (_lifetime.py).
+  Across ranks the engine may hold only a part of each parameter (_sharded.py: an FSDP2 shard,
+  or a 1/N slice with ``shard_states``); such parts are mirrored instead: copied into the chunk
+  with their gradients, and back (all-gathered, for slices) after the step.
 * A post-accumulate-grad hook on every trained parameter counts backward passes. On the last
   micro-step of a step (``gradient_accumulation_steps``, or with "auto" the most backward passes
   a step has had so far; the first step, which has no such count yet, hands everything over in
