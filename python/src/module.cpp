@@ -45,6 +45,7 @@
 #include "strata/core/status.h"
 #include "strata/cpu_adam/adam_benchmark.h"
 #include "strata/offload/engine.h"
+#include "strata/offload/ranks.h"
 
 namespace nb = nanobind;
 
@@ -366,6 +367,22 @@ NB_MODULE(_strata, m) {
   m.def(
       "parse_bytes", [](const std::string& text) { return Check(ParseBytes(text)); },
       "Bytes in '64MiB', '1.5GiB', '1e9' (what config sizes accept).");
+
+  m.def(
+      "detect_ranks",
+      [] {
+        const offload::RankInfo r = Check(offload::DetectRanks());
+        nb::dict out;
+        out["rank"] = r.rank;
+        out["size"] = r.size;
+        out["local_rank"] = r.local_rank;
+        out["local_size"] = r.local_size;
+        out["launcher"] = r.launcher;
+        return out;
+      },
+      "This process's data-parallel rank, world size and place on its node, read from the "
+      "environment its launcher set (torchrun, mpirun, srun, PMIx; offload/ranks.h), and the "
+      "launcher's name ('none' for a lone process). ValueError naming a malformed variable.");
 
   m.def(
       "bench_adam",

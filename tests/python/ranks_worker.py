@@ -187,7 +187,8 @@ def main() -> None:
     where.add_argument("--load")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    # torchrun's or mpirun's ranks alike (test_ranks.py runs both).
+    st.init_process_group("gloo")
     if args.command == "compare":
         global DYING_RANK
         DYING_RANK = args.die

@@ -1,10 +1,14 @@
 """strata.torch across ranks under torchrun (gloo, CPU tensors): OffloadAdamW on FSDP2's
 sharded parameters and under DDP trains as torch.optim.AdamW does, with 2 and 3 ranks
 (ranks_worker.py runs both and compares); its torch.distributed.checkpoint checkpoints reshard
-to other world sizes and load into torch AdamW and back; a rank that dies takes the job down,
-named."""
+to other world sizes and load into torch AdamW and back; the same script runs as two torchrun
+"nodes" meeting at a rendezvous and under mpirun (strata.torch.init_process_group); a rank that
+dies takes the job down, named."""
 
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -100,3 +104,45 @@ def test_shard_states_without_a_process_group_says_what_to_do():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="init_process_group"):
         st.OffloadAdamW(model.parameters(), shard_states=True)
+
+
+def test_two_nodes_meet_at_a_torchrun_rendezvous(tmp_path):
+    # Two torchrun agents, one rank each, as on two nodes: the c10d rendezvous on a free port.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=strata",
+               str(HERE / "ranks_worker.py"), "compare", "--nvme", str(tmp_path),
+               "fsdp2-cpu-max_grad_norm"]
+    nodes = [subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=TIMEOUT) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    [result] = [json.loads(line) for out, _ in outputs for line in out.splitlines()]
+    assert result["world"] == 2 and result["parameter_difference"] < 1e-4
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun")
+def test_mpirun_ranks_find_each_other(tmp_path):
+    # strata.torch.init_process_group reads Open MPI's variables and meets on this node.
+    run = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
+         str(HERE / "ranks_worker.py"), "compare", "--nvme", str(tmp_path),
+         "ddp-shard_states-user-clip"],
+        cwd=HERE, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    [result] = map(json.loads, run.stdout.splitlines())
+    assert result["world"] == 2 and result["parameter_difference"] < 1e-4
+
+
+def test_a_lone_process_gets_a_group_of_one(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", "import strata.torch as st, torch.distributed as dist; "
+         "place = st.init_process_group(); print(place['launcher'], dist.get_world_size())"],
+        capture_output=True, text=True, timeout=TIMEOUT,
+        env={k: v for k, v in os.environ.items()
+             if not k.startswith(("OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_"))
+             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["none", "1"]

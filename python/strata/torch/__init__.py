@@ -8,6 +8,7 @@ backward: change one line of a training loop.
 See docs/python.md for what each option does and how it maps to DeepSpeed's config.
 """
 
+from strata.torch._launch import init_process_group
 from strata.torch.optimizer import OffloadOptimizer
 from strata.torch.rules import (
     OffloadAdagrad,
@@ -16,4 +17,5 @@ from strata.torch.rules import (
     OffloadLion,
 )
 
-__all__ = ["OffloadAdamW", "OffloadAdam", "OffloadAdagrad", "OffloadLion", "OffloadOptimizer"]
+__all__ = ["OffloadAdamW", "OffloadAdam", "OffloadAdagrad", "OffloadLion", "OffloadOptimizer",
+           "init_process_group"]
