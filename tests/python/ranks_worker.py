@@ -6,11 +6,14 @@ the ranks split between them, so that a run's losses do not depend on the number
                         prints one JSON line per scenario: how far the runs are apart.
   checkpoint            10 steps then a torch.distributed.checkpoint (DCP) save (--save), or a
                         DCP load (--load); then steps 10 to 19. Rank 0 prints their losses.
+  save-on-rank-0        shard_states' state_dict() as a trainer that saves on rank 0 only
+                        calls it; rank 0 prints what happened.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -126,6 +129,7 @@ def compare(name: str, how: str, options: dict, *, gas: int = 1, strata_clips: b
     # The step reports the norm of the gradients it used: after the user's clip, if any.
     norms = reference.clip_norms
     # The states, as state_dict() gives them (gathered from every rank's part), against torch's.
+    strata.opt.consolidate_state_dict(to=None)  # shard_states: every rank gathers them.
     states, reference_states = strata.opt.state_dict()["state"], reference.opt.state_dict()["state"]
     assert sorted(states) == sorted(reference_states)
     state_difference = max(
@@ -171,6 +175,37 @@ def checkpoint(args: argparse.Namespace) -> dict:
             "parameters": [p.tolist() for p in trainer.parameters()]}
 
 
+def save_on_rank_0() -> dict:
+    """DDP + shard_states, 2 steps, then what a trainer saving on rank 0 only meets."""
+    trainer = Trainer("ddp", offload_adamw(shard_states=True))
+    trainer.train(range(2))
+    opt, rank = trainer.opt, dist.get_rank()
+    out = {}
+    if rank == 0:
+        # optimizer.state is this rank's slices: reading it on one rank takes no collective.
+        first = next(iter(opt.state))
+        out["local_state_elements"] = opt.state[first]["exp_avg"].numel()
+        out["parameter_elements"] = first.numel()
+        out["states_read_by_items"] = len(opt.state.items())
+        try:
+            opt.state_dict()
+        except RuntimeError as e:
+            out["unconsolidated"] = str(e)
+    dist.barrier()  # A collective on rank 0 alone above would have hung or failed here.
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        saved = opt.state_dict()
+        # Whole states in torch AdamW's format: they load into it.
+        torch_adamw(training.make_model(KIND)).load_state_dict(saved)
+        out["whole_state_elements"] = saved["state"][0]["exp_avg"].numel()
+    else:
+        try:
+            opt.state_dict()
+        except RuntimeError:
+            out["other_rank_refused"] = True
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +213,7 @@ def main() -> None:
     compare_parser.add_argument("--nvme", required=True, help="one directory for every rank")
     compare_parser.add_argument("--die", type=int, default=-1, help="this rank kills itself")
     compare_parser.add_argument("scenarios", nargs="+")
+    commands.add_parser("save-on-rank-0")
     checkpoint_parser = commands.add_parser("checkpoint")
     checkpoint_parser.add_argument("--optimizer", choices=["strata", "torch"], required=True)
     checkpoint_parser.add_argument("--offload", default="cpu")
@@ -188,7 +224,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # torchrun's or mpirun's ranks alike (test_ranks.py runs both).
-    st.init_process_group("gloo")
+    st.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     if args.command == "compare":
         global DYING_RANK
         DYING_RANK = args.die
@@ -209,6 +245,8 @@ def main() -> None:
                 strata_clips=False),
         }
         results = [scenarios[name]() for name in args.scenarios]
+    elif args.command == "save-on-rank-0":
+        results = [save_on_rank_0()]
     else:
         results = [checkpoint(args)]
     if dist.get_rank() == 0:

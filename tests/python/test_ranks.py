@@ -136,13 +136,62 @@ def test_mpirun_ranks_find_each_other(tmp_path):
     assert result["world"] == 2 and result["parameter_difference"] < 1e-4
 
 
+def lone_environment() -> dict:
+    """This environment without any launcher's variables: a process started by hand."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+
+
 def test_a_lone_process_gets_a_group_of_one(tmp_path):
     run = subprocess.run(
         [sys.executable, "-c", "import strata.torch as st, torch.distributed as dist; "
          "place = st.init_process_group(); print(place['launcher'], dist.get_world_size())"],
-        capture_output=True, text=True, timeout=TIMEOUT,
-        env={k: v for k, v in os.environ.items()
-             if not k.startswith(("OMPI_", "PMIX_", "SLURM_", "TORCHELASTIC_"))
-             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")})
+        capture_output=True, text=True, timeout=TIMEOUT, env=lone_environment())
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["none", "1"]
+
+
+def test_shard_states_saved_on_rank_0_only_says_to_consolidate():
+    # The HF Trainer under DDP calls state_dict() on rank 0 alone: no hang, a clear error, and
+    # consolidate_state_dict() on every rank first gives rank 0 whole states for torch AdamW.
+    run = torchrun(2, "save-on-rank-0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    [result] = map(json.loads, run.stdout.splitlines())
+    assert result["local_state_elements"] == result["parameter_elements"] // 2
+    assert result["states_read_by_items"] > 0
+    assert "consolidate_state_dict" in result["unconsolidated"]
+    assert result["whole_state_elements"] == result["parameter_elements"]
+
+
+LONE_RANK = """
+import torch, strata.torch as st
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+st.init_process_group()
+outcomes = []
+def attempt(build):
+    try:
+        build()
+        outcomes.append("built")
+    except NotImplementedError as e:
+        outcomes.append("fp16" if "fp16" in str(e) else str(e))
+half = torch.nn.Linear(8, 8).half()
+attempt(lambda: st.OffloadAdamW(half.parameters(), shard_states=True))
+sharded = fully_shard(torch.nn.Linear(8, 8).half(), mesh=init_device_mesh("cpu", (1,)))
+attempt(lambda: st.OffloadAdamW(sharded.parameters()))
+# Every parameter frozen but one that never gets a gradient: state_dict still works.
+frozen = torch.nn.Linear(8, 8)
+frozen.weight.requires_grad_(False)
+opt = st.OffloadAdamW(frozen.parameters(), shard_states=True)
+opt.consolidate_state_dict()
+outcomes.append(len(opt.state_dict()["state"]))
+print(outcomes)
+"""
+
+
+def test_fp16_across_ranks_is_refused_and_a_frozen_model_consolidates():
+    run = subprocess.run([sys.executable, "-c", LONE_RANK], capture_output=True, text=True,
+                         timeout=TIMEOUT, env=lone_environment())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "['fp16', 'fp16', 1]"

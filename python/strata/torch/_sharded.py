@@ -11,8 +11,10 @@ parts come back together.
   ``torch.distributed.checkpoint`` reshards them.
 - ``StateShards`` (``shard_states=True``, ZeRO stage 1): whole parameters and gradients on every
   rank (DDP averages the gradients), but each rank's engine holds and updates 1/N of each
-  parameter (a flat slice), mirrored as above; after the step the slices are all-gathered into
-  every rank's parameters. ``state_dict()`` gathers whole states, in torch AdamW's format.
+  parameter (a flat slice), mirrored as above; after the step the trained slices are
+  all-gathered into every rank's parameters. ``optimizer.state`` shows this rank's slices;
+  whole states, in torch AdamW's format, come from ``consolidate_state_dict()`` on every rank
+  (as torch's ZeroRedundancyOptimizer's), after which ``state_dict()`` returns them.
 
 Mirrored layouts take the gradient norm for ``max_grad_norm`` themselves (the engine sees one
 rank's part of the gradients). Collectives go through the process group the trainer
@@ -51,6 +53,8 @@ class Layout:
     """Whole: the identity. Subclasses mirror (``mirrors``)."""
 
     mirrors = False
+    # state_dict() needs consolidate_state_dict() first: no rank holds whole states.
+    consolidates = False
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._params = params
@@ -71,16 +75,17 @@ class Layout:
         None: the engine measures and clips."""
         return None
 
-    def publish(self, views: list[torch.Tensor]) -> None:
+    def publish(self, views: list[torch.Tensor], trained: list[int]) -> None:
         """Mirrored: the chunks' values (`views`, each parameter's part) into the parameters,
-        whole on every rank that holds them. Collective where the parts are gathered."""
+        whole on every rank that holds them; those of `trained` gathered across ranks where
+        parts are (a frozen parameter never changes). Collective then."""
 
     def publish_local(self, views: list[torch.Tensor]) -> None:
         """Mirrored: this rank's parts only, no collective (after masters were written)."""
 
     def states(self, indices: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """States read from the engine (flat, the engine's numel) as state_dict() gives them:
-        shaped as their parameter."""
+        """States read from the engine (flat, the engine's numel) as this rank holds them,
+        without a collective: shaped as their parameter (as its part, where it has one)."""
         return [self._shaped(i, v) for i, v in zip(indices, values)]
 
     def local_state(self, i: int, values: Any, engine_numel: int) -> torch.Tensor:
@@ -142,7 +147,7 @@ class Fsdp2Shards(_Mirrored):
     def local(self, i: int, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if is_dtensor(t) else t
 
-    def publish(self, views: list[torch.Tensor]) -> None:
+    def publish(self, views: list[torch.Tensor], trained: list[int]) -> None:
         self.publish_local(views)
 
     def publish_local(self, views: list[torch.Tensor]) -> None:
@@ -175,6 +180,8 @@ class StateShards(_Mirrored):
     """ZeRO stage 1 over the default process group: rank r holds elements [start, end) of
     every parameter, ceil(numel / world) of them (the last ranks fewer, or none)."""
 
+    consolidates = True
+
     def __init__(self, params: list[torch.Tensor]) -> None:
         super().__init__(params)
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
@@ -189,20 +196,22 @@ class StateShards(_Mirrored):
         start, end = self._ranges[self._rank][i]
         return _flat(t)[start:end]
 
-    def publish(self, views: list[torch.Tensor]) -> None:
+    def publish(self, views: list[torch.Tensor], trained: list[int]) -> None:
         if self._world == 1:
             self.publish_local(views)
             return
         with torch.no_grad():
-            self._gather(list(range(len(self._params))), [v.reshape(-1) for v in views],
-                         [_flat(p) for p in self._params])
+            self._gather(trained, [views[i].reshape(-1) for i in trained],
+                         [_flat(self._params[i]) for i in trained])
 
     def publish_local(self, views: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for i, view in enumerate(views):
                 self.local(i, self._params[i]).copy_(view.reshape(-1))
 
-    def states(self, indices: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    def whole_states(self, indices: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's slices of these states, whole and shaped as their parameters: a
+        collective (one all-gather per call)."""
         whole = [torch.empty(self._params[i].numel()) for i in indices]
         mine = [v[: self._len(self._rank, i)] for i, v in zip(indices, values)]
         self._gather(indices, mine, whole)
@@ -220,6 +229,8 @@ class StateShards(_Mirrored):
                 whole: list[torch.Tensor]) -> None:
         """Every rank's parts (`mine`: this rank's, flat, of parameters `indices`) into the
         flat tensors `whole`, in one all-gather of bytes (gloo gathers any dtype so)."""
+        if not indices:
+            return  # Every rank has the same (empty) list: no collective on any.
         dtype = whole[0].dtype
         sizes = [sum(self._len(r, i) for i in indices) for r in range(self._world)]
         longest = max(sizes)
@@ -240,13 +251,20 @@ class StateShards(_Mirrored):
 def layout(params: list[torch.Tensor], shard_states: bool) -> Layout:
     """The layout for `params`: FSDP2's when they are DTensors, StateShards with
     `shard_states` (which needs torch.distributed initialised), Whole otherwise."""
+    several = dist is not None and dist.is_available() and dist.is_initialized() and (
+        dist.get_world_size() > 1)
+    if params[0].device.type != "cpu" and (several or shard_states or is_dtensor(params[0])):
+        raise NotImplementedError(
+            "strata.torch across several ranks runs on CPU tensors (the gloo backend) so far; "
+            "on GPUs (FSDP2, DDP, shard_states) it is not built yet")
+    if (is_dtensor(params[0]) or shard_states) and params[0].dtype == torch.float16:
+        raise NotImplementedError(
+            "fp16 parameters with FSDP2 or shard_states are not built yet: each rank's engine "
+            "sees part of the gradients, so the loss scale's overflow check and the norm would "
+            "disagree across ranks; train in bf16 (or fp32)")
     if is_dtensor(params[0]):
         return Fsdp2Shards(params)
     if shard_states:
-        if params[0].device.type != "cpu":
-            raise NotImplementedError(
-                "shard_states=True runs on CPU tensors (the gloo backend) so far; on GPUs it is "
-                "not built yet")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "shard_states=True shards the optimizer states across the ranks of the default "

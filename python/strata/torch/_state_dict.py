@@ -6,7 +6,7 @@ not fp32. The engine's states are read and written in one batch each."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
 
-def pack(opt: OffloadOptimizer) -> dict[str, Any]:
+def pack(opt: OffloadOptimizer, whole: bool = False) -> dict[str, Any]:
     """The state_dict, between steps. Every trained parameter has its states, from
     construction on (zero moments at step 0, which torch AdamW's first step starts from too):
-    torch.distributed.checkpoint loads only what the target's state_dict lists."""
-    state = states(opt, [i for i in range(len(opt._params)) if opt._trained[i]])
+    torch.distributed.checkpoint loads only what the target's state_dict lists. `whole`:
+    gathered from every rank's parts where the layout slices them (a collective)."""
+    state = states(opt, [i for i in range(len(opt._params)) if opt._trained[i]], whole)
     groups = []
     first = 0
     for g in opt.param_groups:
@@ -33,9 +34,11 @@ def pack(opt: OffloadOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def states(opt: OffloadOptimizer, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+def states(opt: OffloadOptimizer, indices: list[int],
+           whole: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     """Parameter index -> its step and states (named as torch names them), one engine read
-    per kind; as the layout gives them (_sharded.py: whole, or DTensors under FSDP2)."""
+    per kind; as the layout gives them (_sharded.py: whole, DTensors under FSDP2, this rank's
+    slices with shard_states unless `whole`, which gathers them: a collective)."""
     names = dict(opt._state_names)
     if opt._params[0].dtype != torch.float32:
         names[MASTER] = "master"
@@ -43,7 +46,9 @@ def states(opt: OffloadOptimizer, indices: list[int]) -> dict[int, dict[str, tor
     out: dict[int, dict[str, torch.Tensor]] = {i: {"step": steps.clone()} for i in indices}
     for kind in sorted(names):
         read = opt._read_states([(i, kind) for i in indices])
-        for i, state in zip(indices, opt._layout.states(indices, read)):
+        shaped = (opt._layout.whole_states(indices, read) if whole
+                  else opt._layout.states(indices, read))
+        for i, state in zip(indices, shaped):
             out[i][names[kind]] = state
     return out
 
@@ -51,12 +56,15 @@ def states(opt: OffloadOptimizer, indices: list[int]) -> dict[int, dict[str, tor
 class StateView(Mapping):
     """``optimizer.state`` as torch code reads it (torch.distributed.checkpoint's
     get_state_dict, Lightning moving states to a device): each trained parameter -> its step
-    and states, read from the engine at each access. Copies: writing to them changes nothing
-    (load_state_dict writes). Non-empty from construction on, so get_state_dict does not take
+    and states, read from the engine at each access, as this rank holds them (with
+    shard_states, its slices: reading never takes a collective). Copies: writing to them
+    changes nothing (load_state_dict writes). Non-empty from construction on, so get_state_dict does not take
     the optimizer for a fresh torch one and run a step with zero gradients to create states."""
 
     def __init__(self, opt: OffloadOptimizer) -> None:
         self._opt = weakref.ref(opt)  # The optimizer holds its view: no cycle to delay close.
+        # id(parameter) -> its index, trained parameters only.
+        self._indices = {id(p): i for i, p in enumerate(opt._params) if opt._trained[i]}
 
     def _optimizer(self) -> OffloadOptimizer:
         opt = self._opt()
@@ -65,11 +73,8 @@ class StateView(Mapping):
         return opt
 
     def _index(self, p: Any) -> int | None:
-        opt = self._optimizer()
-        for i, q in enumerate(opt._params):
-            if q is p and opt._trained[i]:
-                return i
-        return None
+        i = self._indices.get(id(p))
+        return i if i is not None and self._optimizer()._params[i] is p else None
 
     def __getitem__(self, p: Any) -> dict[str, torch.Tensor]:
         i = self._index(p)
@@ -85,7 +90,17 @@ class StateView(Mapping):
         return iter([p for p, trained in zip(opt._params, opt._trained) if trained])
 
     def __len__(self) -> int:
-        return sum(self._optimizer()._trained)
+        return len(self._indices)
+
+    def items(self) -> ItemsView:
+        """Every parameter's states in one engine read per kind (Lightning iterates them)."""
+        opt = self._optimizer()
+        indices = sorted(self._indices.values())
+        read = opt._states_of(indices)
+        return {opt._params[i]: read[i] for i in indices}.items()
+
+    def values(self) -> ValuesView:
+        return dict(self.items()).values()
 
 
 def unpack(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:

@@ -221,6 +221,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._reset_step()
         # torch's per-parameter state, read from the engine (torch.optim's own dict is unused).
         self.state = _state_dict.StateView(self)
+        # shard_states: the whole states consolidate_state_dict() gathered, until the next step.
+        self._consolidated: dict[str, Any] | None = None
         self._constructed = True
 
     # ----------------------------------------------------------------- torch.optim interface
@@ -302,6 +304,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._learn_rhythm()
                 self._reset_step()
         self._restore_untouched()
+        self._consolidated = None
         if self._layout.mirrors:
             self._publish_parts()
             report["grad_norm"] = grad_norm
@@ -326,7 +329,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open("state_dict()")
         self._check_between_steps("state_dict()")
         self._restore_untouched()
+        if self._layout.consolidates:
+            if self._consolidated is None:
+                raise RuntimeError(
+                    "state_dict() with shard_states=True: each rank holds 1/N of the states, so "
+                    "call opt.consolidate_state_dict(to=0) on every rank first (a collective), "
+                    "then state_dict() on rank 0, as with torch's ZeroRedundancyOptimizer; "
+                    "its consolidation lasts until the next step")
+            return self._consolidated
         return _state_dict.pack(self)
+
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """shard_states=True: gathers every rank's slices of the states so that state_dict() on
+        rank `to` (every rank with None) returns them whole, in torch AdamW's format, until the
+        next step. A collective: every rank calls it. Without shard_states, nothing to do."""
+        self._check_open("consolidate_state_dict()")
+        self._check_between_steps("consolidate_state_dict()")
+        self._restore_untouched()
+        if not self._layout.consolidates:
+            return
+        import torch.distributed as dist
+
+        packed = _state_dict.pack(self, whole=True)
+        self._consolidated = packed if to is None or to == dist.get_rank() else None
 
     def _states_of(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         """``self.state[p]``'s read (_state_dict.StateView), checked as state_dict() is."""
@@ -438,10 +463,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"{name} is {'' if _sharded.is_dtensor(p) else 'not '}a DTensor but "
                     f"parameter 0 is {'' if _sharded.is_dtensor(first) else 'not'}: shard the "
                     "whole model with fully_shard (FSDP2), or none of it")
-            if _sharded.is_dtensor(p) and p.device.type != "cpu":
-                raise NotImplementedError(
-                    f"{name} is sharded by FSDP2 on {p.device}: strata.torch with FSDP2 runs on "
-                    "CPU tensors (the gloo backend) so far; on GPUs it is not built yet")
 
     def _fixed_hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
         """What the engine fixes at construction, per group."""
@@ -588,7 +609,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"gradient_accumulation_steps={gas}: call step() after every {gas} backward(), "
                 "or zero_grad() to discard the partial accumulation, or leave "
                 "gradient_accumulation_steps at its default, 'auto', which takes what comes "
-                "(the HF Trainer's short last window at an epoch's end)"
+                "(the HF Trainer's short last window at an epoch's end)" + (
+                    ". Under FSDP2 with set_requires_gradient_sync(False) the gradient hooks "
+                    "run once per step, after the reduce-scatter: leave it at 'auto' there"
+                    if _sharded.is_dtensor(self._params[0]) else "")
             )
 
     def _learn_rhythm(self) -> None:
@@ -799,7 +823,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if local_only:
             self._layout.publish_local(self._param_views)
         else:
-            self._layout.publish(self._param_views)
+            self._layout.publish(self._param_views,
+                                 [i for i, t in enumerate(self._trained) if t])
         self._param_versions = self._versions()
 
     def _refuse_cast_or_moved(self) -> None:
