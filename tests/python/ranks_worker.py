@@ -73,6 +73,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=STEPS)
         self.clip_norms: list[float] = []  # What the user's clip_grad_norm_ returned.
         self.step_norms: list[float] = []  # What strata's steps reported.
+        self.redone_steps = 0  # Steps whose updates made ahead were redone (changed gradients).
 
     def train(self, steps: range, *, gas: int = 1, user_clip: float | None = None) -> list[float]:
         """The steps' losses, averaged over ranks."""
@@ -91,6 +92,7 @@ class Trainer:
             self.opt.step()
             if isinstance(self.opt, st.OffloadOptimizer):
                 self.step_norms.append(self.opt.last_step["grad_norm"])
+                self.redone_steps += self.opt.last_step["changed_chunks"] > 0
                 if dist.get_rank() == DYING_RANK:
                     os.kill(os.getpid(), signal.SIGKILL)
             self.opt.zero_grad()
@@ -149,6 +151,7 @@ def compare(name: str, how: str, options: dict, *, gas: int = 1, strata_clips: b
         "clipped_steps": sum(n > max_norm for n in norms),
         "state_difference": state_difference,
         "held_fraction": held,
+        "redone_steps": strata.redone_steps,
     }
 
 
@@ -234,6 +237,9 @@ def main() -> None:
             "fsdp2-nvme-user-clip": lambda: compare(
                 "fsdp2-nvme-user-clip", "fsdp2", {"offload": "nvme", "nvme_path": args.nvme},
                 strata_clips=False),
+            # Updates during backward, each shard's as its reduce-scattered gradient lands.
+            "fsdp2-speculative": lambda: compare(
+                "fsdp2-speculative", "fsdp2", {"offload": "cpu", "speculative_updates": True}),
             "fsdp2-accumulate": lambda: compare(
                 "fsdp2-accumulate", "fsdp2", {"offload": "cpu"}, gas=2),
             "ddp-cpu": lambda: compare("ddp-cpu", "ddp", {"offload": "cpu"}),
