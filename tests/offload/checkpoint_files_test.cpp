@@ -1,12 +1,14 @@
 #include "checkpoint/checkpoint_files.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -19,10 +21,13 @@
 
 #include "strata/core/bytes.h"
 #include "strata/core/log.h"
+#include "support/sanitizers.h"
 #include "support/scratch_dir.h"
+
 namespace strata::offload::internal {
 namespace {
 
+using strata::testing::kUnderThreadSanitizer;
 using strata::testing::ScratchDir;
 
 namespace fs = std::filesystem;
@@ -42,7 +47,6 @@ FileDigest DigestOf(const std::vector<std::byte>& bytes) {
   return {bytes.size(), XXH3_64bits(bytes.data(), bytes.size())};
 }
 
-/// Names in `dir`, sorted.
 /// The entries of `dir`, sorted, but for the staging marker every checkpoint holds (its own
 /// tests check it).
 std::vector<std::string> List(const fs::path& dir) {
@@ -834,6 +838,46 @@ TEST(CheckpointFilesTest, ThePreviousCheckpointIsRemovedOnlyIfStillOnlyOurs) {
 
 // A leftover whose name is a staging directory's but which lacks Strata's marker is not
 // Strata's: Begin leaves it, and so does the restore of a fallback's old checkpoint.
+// A writer killed while writing its manifest (kill -9 at random moments, fault_test.py) left a
+// truncated manifest.json, which no later save could prove to be Strata's: its staging
+// directory stayed for good. Here the writer is a child process that a file-size limit kills
+// (SIGXFSZ) in the middle of that write; the next writer must remove what it left.
+TEST(CheckpointFilesTest, AWriterKilledWhileWritingItsManifestIsCleanedUpAfter) {
+  if (kUnderThreadSanitizer) {
+    GTEST_SKIP() << "the child runs the writer after fork(), which TSan does not support";
+  }
+  ScratchDir tmp;
+  const fs::path dir = tmp.path() / "ckpt";
+  WriteCheckpoint(dir, {{"a.bin", Pattern(10, 3)}});
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto writer = CheckpointWriter::Begin(dir);
+    if (!writer.ok()) _exit(2);
+    auto sink = writer->CreateFile("a.bin");
+    if (!sink.ok() || !sink->Append(Pattern(10, 4)).ok()) _exit(3);
+    auto digest = sink->Finish();
+    if (!digest.ok()) _exit(4);
+    nlohmann::json manifest = NewManifest();
+    manifest["files"]["a.bin"] = {{"bytes", digest->bytes}, {"xxh3", digest->xxh3}};
+    // Every file written so far is smaller than this; the manifest is not.
+    const rlimit limit{.rlim_cur = 64, .rlim_max = 64};
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) _exit(5);
+    (void)writer->Commit(manifest);
+    _exit(6);  // Not reached: SIGXFSZ ends the process in the middle of the manifest.
+  }
+  int wait_status = 0;
+  ASSERT_EQ(waitpid(child, &wait_status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGXFSZ)
+      << "the child ended otherwise: status " << wait_status;
+  const fs::path dead = tmp.path() / ("ckpt.tmp-" + std::to_string(child));
+  ASSERT_TRUE(fs::exists(dead));
+  auto next = CheckpointWriter::Begin(dir);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_FALSE(fs::exists(dead)) << "left: " << ::testing::PrintToString(List(dead));
+  EXPECT_TRUE(CheckpointReader::Open(dir).ok()) << "the previous checkpoint stays";
+}
+
 TEST(CheckpointFilesTest, LeftoversAreRecognisedByContentNotName) {
   ScratchDir tmp;
   const fs::path dir = tmp.path() / "ckpt";

@@ -13,6 +13,7 @@
 
 #include "engine_test_support.h"
 #include "strata/nvme/fault_injection.h"
+#include "support/sanitizers.h"
 #include "support/scratch_dir.h"
 #include "tiny_model.h"
 
@@ -20,6 +21,7 @@ namespace strata::offload {
 namespace {
 
 using namespace std::chrono_literals;
+using strata::testing::kUnderThreadSanitizer;
 using strata::testing::ScratchDir;
 using testing::BitEqual;
 using testing::EngineTrainer;
@@ -39,18 +41,8 @@ constexpr bool kHostAccessible = true;
 // ahead of Step() (the landing's measure, speculative updates): what those reads made is thrown
 // away when Step()'s checksum differs. The tests wait for those reads to be done where they can
 // see it, but not always (a clipping step stops speculating at a point they cannot see), so
-// under ThreadSanitizer, which would report the race the feature is built around, they skip.
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kUnderThreadSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kUnderThreadSanitizer = true;
-#else
-constexpr bool kUnderThreadSanitizer = false;
-#endif
-#else
-constexpr bool kUnderThreadSanitizer = false;
-#endif
+// under ThreadSanitizer, which would report the race the feature is built around, they skip
+// (kUnderThreadSanitizer).
 constexpr int kSteps = 9;
 constexpr float kClip = 0.37f;  // What the "trainer" multiplies gradients by.
 

@@ -427,6 +427,12 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest, bool keep_previo
   }
   STRATA_RETURN_IF_ERROR(
       CheckManifestHeader(manifest, "the manifest of checkpoint " + dir_.string()));
+  // The manifest is written under a name of its own, then renamed: a writer killed while writing
+  // it leaves no manifest.json that cannot be read, which would make its staging directory
+  // unprovable as Strata's (IsStagingDirectory) and so kept by every later save.
+  const fs::path manifest_path = staging_ / std::string(kManifestFileName);
+  const fs::path partial_path = staging_ / (std::string(kManifestFileName) + ".partial");
+  ::unlink(partial_path.c_str());  // A failed earlier Commit's.
   std::string text;
   try {
     // Every file of the staging directory, so that the next save can prove the directory holds
@@ -443,21 +449,23 @@ Status CheckpointWriter::Commit(const nlohmann::json& manifest, bool keep_previo
   }
   text += '\n';
 
-  const fs::path manifest_path = staging_ / std::string(kManifestFileName);
   {
-    ScopedFd fd(::open(manifest_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return FileError("create", manifest_path, errno).WithContext(what);
+    ScopedFd fd(::open(partial_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return FileError("create", partial_path, errno).WithContext(what);
     if (const int err =
             WriteAll(fd.get(), reinterpret_cast<const std::byte*>(text.data()), text.size());
         err != 0) {
-      return FileError("write", manifest_path, err).WithContext(what);
+      return FileError("write", partial_path, err).WithContext(what);
     }
     if (const int err = FsyncRetry(fd.get()); err != 0) {
-      return FileError("fsync", manifest_path, err).WithContext(what);
+      return FileError("fsync", partial_path, err).WithContext(what);
     }
     if (const int err = fd.Close(); err != 0) {
-      return FileError("close", manifest_path, err).WithContext(what);
+      return FileError("close", partial_path, err).WithContext(what);
     }
+  }
+  if (::rename(partial_path.c_str(), manifest_path.c_str()) != 0) {
+    return FileError("rename into place", partial_path, errno).WithContext(what);
   }
   STRATA_RETURN_IF_ERROR(SyncDirectory(staging_).WithContext(what));
   STRATA_RETURN_IF_ERROR(Publish());
