@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from strata import _strata
 from strata.torch import _lifetime, _sharded, _state_dict
@@ -348,8 +349,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._restore_untouched()
         if not self._layout.consolidates:
             return
-        import torch.distributed as dist
-
         packed = _state_dict.pack(self, whole=True)
         self._consolidated = packed if to is None or to == dist.get_rank() else None
 
@@ -368,6 +367,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_open("load_state_dict()")
         self._check_between_steps("load_state_dict()")
         self._restore_untouched()
+        self._consolidated = None  # Gathered before this load: stale.
         _state_dict.unpack(self, state_dict)
 
     # ------------------------------------------------------------------------- extras
@@ -658,7 +658,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._take_back()
             return
         for i in handed:
-            # A sharded parameter's gradient is FSDP2's, copied in: it is copied again.
+            # A mirrored parameter's gradient is FSDP2's or DDP's, copied in: copied again.
             if self._params[i].grad is not self._grad_views[i]:
                 self._place_gradient(i)
 
@@ -707,7 +707,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _holds_placed_gradient(self, i: int) -> bool:
         """Whether parameter i's ``.grad`` is still the gradient _place_gradient placed (not
-        set to None or replaced since): its chunk's buffer, or, sharded, the same tensor."""
+        set to None or replaced since): its chunk's buffer, or, mirrored, the same tensor."""
         grad = self._params[i].grad
         if self._layout.mirrors:
             return grad is not None and grad is self._this_step.placed_gradient.get(i)
