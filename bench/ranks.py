@@ -71,7 +71,8 @@ def worker(args) -> None:
         nets = {name: model() for name in ("alone", "strata", "torch")}
         strata = st.OffloadAdamW(nets["strata"].parameters(), lr=1e-4, offload=args.offload,
                                  nvme_path=nvme, chunk_size=args.chunk_size,
-                                 shard_states=args.wrap == "ddp")
+                                 shard_states=args.wrap == "ddp",
+                                 speculative_updates=args.speculative or None)
         runs = {"alone": step(nets["alone"], None),
                 "strata": step(nets["strata"], strata),
                 "torch": step(nets["torch"], torch.optim.AdamW(nets["torch"].parameters(),
@@ -128,6 +129,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=384, help="global batch, split by the ranks")
     parser.add_argument("--chunk-size", default="2MiB")
     parser.add_argument("--repeats", type=int, default=7, help="rounds")
+    parser.add_argument("--speculative", action="store_true",
+                        help="speculative_updates=True: updates during backward")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,7 +143,7 @@ def main() -> None:
                    f"--nproc_per_node={ranks}", __file__, "--worker", "--wrap", args.wrap,
                    "--offload", args.offload, "--width", str(args.width), "--layers",
                    str(args.layers), "--batch", str(args.batch), "--chunk-size", args.chunk_size,
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats), *(["--speculative"] if args.speculative else [])]
         run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode != 0:
             sys.exit(f"{ranks} ranks failed:\n{run.stderr[-4000:]}")
