@@ -23,7 +23,7 @@ def pack(opt: OffloadOptimizer, whole: bool = False) -> dict[str, Any]:
     construction on (zero moments at step 0, which torch AdamW's first step starts from too):
     torch.distributed.checkpoint loads only what the target's state_dict lists. `whole`:
     gathered from every rank's parts where the layout slices them (a collective)."""
-    state = states(opt, [i for i in range(len(opt._params)) if opt._trained[i]], whole)
+    state = states(opt, opt._trained_indices, whole)
     groups = []
     first = 0
     for g in opt.param_groups:
@@ -64,7 +64,7 @@ class StateView(Mapping):
     def __init__(self, opt: OffloadOptimizer) -> None:
         self._opt = weakref.ref(opt)  # The optimizer holds its view: no cycle to delay close.
         # id(parameter) -> its index, trained parameters only.
-        self._indices = {id(p): i for i, p in enumerate(opt._params) if opt._trained[i]}
+        self._indices = {id(opt._params[i]): i for i in opt._trained_indices}
 
     def _optimizer(self) -> OffloadOptimizer:
         opt = self._opt()

@@ -141,6 +141,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rechecks = rechecks_gradients(self._device)
         self._step_supports_amp_scaling = not self._rechecks
         self._trained = [p.requires_grad for p in self._params]
+        self._trained_indices = [i for i, t in enumerate(self._trained) if t]
         self._fixed = [self._fixed_hyperparameters(g) for g in self.param_groups]
         self._lr_scales = self._learning_rate_scales()
         self._closed: str | None = None  # Why this optimizer no longer drives its parameters.
@@ -279,8 +280,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self._retry_pending:
             self._check_backward_count()
             if self._layout.mirrors:
-                trained = [i for i, t in enumerate(self._trained) if t]
-                self._this_step.grad_norm = self._layout.grad_norm(trained, self.max_grad_norm)
+                self._this_step.grad_norm = self._layout.grad_norm(self._trained_indices,
+                                                                   self.max_grad_norm)
             if self._rechecks:
                 self._sync_handed_gradients()
             else:
@@ -823,8 +824,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if local_only:
             self._layout.publish_local(self._param_views)
         else:
-            self._layout.publish(self._param_views,
-                                 [i for i, t in enumerate(self._trained) if t])
+            self._layout.publish(self._param_views, self._trained_indices)
         self._param_versions = self._versions()
 
     def _refuse_cast_or_moved(self) -> None:
