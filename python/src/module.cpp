@@ -313,6 +313,9 @@ class PyEngine {
     out["device_optimizer_params"] = c.device_optimizer_params;
     out["evictions"] = c.evictions;
     out["fetches"] = c.fetches;
+    out["fetched_from_host_bytes"] = c.fetched_from_host_bytes;
+    out["fetched_from_nvme_bytes"] = c.fetched_from_nvme_bytes;
+    out["fetch_stall_seconds"] = c.fetch_stall_seconds;
     out["speculative_updates"] = c.speculative_updates;
     out["rolled_back_updates"] = c.rolled_back_updates;
     for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {

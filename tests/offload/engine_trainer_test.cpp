@@ -717,6 +717,32 @@ TEST(EngineTrainerTest, FrozenChunksStayOnTheDeviceAcrossSteps) {
   EXPECT_EQ(engine->counters().fetches - before, uint64_t(kLayers - 2));
 }
 
+// The fetch counters say where offloaded parameters came from and how many bytes: every fetch
+// of a host-home chunk counts its working bytes as from host, of an NVMe-home one as from NVMe.
+TEST(EngineTrainerTest, FetchedBytesAreCountedByTheTierTheyCameFrom) {
+  for (const Placement& placement : kPlacements) {
+    if (placement.params == Tier::kDevice) continue;
+    SCOPED_TRACE(placement.name);
+    ScratchDir dir;
+    const TinyModel model(kLayers, kWidth, kBatch);
+    const EngineOptions options = MakeOptions(placement, dir.path());
+    auto device = MakeDevice(placement.device_budget);
+    auto engine = MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
+    EngineTrainer trainer(*engine, model);
+    double loss = 0.0;
+    for (int step = 0; step < 2; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
+    const EngineCounters counters = engine->counters();
+    ASSERT_GT(counters.fetches, 0u);
+    // Every chunk of TinyModel has the same size, so each fetch moves one chunk's bytes.
+    const uint64_t chunk_bytes = engine->layout().chunk(0).numel * DTypeSize(engine->working_dtype());
+    const uint64_t fetched = counters.fetches * chunk_bytes;
+    EXPECT_EQ(counters.fetched_from_host_bytes, placement.params == Tier::kHost ? fetched : 0u);
+    EXPECT_EQ(counters.fetched_from_nvme_bytes, placement.params == Tier::kNvme ? fetched : 0u);
+    EXPECT_GE(counters.fetch_stall_seconds, 0.0);
+  }
+}
+
 // The engine reads view.grads as each micro-step's gradients and sums micro-steps itself. A
 // fetched chunk's gradient buffer starts at zero; a device-home chunk's keeps what the trainer
 // wrote last (so a trainer that accumulates into it must zero it per micro-step).

@@ -206,6 +206,9 @@ EngineCounters& EngineCounters::operator+=(const EngineCounters& o) {
   device_optimizer_params += o.device_optimizer_params;
   evictions += o.evictions;
   fetches += o.fetches;
+  fetched_from_host_bytes += o.fetched_from_host_bytes;
+  fetched_from_nvme_bytes += o.fetched_from_nvme_bytes;
+  fetch_stall_seconds += o.fetch_stall_seconds;
   speculative_updates += o.speculative_updates;
   rolled_back_updates += o.rolled_back_updates;
   reduce_scatter_bytes += o.reduce_scatter_bytes;
@@ -223,6 +226,9 @@ EngineCounters& EngineCounters::operator-=(const EngineCounters& o) {
   device_optimizer_params -= o.device_optimizer_params;
   evictions -= o.evictions;
   fetches -= o.fetches;
+  fetched_from_host_bytes -= o.fetched_from_host_bytes;
+  fetched_from_nvme_bytes -= o.fetched_from_nvme_bytes;
+  fetch_stall_seconds -= o.fetch_stall_seconds;
   speculative_updates -= o.speculative_updates;
   rolled_back_updates -= o.rolled_back_updates;
   reduce_scatter_bytes -= o.reduce_scatter_bytes;
@@ -242,6 +248,16 @@ EngineCounters Engine::counters() const {
           .device_optimizer_params = count(m.device_optimizer_params),
           .evictions = count(m.evictions),
           .fetches = count(m.fetches),
+          .fetched_from_host_bytes = count(m.fetched_bytes[0]),
+          .fetched_from_nvme_bytes = count(m.fetched_bytes[1]),
+          .fetch_stall_seconds = [&m] {
+            double seconds = 0.0;
+            for (TrainerWait wait : {TrainerWait::kHostToDevice, TrainerWait::kNvme,
+                                     TrainerWait::kDeviceToHost, TrainerWait::kDeviceMemory}) {
+              seconds += m.trainer_stall[int(wait)]->Value();
+            }
+            return seconds;
+          }(),
           .speculative_updates = count(m.speculative_updates),
           .rolled_back_updates = count(m.rolled_back_updates),
           .reduce_scatter_bytes = count(m.collective_bytes[int(CollectiveKind::kReduceScatter)]),

@@ -40,6 +40,13 @@ void EngineMetrics::Register(MetricsRegistry& r) {
                             "Offloaded parameter chunks dropped from the device.");
   fetches = &r.GetCounter("strata_param_fetches_total",
                           "Offloaded parameter chunks brought to the device.");
+  for (Tier from : {Tier::kHost, Tier::kNvme}) {
+    fetched_bytes[from == Tier::kNvme] =
+        &r.GetCounter("strata_param_fetch_bytes_total",
+                      "Working-parameter bytes of offloaded chunks brought to the device, by the "
+                      "tier they came from.",
+                      {{"from", std::string(TierName(from))}});
+  }
   steps = &r.GetCounter("strata_steps_total", "Optimizer steps taken.");
   skipped_steps =
       &r.GetCounter("strata_skipped_steps_total", "Steps skipped for fp16 gradient overflow.");

@@ -60,6 +60,8 @@ struct EngineMetrics {
   Counter* optimizer_seconds = nullptr;
   Counter* evictions = nullptr;
   Counter* fetches = nullptr;
+  // Working-parameter bytes fetched, by the tier they came from: [0] host, [1] NVMe.
+  Counter* fetched_bytes[2] = {};
   Counter* steps = nullptr;
   Counter* skipped_steps = nullptr;
   Counter* speculative_updates = nullptr;

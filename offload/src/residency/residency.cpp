@@ -401,6 +401,7 @@ Awaitable<void> Residency::Fetch(size_t chunk) {
   if (status.ok()) {
     metrics_.h2d_bytes->Increment(double(c.frozen() ? bytes : 2 * bytes));
     metrics_.fetches->Increment();
+    metrics_.fetched_bytes[c.fetched_from_nvme()]->Increment(double(bytes));
   }
   std::lock_guard lock(mutex_);
   if (status.ok() && !copy.stale) {

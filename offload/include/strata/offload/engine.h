@@ -131,6 +131,14 @@ struct EngineCounters {
   uint64_t device_optimizer_params = 0;  ///< Parameters updated on the device.
   uint64_t evictions = 0;                ///< Offloaded parameter chunks dropped from the device.
   uint64_t fetches = 0;                  ///< Offloaded parameter chunks brought to the device.
+  /// Working-parameter bytes of those fetches, by the tier they came from (host memory, or
+  /// NVMe through a staging buffer); gradient buffers cleared on the way are not counted.
+  uint64_t fetched_from_host_bytes = 0;
+  uint64_t fetched_from_nvme_bytes = 0;
+  /// Time the trainer was blocked in Acquire: on a fetch (from host or NVMe), on the previous
+  /// micro-step's gradients copying out, or on room in the device budget. What parameter offload
+  /// costs a step beyond everything resident.
+  double fetch_stall_seconds = 0.0;
   /// Chunk updates run ahead of a gated step's verdict (speculative_updates), and how many of
   /// them the verdict rolled back (a clipped or overflowing step).
   uint64_t speculative_updates = 0;
