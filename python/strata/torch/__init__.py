@@ -9,6 +9,7 @@ See docs/python.md for what each option does and how it maps to DeepSpeed's conf
 """
 
 from strata.torch._launch import init_process_group
+from strata.torch._param_offload import offload_parameters
 from strata.torch.optimizer import OffloadOptimizer
 from strata.torch.rules import (
     OffloadAdagrad,
@@ -18,4 +19,4 @@ from strata.torch.rules import (
 )
 
 __all__ = ["OffloadAdamW", "OffloadAdam", "OffloadAdagrad", "OffloadLion", "OffloadOptimizer",
-           "init_process_group"]
+           "init_process_group", "offload_parameters"]

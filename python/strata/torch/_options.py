@@ -33,7 +33,7 @@ _OWN_KEYS = {
     ("optimizer", "delayed_update"): "nothing yet (forward does not wait for delayed updates)",
     ("optimizer", "delayed_update_from_step"): "nothing yet",
     ("precision", "working_dtype"): "the parameters' dtype",
-    ("placement", "params"): "nothing yet (parameters stay on their device)",
+    ("placement", "params"): "strata.torch.offload_parameters(model)",
     ("placement", "zero_stage"): "nothing yet (one rank)",
 }
 

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from strata import _strata
-from strata.torch import _lifetime, _sharded, _state_dict
+from strata.torch import _lifetime, _param_offload, _sharded, _state_dict
 from strata.torch._options import (WORKING_DTYPES, auto_chunk_bytes, engine_options,
                                    rechecks_gradients)
 from strata.torch._state_dict import MASTER
@@ -134,11 +134,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Which part of each parameter this rank's engine holds (_sharded.py): all of it, its
         # FSDP2 shard, or with shard_states its 1/N slice.
         self._layout = _sharded.layout(self._params, shard_states)
+        # offload_parameters(model) was called: the parameters live off the device between
+        # uses, and a ParameterResidency puts them there while their modules run.
+        self._plan = _param_offload.plan_of(self._params)
+        if self._plan is not None and self._layout.mirrors:
+            raise NotImplementedError(
+                "offload_parameters with FSDP2 or shard_states is not built yet: offloaded "
+                "parameters work on one rank")
         # The engine reads the gradients again at step() and redoes what changed (CPU tensors,
         # _options.rechecks_gradients): whatever the trainer did to them between backward and
         # step(), the step uses them as they are then. torch.amp.GradScaler then unscales the
         # gradients itself (an edit like any other) and skips step() on overflow.
-        self._rechecks = rechecks_gradients(self._device)
+        self._rechecks = rechecks_gradients(self._device) and self._plan is None
         self._step_supports_amp_scaling = not self._rechecks
         self._trained = [p.requires_grad for p in self._params]
         self._trained_indices = [i for i, t in enumerate(self._trained) if t]
@@ -160,6 +167,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # Mirrored, the engine sees one rank's part: step() clips on the whole norm.
             max_grad_norm=0.0 if self._layout.mirrors else self.max_grad_norm,
             config=config)
+        if self._plan is not None:
+            _param_offload.place(options, self._plan, self._engine_accumulation())
         registered = []
         for i, p in enumerate(self._params):
             group = self.param_groups[self._group_of[i]]
@@ -171,12 +180,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for previous in _lifetime.owners(self._params):
             previous._close(f"its parameters were taken over by a new {type(self).__name__}")
         with self._on_device():
-            self._engine = _strata.Engine(json.dumps(options), registered)
+            self._engine = _strata.Engine(
+                json.dumps(options), registered,
+                fit_host_device=self._plan is None or self._plan.device_memory is None)
 
         # Every chunk's memory, once: device-home chunks keep it for the engine's life.
         self._chunk_params: list[torch.Tensor] = []
         self._chunk_grads: list[torch.Tensor | None] = []
-        for c in range(self._engine.chunk_count):
+        for c in range(self._engine.chunk_count if self._plan is None else 0):
             with self._on_device():
                 params_view, grads_view = self._engine.acquire(c)
                 self._engine.release(c)
@@ -197,6 +208,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             chunk, offset, numel = self._engine.location(i)
             self._chunk_of.append(chunk)
             self._engine_numel.append(numel)
+            if self._plan is not None:
+                if p.requires_grad:
+                    self._members[chunk].append(i)
+                continue
             mine = self._layout.local(i, p)
             self._param_views.append(
                 self._chunk_params[chunk][offset : offset + mine.numel()].view(mine.shape))
@@ -209,9 +224,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 hooks.append(p.register_post_accumulate_grad_hook(_GradHook(self, i)))
             else:
                 self._grad_views.append(None)
-        self._finalizer = _lifetime.watch(self, self._params, hooks,
-                                          self._chunk_params + [g for g in self._chunk_grads
-                                                                if g is not None])
+        self._residency: _param_offload.ParameterResidency | None = None
+        if self._plan is not None:
+            self._residency = _param_offload.ParameterResidency(self, self._plan)
+            self._finalizer = weakref.finalize(self, self._residency.remove)
+        else:
+            self._finalizer = _lifetime.watch(self, self._params, hooks,
+                                              self._chunk_params + [g for g in self._chunk_grads
+                                                                    if g is not None])
         _lifetime.claim(self, self._params)
         self._param_versions = self._versions()
         self._last_report: dict[str, Any] | None = None
@@ -252,6 +272,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         discards that backward (a skipped batch); once chunks were handed to the engine the step
         can only be finished, by step()."""
         self._check_open("zero_grad()")
+        if self._residency is not None:
+            handed = self._residency.handed_chunks()
+            if handed and not self._retry_pending:
+                raise RuntimeError(
+                    f"zero_grad() after backward() without step(): with offload_parameters the "
+                    f"gradients of chunks {handed} went to the engine during backward (they do "
+                    "not stay on the device); call step() to finish the step")
+            self._residency.clear_gradients()
+            return
         if self._this_step.open:
             handed = self._this_step.handed()
             if handed and self._rechecks:
@@ -276,6 +305,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._residency is not None:
+            self._step_offloaded()
+            return loss
         modified = None
         if not self._retry_pending:
             self._check_backward_count()
@@ -323,6 +355,43 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "opt.last_step['grad_norm'] instead of computing it"
             )
         return loss
+
+    def _step_offloaded(self) -> None:
+        """step() with offload_parameters: every chunk went to the engine during backward."""
+        residency = self._residency
+        if not self._retry_pending:
+            residency.check_no_gradient_missing()
+            residency.check_idle()
+            passes = residency.backward_passes()
+            if passes == 0:
+                raise RuntimeError(
+                    "step() before any backward(): no parameter received a gradient since the "
+                    "last step()")
+            if passes != self._engine_accumulation():
+                raise RuntimeError(
+                    f"step() after {passes} backward passes, but with offload_parameters the "
+                    "engine sums the micro-steps and was built for "
+                    f"gradient_accumulation_steps={self.gradient_accumulation_steps}: call "
+                    "step() after that many backward() calls, or build the optimizer with "
+                    "the count you use")
+        before = self._engine.iteration_count
+        try:
+            with self._on_device():
+                report = self._engine.step()
+        finally:
+            self._retry_pending = self._engine.iteration_count == before
+            if not self._retry_pending:
+                residency.step_done()
+                self._reset_step()
+        self._last_report = report
+        if report["skipped"]:
+            self._skipped_steps += 1
+
+    def _engine_accumulation(self) -> int:
+        """With offload_parameters the engine sums the micro-steps: their count ("auto" = 1,
+        since it must be known before the first backward)."""
+        gas = self.gradient_accumulation_steps
+        return 1 if gas == "auto" else gas
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's format: per parameter index its ``step`` and moments (named as the
@@ -383,6 +452,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         call step() first: an update in flight would race with the copy the parameters get)."""
         if self._closed is not None:
             return
+        if (self._residency is not None and self._residency.handed_chunks()
+                and not self._retry_pending):
+            raise RuntimeError(
+                f"close() while chunks {self._residency.handed_chunks()} are updating with "
+                "this step's gradients: call step() to finish the step first")
         if self._this_step.handed() and not self._retry_pending and self._rechecks:
             self._take_back()
         if self._this_step.handed() and not self._retry_pending:
@@ -426,6 +500,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         out["iterations"] = self._engine.iteration_count
         out["skipped_steps"] = self._skipped_steps
         out["loss_scale"] = self._engine.loss_scale
+        if self._residency is not None:
+            # Parameters filled for the modules running (torch's tensors, beside the engine's
+            # device copies that device_peak_bytes counts).
+            out["filled_param_bytes"] = self._residency.filled_bytes
+            out["filled_param_peak_bytes"] = self._residency.peak_filled_bytes
         if self._last_report is not None:
             out["grad_norm"] = self._last_report["grad_norm"]
             out["step_seconds"] = self._last_report["seconds"]
@@ -789,7 +868,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         an in-place init under no_grad; every parameter with `everything`) become their
         masters where they differ from the master rounded to the working dtype, so a write of
         the same values (an EMA swap and back) keeps the fp32 masters. A parameter whose
-        ``.data`` was replaced is copied in and pointed back at its chunk."""
+        ``.data`` was replaced is copied in and pointed back at its chunk. Offloaded
+        parameters (offload_parameters) are written only through model.load_state_dict, whose
+        hooks write their masters."""
+        if self._residency is not None:
+            return
         self._refuse_cast_or_moved()
         changed = {}
         versions = self._versions()
