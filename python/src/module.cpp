@@ -195,6 +195,29 @@ Result<uint64_t> HostDeviceBytesToFit(const EngineOptions& options,
          2 * offload::ChunkDeviceBytes(largest, dtype) + (uint64_t{16} << 20);
 }
 
+/// A config document as `strata config check` reads it: its options in Strata's format (JSON
+/// text), the format it was read as, the DeepSpeed keys ignored, the "auto" values resolved and
+/// the batch sizes.
+nb::dict ConfigDict(const LoadedConfig& config) {
+  nb::dict out;
+  out["options"] = OptionsToJson(config.options);
+  out["format"] = std::string(ConfigFormatName(config.format));
+  out["ignored_keys"] = config.ignored_keys;
+  out["auto_resolved"] = config.auto_resolved;
+  out["has_optimizer"] = config.has_optimizer;
+  out["train_batch_size"] = config.train_batch_size;
+  out["micro_batch_size"] = config.micro_batch_size;
+  return out;
+}
+
+ConfigFormat FormatNamed(const std::string& name) {
+  if (name == "auto") return ConfigFormat::kAuto;
+  if (name == "strata") return ConfigFormat::kStrata;
+  if (name == "deepspeed") return ConfigFormat::kDeepSpeed;
+  Raise(InvalidArgument("format: expected auto, strata or deepspeed, got \"" + name + "\""));
+  return ConfigFormat::kAuto;
+}
+
 /// The engine and the device it runs on (declared first: destroyed after the engine). The
 /// engine's destructor waits for its work in flight; its threads never call into Python, so
 /// that wait cannot deadlock on the GIL.
@@ -370,6 +393,24 @@ NB_MODULE(_strata, m) {
   m.def(
       "parse_bytes", [](const std::string& text) { return Check(ParseBytes(text)); },
       "Bytes in '64MiB', '1.5GiB', '1e9' (what config sizes accept).");
+
+  m.def(
+      "load_config",
+      [](const std::string& path, const std::string& format, int world_size) {
+        return ConfigDict(Check(LoadConfigFile(path, FormatNamed(format), world_size)));
+      },
+      nb::arg("path"), nb::arg("format") = "auto", nb::arg("world_size") = 1,
+      "Reads and checks a Strata or DeepSpeed config file as `strata config check` does (the "
+      "same errors, as ValueError); returns a dict: options (Strata-format JSON text), format, "
+      "ignored_keys, auto_resolved, has_optimizer, train_batch_size, micro_batch_size.");
+  m.def(
+      "parse_config",
+      [](const std::string& text, const std::string& format, const std::string& source,
+         int world_size) {
+        return ConfigDict(Check(ParseConfig(text, FormatNamed(format), source, world_size)));
+      },
+      nb::arg("text"), nb::arg("format") = "auto", nb::arg("source") = "<string>",
+      nb::arg("world_size") = 1, "load_config for a document in memory; errors name `source`.");
 
   m.def(
       "detect_ranks",

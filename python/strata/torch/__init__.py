@@ -8,6 +8,7 @@ backward: change one line of a training loop.
 See docs/python.md for what each option does and how it maps to DeepSpeed's config.
 """
 
+from strata.torch._deepspeed import ModelEngine, initialize
 from strata.torch._launch import init_process_group
 from strata.torch._param_offload import offload_parameters
 from strata.torch.optimizer import OffloadOptimizer
@@ -19,4 +20,4 @@ from strata.torch.rules import (
 )
 
 __all__ = ["OffloadAdamW", "OffloadAdam", "OffloadAdagrad", "OffloadLion", "OffloadOptimizer",
-           "init_process_group", "offload_parameters"]
+           "init_process_group", "offload_parameters", "initialize", "ModelEngine"]

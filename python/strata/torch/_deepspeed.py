@@ -1,0 +1,297 @@
+"""strata.torch.initialize: ``deepspeed.initialize``'s shape, on Strata's engine.
+
+A DeepSpeed config is read by the engine's own parser, so it is checked exactly as
+``strata config check`` checks it (an unknown key, a typo, an unsupported combination: the same
+error). Its sections then become what a strata.torch user would write by hand:
+
+* ``optimizer`` -> OffloadAdamW / OffloadAdam / OffloadAdagrad / OffloadLion with its params;
+* ``zero_optimization.offload_optimizer`` -> the optimizer's ``offload``, ``nvme_path``,
+  ``offload_ratio``; ``offload_param`` -> ``offload_parameters(model, ...)``;
+* ``gradient_clipping`` -> ``max_grad_norm``; the batch keys -> ``gradient_accumulation_steps``;
+* ``fp16`` / ``bf16`` -> the model cast to that dtype, with fp16's loss scaler settings;
+* ``aio`` and the offload buffers -> the engine's NVMe and staging settings.
+
+``"auto"`` (what the HF Trainer's DeepSpeed integration writes) is resolved from ``args`` when
+it has the TrainingArguments field the HF integration would use, and refused naming the key
+otherwise: a default standing in for a learning rate would train silently wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strata import _strata
+from strata.torch import rules
+from strata.torch._param_offload import offload_parameters
+
+_OPTIMIZERS = {"adamw": rules.OffloadAdamW, "adam": rules.OffloadAdam,
+               "adagrad": rules.OffloadAdagrad, "lion": rules.OffloadLion}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STATE_TIERS = {"host": "cpu", "nvme": "nvme", "device": None}
+_PARAM_TIERS = {"host": "cpu", "nvme": "nvme"}
+
+
+def _from_args(args: Any, world_size: int) -> dict[str, Callable[[], Any]]:
+    """DeepSpeed keys the HF integration fills with "auto", and the TrainingArguments field
+    each comes from (transformers.integrations.deepspeed's trainer_config_process)."""
+    def get(name: str) -> Callable[[], Any]:
+        return lambda: getattr(args, name)
+    return {
+        "train_micro_batch_size_per_gpu": get("per_device_train_batch_size"),
+        "gradient_accumulation_steps": get("gradient_accumulation_steps"),
+        "train_batch_size": lambda: (args.per_device_train_batch_size
+                                     * args.gradient_accumulation_steps * world_size),
+        "gradient_clipping": get("max_grad_norm"),
+        "optimizer.params.lr": get("learning_rate"),
+        "optimizer.params.betas": lambda: [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": get("adam_epsilon"),
+        "optimizer.params.weight_decay": get("weight_decay"),
+        "fp16.enabled": lambda: bool(args.fp16),
+        "bf16.enabled": lambda: bool(args.bf16),
+    }
+
+
+def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dict, dict | None]:
+    """(what `strata config check` resolves `config` to, the document as a dict or None when
+    it has comments) with "auto" values resolved from `args` (see the module docstring).
+    `config`: a path, or the document as a dict (DeepSpeed's config_params)."""
+    if isinstance(config, dict):
+        document, source = json.loads(json.dumps(config)), "<config dict>"
+        loaded = _strata.parse_config(json.dumps(document), "auto", source, world_size)
+    else:
+        source = os.fspath(config)
+        loaded = _strata.load_config(source, "auto", world_size)
+        try:
+            with open(source, encoding="utf-8") as f:
+                document = json.load(f)
+        except ValueError:
+            document = None  # JSON with comments, which the engine's parser reads.
+    autos = [note.split(": auto -> ")[0] for note in loaded["auto_resolved"]]
+    if not autos:
+        return loaded, document
+    known = _from_args(args, world_size) if args is not None else {}
+    values = {}
+    for key in autos:
+        try:
+            values[key] = known[key]()
+        except (KeyError, AttributeError):
+            where = ("args has no TrainingArguments field for it" if args is not None
+                     else "no args were given to resolve it from")
+            raise ValueError(
+                f"{source}: {key} is \"auto\" and {where}; give it a value in the config (the "
+                "HF Trainer fills these in from its arguments)") from None
+    if document is None:
+        raise ValueError(f"{source}: \"auto\" values ({', '.join(autos)}) are resolved in a "
+                         "plain JSON document; this one has comments")
+    for key, value in values.items():
+        *parents, last = key.split(".")
+        node = document
+        for name in parents:
+            node = node[name]
+        node[last] = value
+    return _strata.parse_config(json.dumps(document), "auto", source, world_size), document
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None,
+               lr_scheduler: Any = None, config: Any = None, config_params: Any = None,
+               **unsupported: Any) -> tuple["ModelEngine", Any, None, Any]:
+    """``deepspeed.initialize`` on Strata: returns ``(model_engine, optimizer, None,
+    lr_scheduler)``. ``config`` is a DeepSpeed (or Strata) config file or dict
+    (``config_params`` is DeepSpeed's other name for it; ``args.deepspeed_config`` is read when
+    neither is given). ``optimizer``: None to build the config's ``optimizer`` section, or a
+    callable taking the parameters and returning a strata optimizer. ``lr_scheduler``: a
+    scheduler, or a callable taking the optimizer. The loop is DeepSpeed's::
+
+        engine, opt, _, _ = strata.torch.initialize(model=model, config="ds_config.json")
+        for batch in loader:
+            loss = engine(batch)
+            engine.backward(loss)   # divides by gradient_accumulation_steps, as DeepSpeed
+            engine.step()           # steps at the end of each accumulation window
+    """
+    if unsupported:
+        raise TypeError(f"initialize() does not take {sorted(unsupported)} (deepspeed's "
+                        "distributed_port, mpu, collate_fn, ... are not used by Strata)")
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if training_data is not None:
+        raise NotImplementedError(
+            "initialize(training_data=...) is not built: build a torch DataLoader with "
+            "batch_size=engine.train_micro_batch_size_per_gpu() yourself")
+    if config is not None and config_params is not None:
+        raise ValueError("give config or config_params, not both")
+    config = config if config is not None else config_params
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("initialize() needs config= (a DeepSpeed config file or dict)")
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world_size > 1:
+        raise NotImplementedError(
+            "strata.torch.initialize across several ranks is not built yet; on several ranks "
+            "use OffloadAdamW with FSDP2 or DDP (docs/python.md, \"Several GPUs\")")
+    loaded, document = load_config(config, args, world_size)
+    options = json.loads(loaded["options"])
+    if document is not None and "scheduler" in document and lr_scheduler is None:
+        raise NotImplementedError(
+            "the config's \"scheduler\" section is not built into Strata: build the schedule "
+            "with torch.optim.lr_scheduler and pass initialize(lr_scheduler=...)")
+
+    dtype = _DTYPES[options["precision"]["working_dtype"]]
+    model.to(dtype)
+    placement = options["placement"]
+    nvme = options["nvme"]
+    if placement["params"] != "device":
+        param_path = _nvme_path(document, "offload_param", nvme["paths"])
+        offload_parameters(model, _PARAM_TIERS[placement["params"]], nvme_path=param_path)
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    offload = _offload_options(options, document, next(model.parameters()).device)
+    if optimizer is None:
+        if not loaded["has_optimizer"]:
+            raise ValueError("the config has no \"optimizer\" section: add one, or pass "
+                             "optimizer= (a callable taking the parameters)")
+        optimizer = _build_optimizer(options, params, offload)
+    elif loaded["has_optimizer"]:
+        raise ValueError("the config has an \"optimizer\" section and optimizer= was given: "
+                         "use one (DeepSpeed refuses both too)")
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    else:
+        raise TypeError("optimizer= must be a callable taking the parameters (the optimizer "
+                        "is built after the parameters are offloaded)")
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(optimizer)
+    engine = ModelEngine(model, optimizer, lr_scheduler,
+                         options["optimizer"]["gradient_accumulation_steps"],
+                         loaded["micro_batch_size"], loaded["train_batch_size"])
+    return engine, optimizer, None, lr_scheduler
+
+
+def _nvme_path(document: dict | None, section: str, paths: list[str]) -> str | None:
+    """The nvme_path of zero_optimization.`section`, or the engine's first path."""
+    zero = (document or {}).get("zero_optimization", {})
+    path = zero.get(section, {}).get("nvme_path")
+    return path if path is not None else (paths[0] if paths else None)
+
+
+def _offload_options(options: dict, document: dict | None, device: torch.device) -> dict:
+    """The optimizer's offload keywords and config fragment for the config's settings."""
+    placement, host, nvme = options["placement"], options["host"], options["nvme"]
+    precision, optimizer = options["precision"], options["optimizer"]
+    states = placement["optimizer_states"]
+    fragment: dict[str, Any] = {"placement": {"max_params_in_host": placement["max_params_in_host"]}}
+    if nvme["paths"]:
+        fragment["nvme"] = {k: nvme[k] for k in ("paths", "block_size", "queue_depth",
+                                                  "thread_count", "single_submit",
+                                                  "overlap_events")}
+        fragment["host"] = {k: host[k] for k in ("optimizer_buffer_count",
+                                                  "param_buffer_count")}
+    if device.type == "cuda":
+        fragment.setdefault("host", {})["pin_memory"] = host["pin_memory"]
+    if precision["working_dtype"] == "fp16":
+        fragment["precision"] = {k: precision[k] for k in ("initial_scale_power",
+                                                           "loss_scale_window", "hysteresis",
+                                                           "min_loss_scale")}
+    if not optimizer.get("bias_correction", True):
+        fragment["optimizer"] = {"bias_correction": False}
+    return {
+        "offload": _STATE_TIERS[states],
+        "nvme_path": _nvme_path(document, "offload_optimizer", nvme["paths"])
+        if states == "nvme" else None,
+        "offload_ratio": placement["offload_ratio"],
+        "max_grad_norm": optimizer["gradient_clipping"],
+        "gradient_accumulation_steps": optimizer["gradient_accumulation_steps"],
+        "loss_scale": ("dynamic" if precision["loss_scale"] == 0.0
+                       else precision["loss_scale"]),
+        "config": fragment,
+    }
+
+
+def _build_optimizer(options: dict, params: list, offload: dict) -> Any:
+    o = options["optimizer"]
+    kind = _OPTIMIZERS[o["type"]]
+    hyper: dict[str, Any] = {"lr": o["lr"], "weight_decay": o["weight_decay"]}
+    if kind is not rules.OffloadAdagrad:
+        hyper["betas"] = (o["beta1"], o["beta2"])
+    if kind is not rules.OffloadLion:
+        hyper["eps"] = o["eps"]
+    return kind(params, **hyper, **offload)
+
+
+class ModelEngine(torch.nn.Module):
+    """What ``initialize`` returns first: the model, with DeepSpeed's engine calls. Calling it
+    runs the model; ``backward(loss)`` and ``step()`` are called every micro-batch, and the
+    optimizer steps (and the scheduler with it) at the end of each accumulation window."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any, lr_scheduler: Any,
+                 gradient_accumulation_steps: int, micro_batch_size: int | None,
+                 train_batch_size: int | None) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self._accumulation = gradient_accumulation_steps
+        self._micro_batch_size = micro_batch_size
+        self._train_batch_size = train_batch_size
+        self.micro_steps = 0
+        self.global_steps = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """loss.backward(), divided by the accumulation steps (DeepSpeed's scale_wrt_gas) and
+        multiplied by the fp16 loss scale. Returns the loss as given."""
+        scaled = loss / self._accumulation if scale_wrt_gas and self._accumulation > 1 else loss
+        self.optimizer.scale(scaled).backward()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self._accumulation == 0
+
+    def step(self) -> None:
+        """At the end of an accumulation window: the optimizer's step, the scheduler's, and
+        zero_grad. Otherwise it only counts the micro-step."""
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.optimizer.zero_grad()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._accumulation
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self._micro_batch_size
+
+    def train_batch_size(self) -> int | None:
+        return self._train_batch_size
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's gradient norm (before clipping), as DeepSpeed reports it."""
+        report = self.optimizer.last_step
+        norm = None if report is None else report["grad_norm"]
+        return None if norm is None or math.isnan(norm) else norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "ModelEngine.save_checkpoint is not built: save {'model': "
+            "engine.module.state_dict(), 'optimizer': optimizer.state_dict()} with torch.save "
+            "(model.state_dict() gathers offloaded parameters), and load both back")
+
+    load_checkpoint = save_checkpoint

@@ -1,0 +1,172 @@
+"""strata.torch.initialize with DeepSpeed's ZeRO-3 offload configs: DeepSpeed's loop
+(engine(batch), engine.backward(loss), engine.step()) against the plain torch loop with
+torch.optim.AdamW and the config's hyper-parameters, and the config errors
+`strata config check` gives."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload_models as models
+import strata
+import strata.torch as st
+
+STEPS = 12
+MICRO = 2  # Micro-batches per step (gradient_accumulation_steps).
+
+
+def zero3_config(tmp_path: Path, params: str, states: str) -> dict:
+    """DeepSpeed's ZeRO-3 offload example (docs: "ZeRO-Infinity"), fp32, small buffers."""
+    def offload(device: str, **extra) -> dict:
+        section = {"device": device, "pin_memory": True, **extra}
+        if device == "nvme":
+            section["nvme_path"] = str(tmp_path)
+        return section
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": MICRO,
+        "gradient_clipping": 6.0,
+        "steps_per_print": 10,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                 "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_prefetch_bucket_size": 1e7,
+            "stage3_param_persistence_threshold": 1e5,
+            "offload_optimizer": offload(states, buffer_count=4),
+            # max_in_cpu 0: every parameter on NVMe (DeepSpeed keeps 1e9 in host memory).
+            "offload_param": offload(params, buffer_count=5, buffer_size=1e6,
+                                     **({"max_in_cpu": 0} if params == "nvme" else {})),
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False,
+                "overlap_events": True, "thread_count": 1},
+    }
+
+
+def deepspeed_loop(engine: st.ModelEngine, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(MICRO):
+            loss = models.loss_of("gpt", engine, step, micro)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / MICRO
+        losses.append(total)
+    return losses
+
+
+def torch_reference(steps: int) -> tuple[torch.nn.Module, list[float]]:
+    model = models.make("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1)
+    return model, models.train("gpt", model, opt, range(steps), gas=MICRO, clip=6.0)
+
+
+@pytest.mark.parametrize("params,states", [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")])
+def test_zero3_offload_configs_train_as_torch(tmp_path, params, states):
+    reference, expected = torch_reference(STEPS)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(zero3_config(tmp_path, params, states)))
+    model = models.make("gpt")
+    engine, opt, loader, scheduler = st.initialize(model=model,
+                                                   model_parameters=model.parameters(),
+                                                   config=str(path))
+    assert loader is None and scheduler is None
+    assert isinstance(opt, st.OffloadAdamW)
+    assert engine.gradient_accumulation_steps() == MICRO
+    assert engine.train_micro_batch_size_per_gpu() == 4
+    losses = deepspeed_loop(engine, STEPS)
+    assert engine.global_steps == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5
+    state = model.state_dict()
+    assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= 1e-4
+    assert engine.get_global_grad_norm() > 0
+    fetched = opt.metrics()["fetched_from_nvme_bytes" if params == "nvme"
+                            else "fetched_from_host_bytes"]
+    assert fetched > 0
+
+
+def test_zero_infinity_fp16_config_with_a_scheduler_trains(tmp_path):
+    """DeepSpeed's ZeRO-Infinity example as is (fp16, NVMe for both, dynamic loss scale), with
+    its WarmupLR built in torch and passed as lr_scheduler."""
+    config = zero3_config(tmp_path, "nvme", "nvme")
+    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8,
+                      "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1}
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
+                                                          "warmup_max_lr": 3e-3,
+                                                          "warmup_num_steps": 4}}
+    model = models.make("gpt")
+    with pytest.raises(NotImplementedError, match="scheduler"):
+        st.initialize(model=model, config=config)
+    model = models.make("gpt")
+    engine, opt, _, scheduler = st.initialize(
+        model=model, config=config,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1, s / 4)))
+    assert next(model.parameters()).dtype == torch.float16
+    losses = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            loss = models.loss_of("gpt", engine, step, micro, torch.float16)
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    assert opt.loss_scale > 1
+
+
+def strata_cli() -> Path:
+    """The `strata` executable of the build whose extension is on PYTHONPATH."""
+    return Path(strata.__file__).resolve().parents[2] / "tools" / "strata"
+
+
+@pytest.mark.parametrize("mistake", ["typo", "unsupported"])
+def test_config_errors_are_strata_config_checks(tmp_path, mistake):
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    if mistake == "typo":
+        config["zero_optimization"]["offload_param"]["pin_memroy"] = True
+    else:  # Parameters offloaded while the states stay on the device.
+        del config["zero_optimization"]["offload_optimizer"]
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        st.initialize(model=models.make("gpt"), config=str(path))
+    if not strata_cli().exists():
+        pytest.skip(f"no strata executable at {strata_cli()}")
+    check = subprocess.run([str(strata_cli()), "config", "check", str(path)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode != 0
+    assert str(error.value) in check.stderr
+
+
+def test_auto_values_come_from_training_arguments_or_are_refused(tmp_path):
+    """What the HF Trainer's DeepSpeed integration writes: "auto" wherever its arguments
+    decide."""
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    config.update({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                   "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
+    config["optimizer"]["params"].update({"lr": "auto", "betas": "auto", "eps": "auto",
+                                          "weight_decay": "auto"})
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    with pytest.raises(ValueError, match="optimizer.params.lr is \"auto\""):
+        st.initialize(model=models.make("gpt"), config=config)
+    args = types.SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=MICRO,
+                                 max_grad_norm=6.0, learning_rate=3e-3, adam_beta1=0.9,
+                                 adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1,
+                                 fp16=False, bf16=False)
+    reference, expected = torch_reference(4)
+    engine, opt, _, _ = st.initialize(args=args, model=models.make("gpt"), config=config)
+    assert engine.train_batch_size() == 4 * MICRO
+    losses = deepspeed_loop(engine, 4)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5
