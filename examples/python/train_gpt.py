@@ -4,9 +4,13 @@
 The model is ordinary torch (embedding, causal self-attention blocks, a tied head); the only
 Strata line is the optimizer, whose fp32 masters and Adam moments live on NVMe (a temporary
 folder unless --nvme-path says otherwise) and are updated on the CPU while backward runs. On
-CUDA when there is a GPU, on CPU tensors otherwise.
+CUDA when there is a GPU, on CPU tensors otherwise. With --offload-params the parameters
+themselves live in host memory or on NVMe too, on the device only while their layer runs
+(strata.torch.offload_parameters; --device-memory bounds them).
 
     PYTHONPATH=build/release/python python examples/python/train_gpt.py --steps 100
+    PYTHONPATH=build/release/python python examples/python/train_gpt.py --offload-params nvme \
+        --device-memory 4MiB
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class GPT(nn.Module):
         self.position = nn.Parameter(torch.zeros(context, width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 256, bias=False)
+        self.head.weight = self.embed.weight  # Tied input and output embeddings.
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.position, std=0.02)
 
@@ -58,7 +64,9 @@ class GPT(nn.Module):
         h = self.embed(tokens) + self.position[: tokens.shape[1]]
         for block in self.blocks:
             h = block(h)
-        return self.norm(h) @ self.embed.weight.t()  # Tied input and output embeddings.
+        # Each parameter is used by the module that owns it: what lets offload_parameters (and
+        # FSDP) bring it to the device just for that module.
+        return self.head(self.norm(h))
 
 
 def param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict]:
@@ -86,6 +94,11 @@ def main() -> None:
     parser.add_argument("--offload", choices=["cpu", "nvme"], default="nvme")
     parser.add_argument("--nvme-path", help="folder on an NVMe drive (default: a temporary one)")
     parser.add_argument("--chunk-size", default="1MiB", help="bytes of parameters per chunk")
+    parser.add_argument("--offload-params", choices=["none", "cpu", "nvme"], default="none",
+                        help="keep the parameters in host memory or on NVMe between uses")
+    parser.add_argument("--device-memory", default=None,
+                        help="with --offload-params: bytes of parameters and gradients the "
+                        "device may hold (e.g. 4MiB; default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -99,6 +112,9 @@ def main() -> None:
     model = GPT(args.context, args.width, args.layers, args.heads).to(device, dtype)
     scratch = tempfile.TemporaryDirectory(prefix="strata-gpt-")
     nvme_path = args.nvme_path or scratch.name
+    if args.offload_params != "none":
+        st.offload_parameters(model, args.offload_params, nvme_path=nvme_path,
+                              device_memory=args.device_memory)
     opt = st.OffloadAdamW(param_groups(model, args.lr, 0.1), lr=args.lr, betas=(0.9, 0.95),
                           offload=args.offload, nvme_path=nvme_path, max_grad_norm=1.0,
                           chunk_size=args.chunk_size)
@@ -107,7 +123,9 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"train_gpt: {params / 1e6:.2f}M parameters ({dtype}) on {device}; optimizer states "
           f"on {args.offload} ({nvme_path if args.offload == 'nvme' else 'host memory'}); "
-          f"{args.steps} steps of {args.batch} x {args.context} bytes")
+          + (f"parameters on {args.offload_params} within {args.device_memory or 'the default'} "
+             "of device memory; " if args.offload_params != "none" else "")
+          + f"{args.steps} steps of {args.batch} x {args.context} bytes")
 
     def batch(source: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
         starts = torch.randint(0, len(source) - args.context - 1, (args.batch,),
@@ -143,8 +161,15 @@ def main() -> None:
                               for _ in range(16)) / 16
     entropy = unigram_entropy(train)
     verdict = "below" if validation_loss < entropy else "not below"
+    m = opt.metrics()
     print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f} s; optimizer busy "
-          f"{opt.metrics()['optimizer_seconds']:.2f} s")
+          f"{m['optimizer_seconds']:.2f} s")
+    if args.offload_params != "none":
+        fetched = m["fetched_from_host_bytes"] + m["fetched_from_nvme_bytes"]
+        print(f"parameters: device peak {m['device_peak_bytes'] / 2**20:.2f} MiB of "
+              f"{m['device_budget_bytes'] / 2**20:.2f} MiB; fetched "
+              f"{fetched / args.steps / 2**20:.2f} MiB per step; waited "
+              f"{m['fetch_stall_seconds']:.2f} s for fetches")
     print(f"validation loss {validation_loss:.4f} nats/byte: {verdict} the corpus' unigram "
           f"entropy {entropy:.4f} (the model uses its context)" if validation_loss < entropy
           else f"validation loss {validation_loss:.4f} nats/byte: {verdict} the corpus' unigram "
