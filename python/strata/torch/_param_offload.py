@@ -29,6 +29,7 @@ the engine's masters around them and write loaded values back as masters.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import weakref
@@ -36,8 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from strata import _log, _strata
+from strata.torch import _device
 from strata.torch._state_dict import MASTER
 
 _OFFLOAD_TIERS = {"cpu": "host", "host": "host", "nvme": "nvme"}
@@ -120,15 +123,13 @@ def plan_of(params: list[torch.Tensor]) -> OffloadPlan | None:
 class ParameterResidency:
     """Puts an optimizer's offloaded parameters on the device while their modules use them
     (see the module docstring). One per optimizer; everything runs on the trainer's thread (or
-    autograd's, which runs one hook at a time)."""
+    autograd's, which runs one hook at a time). It holds no reference to its optimizer that
+    would keep it alive: the optimizer's finalizer (remove) must be able to run."""
 
     def __init__(self, optimizer: Any, plan: OffloadPlan) -> None:
         model = plan.model()
         self._optimizer = weakref.ref(optimizer)
         self._engine = optimizer._engine
-        self._on_device = optimizer._on_device
-        self._stream = optimizer._stream
-        self.accumulation: int = optimizer._engine_accumulation()
         params: list[torch.nn.Parameter] = optimizer._params
         self._params = [weakref.ref(p) for p in params]
         self._shapes = [p.shape for p in params]
@@ -136,6 +137,7 @@ class ParameterResidency:
         self._device = params[0].device
         self._chunk_of: list[int] = optimizer._chunk_of
         self._trained: list[bool] = optimizer._trained
+        self.accumulation: int = optimizer._engine_accumulation()
         chunk_count = self._engine.chunk_count
         # Each parameter's place in its chunk: (offset, numel).
         self._place = [self._engine.location(i)[1:] for i in range(len(params))]
@@ -174,18 +176,33 @@ class ParameterResidency:
         # Per trained chunk, this backward: parameters still without their gradient.
         self._waiting = [0] * chunk_count
         self._has_gradient = [False] * len(params)
+        # Whether each parameter had a gradient in any backward pass of this step.
+        self._had_gradient = [False] * len(params)
         # Per chunk: backward passes handed to the engine since the last step.
         self.handed = [0] * chunk_count
+        # Graph tasks whose end-of-backward callback is queued, and the first of them: the
+        # outermost backward pass (reentrant checkpointing runs nested ones inside it).
         self._callbacks_queued: set[int] = set()
-        # Parameters given memory of their own around a module's state_dict or
-        # load_state_dict, by module: a parent's pre-hook runs before its children's hooks and
-        # its post-hook after them.
-        self._lent: dict[int, list[int]] = {}
+        self._outermost: int | None = None
+        # Why this step cannot be finished, once a backward pass lost gradients.
+        self._refusal: str | None = None
+        # A state_dict or load_state_dict call (see _lend): the parameters given memory of
+        # their own (a dict: ordered, fast to look up) and the modules' hooks still open.
+        self._session: dict[int, None] = {}
+        self._session_depth = 0
         # The chunks each module's forward calls running took, innermost call last.
         self._running: dict[int, list[list[int]]] = {}
         self.filled_bytes = 0
         self.peak_filled_bytes = 0
         self._hooks = self._install(model, {id(p): i for i, p in enumerate(params)})
+        left_out = [p for p in model.parameters() if id(p) not in {id(q) for q in params}]
+        if left_out:
+            mib = sum(p.numel() * p.element_size() for p in left_out) / 2**20
+            warnings.warn(
+                f"{len(left_out)} parameters of the offloaded model ({mib:.1f} MiB) are not in "
+                f"the optimizer and stay on the device: build the optimizer over "
+                "model.parameters() (frozen ones included: they stay frozen) to offload them too",
+                _log.StrataWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ what the optimizer uses
 
@@ -195,21 +212,61 @@ class ParameterResidency:
     def backward_passes(self) -> int:
         return max(self.handed, default=0)
 
-    def check_idle(self) -> None:
-        """step(): no forward holds a chunk (its filled values would outlive the update)."""
-        busy = [c for c, n in enumerate(self._uses) if n and self._backward_task[c] is None]
+    def before_step(self) -> None:
+        """step(): makes every chunk that took part in this step's backward passes count
+        each of them (a module used in some micro-steps only had nothing to hand over in the
+        others: the engine, which sums micro-steps, gets zeros for those)."""
+        self.after_interruption()
+        if self._refusal is not None:
+            raise RuntimeError(self._refusal)
+        busy = [c for c, n in enumerate(self._uses) if n]
         if busy:
             raise RuntimeError(f"step() while a forward pass holds chunks {busy}")
+        passes = self.backward_passes()
+        for c, n in enumerate(self.handed):
+            for _ in range(n, passes if n else 0):
+                with self._on_device():
+                    _, grads = self._engine.acquire(c)
+                    try:
+                        torch.from_dlpack(grads).zero_()
+                        self._engine.grads_ready(c, self._stream())
+                    finally:
+                        self._engine.release(c, self._stream())
+                self.handed[c] += 1
 
     def step_done(self) -> None:
         self.handed = [0] * len(self.handed)
+        self._had_gradient = [False] * len(self._had_gradient)
 
     def clear_gradients(self) -> None:
         """zero_grad(): .grad is None (what it held went to the engine)."""
+        self.after_interruption()
         for ref in self._params:
             p = ref()
             if p is not None:
                 p.grad = None
+
+    def after_interruption(self) -> None:
+        """Outside forward and backward: lets go of what a forward or backward pass that
+        stopped by an exception still holds (a backward that raised never reaches its end
+        callback; KeyboardInterrupt skips even always_call forward hooks). What went to the
+        engine stays there: step() finishes that step."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for calls in self._running.values():
+            for taken in calls:
+                for c in taken:
+                    self._unuse(c)
+        self._running.clear()
+        for c, task in enumerate(self._backward_task):
+            if task is not None:
+                self._let_go(c)
+        self._callbacks_queued.clear()
+        self._outermost = None
+        if self._session_depth:  # A state_dict call that raised.
+            self._session_depth = 1
+            for i in self._end_session():
+                self._params[i]().data = self._absent[i]
 
     def remove(self) -> None:
         """Gives every parameter memory of its own with its current value (the engine's
@@ -238,7 +295,9 @@ class ParameterResidency:
     # --------------------------------------------------------------------------- the hooks
 
     def _install(self, model: torch.nn.Module, index: dict[int, int]) -> list[Any]:
-        handles = []
+        handles = [model.register_forward_pre_hook(_Hook(self, "_at_model_forward", None),
+                                                   prepend=True),
+                   model.register_forward_hook(_Hook(self, "_after_model_forward", None))]
         for module in model.modules():
             own = sorted({index[id(p)] for p in module._parameters.values()
                           if p is not None and id(p) in index})
@@ -265,9 +324,21 @@ class ParameterResidency:
                     _Hook(self, "_on_gradient", i)))
         return handles
 
+    def _at_model_forward(self, _: None, module: Any, args: Any) -> None:
+        """The model's own forward starts: nothing of ours can be running unless a pass was
+        interrupted (then it is let go of)."""
+        self.after_interruption()
+
+    def _after_model_forward(self, _: None, module: Any, args: Any, output: Any) -> None:
+        """Hooks the model's outputs so that the outermost backward pass is the first to
+        reach a hook of ours (see _after_backward)."""
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if tensors and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, _Hook(self, "_before_backward", []), mode="any")
+
     def _before_forward(self, chunks: list[int], module: Any, args: Any) -> None:
         if torch._C._current_graph_task_id() == -1:  # Not a recompute inside backward.
-            self.check_no_gradient_missing()
             if self.backward_passes() >= self.accumulation:
                 raise RuntimeError(
                     f"the model runs again after {self.backward_passes()} backward passes "
@@ -286,29 +357,55 @@ class ParameterResidency:
             raise
         self._running.setdefault(id(module), []).append(taken)
 
-    def _after_forward(self, chunks: list[int], module: Any, args: Any, output: Any) -> None:
+    def _after_forward(self, chunks: list[int], module: Any, args: Any, output: Any) -> Any:
         calls = self._running.get(id(module))
         if not calls:  # Its pre-hook raised: nothing was taken.
-            return
-        for c in calls.pop():
+            return None
+        taken = calls.pop()
+        output = self._detach_from_emptied(taken, output)
+        for c in taken:
             self._unuse(c)
         if not torch.is_grad_enabled():
-            return
+            return output
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, _Hook(self, "_before_backward", chunks), mode="any")
+        return output
+
+    def _detach_from_emptied(self, taken: list[int], output: Any) -> Any:
+        """An output that views a parameter about to be emptied (a module returning
+        ``self.weight[:n]``) is replaced by a copy (clone: autograd still reaches the
+        parameter)."""
+        emptied = {self._homes[i].untyped_storage().data_ptr()
+                   for c in taken if self._uses[c] == 1 for i in self._members[c]}
+        leaves, spec = pytree.tree_flatten(output)
+        if not any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in emptied
+                   for t in leaves):
+            return output
+        return pytree.tree_unflatten(
+            [t.clone() if isinstance(t, torch.Tensor)
+             and t.untyped_storage().data_ptr() in emptied else t for t in leaves], spec)
 
     def _before_backward(self, chunks: list[int], _grads: Any) -> None:
         task = torch._C._current_graph_task_id()
         if task not in self._callbacks_queued:
             self._callbacks_queued.add(task)
+            if self._outermost is None:
+                self._outermost = task
             torch.autograd.Variable._execution_engine.queue_callback(
                 _Hook(self, "_after_backward", task))
         for c in chunks:
             if self._backward_task[c] is not None:
                 continue
             frozen = not self._members[c] or not self._trained[self._members[c][0]]
+            if not frozen and self.handed[c] >= self.accumulation:
+                raise RuntimeError(
+                    f"a second backward pass reached chunk {c} in one micro-step: "
+                    "offload_parameters hands each chunk's gradients to the engine once per "
+                    "micro-step, and this step's are already there. Sum the losses and call "
+                    "backward() once, or build the optimizer with gradient_accumulation_steps=N "
+                    "for N backward passes per step()")
             with self._on_device():
                 params, grads = self._engine.acquire(c)
             self._backward_task[c] = task
@@ -339,34 +436,45 @@ class ParameterResidency:
         # clip_grad_norm_ of its own would otherwise skip it without a word.
         p.grad = self._gone[i]
         self._has_gradient[i] = True
+        self._had_gradient[i] = True
         self._waiting[c] -= 1
         if self._waiting[c] == 0:
             self._hand_over(c)
 
     def _after_backward(self, task: int) -> None:
-        """The end of the backward pass (graph task) `task`: frozen chunks it took are done
-        with. A trained chunk still waiting for gradients is not: under reentrant
-        checkpointing each region's backward is a pass of its own, and a chunk may span two
-        regions (check_no_gradient_missing finds one that waits for good)."""
+        """The end of the backward pass (graph task) `task`. Frozen chunks it took, and
+        trained ones that got no gradient in it (torch.autograd.grad to the inputs), are let go.
+        A trained chunk with some of its gradients waits for the outermost pass's end (under
+        reentrant checkpointing each region's backward is a pass of its own, and a chunk may span
+        two regions); there it goes to the engine with zeros for the parameters without one."""
         self._callbacks_queued.discard(task)
         for c, taken in enumerate(self._backward_task):
-            if taken == task and self._grad_buffer[c] is None:
-                self._backward_task[c] = None
-                self._unuse(c)
-
-    def check_no_gradient_missing(self) -> None:
-        """Outside backward: refuses to go on when a backward pass ended with trained chunks
-        still waiting for some of their parameters' gradients (they never came)."""
-        missing = [i for c, task in enumerate(self._backward_task)
-                   if task is not None and self._grad_buffer[c] is not None
-                   for i in self._members[c] if not self._has_gradient[i]]
-        if missing:
-            raise RuntimeError(
-                f"parameters {missing} received no gradient in the last backward pass. "
-                "offload_parameters hands a chunk's gradients to the engine once all its "
-                "trained parameters have theirs, and the engine would update one without a "
-                "gradient with zeros (torch skips it): freeze parameters the loss does not use "
-                "(requires_grad=False) before building the optimizer")
+            if taken == task and (self._grad_buffer[c] is None
+                                  or self._waiting[c] == len(self._members[c])):
+                self._let_go(c)
+        if task != self._outermost:
+            return
+        self._outermost = None
+        partial = [c for c, taken in enumerate(self._backward_task) if taken is not None]
+        last = [c for c in partial if self.handed[c] + 1 == self.accumulation]
+        never = [i for c in last for i in self._members[c] if not self._had_gradient[i]]
+        if never:
+            for c in partial:
+                self._let_go(c)
+            # Their chunks' other gradients are lost: step() must not finish this step.
+            self._refusal = (
+                f"parameters {never} received no gradient in any backward pass of this step. "
+                "offload_parameters hands a chunk's gradients to the engine during backward, and "
+                "the engine would update one without a gradient with zeros (torch skips it): "
+                "freeze parameters the loss does not use (requires_grad=False) before building "
+                "the optimizer")
+            raise RuntimeError(self._refusal)
+        for c in partial:
+            for i in self._members[c]:
+                if not self._has_gradient[i]:
+                    offset, numel = self._place[i]
+                    self._grad_buffer[c][offset:offset + numel].zero_()
+            self._hand_over(c)
 
     def _hand_over(self, c: int) -> None:
         optimizer = self._optimizer()
@@ -379,6 +487,15 @@ class ParameterResidency:
             finally:
                 self._engine.release(c, stream)
         self.handed[c] += 1
+        self._backward_task[c] = None
+        self._grad_buffer[c] = None
+        self._unuse(c)
+
+    def _let_go(self, c: int) -> None:
+        """Ends backward's hold on chunk `c` without handing its gradients over."""
+        if self._grad_buffer[c] is not None:  # Trained: the engine's copy is still acquired.
+            with self._on_device():
+                self._engine.release(c, self._stream())
         self._backward_task[c] = None
         self._grad_buffer[c] = None
         self._unuse(c)
@@ -421,10 +538,16 @@ class ParameterResidency:
             return
         for i in self._members[c]:
             p = self._params[i]()
-            if p is not None:
+            if p is not None and i not in self._session:
                 p.data = self._absent[i]
             self._homes[i].untyped_storage().resize_(0)
         self.filled_bytes -= self._bytes_of[c]
+
+    def _stream(self) -> int:
+        return _device.trainer_stream(self._device)
+
+    def _on_device(self) -> Any:
+        return _device.selected(self._device)
 
     # ---------------------------------------------------------------- model.state_dict()
 
@@ -434,44 +557,59 @@ class ParameterResidency:
             self._engine.read_states([(i, MASTER, o.numpy()) for i, o in zip(indices, out)])
         return out
 
-    def _materialize(self, indices: list[int]) -> list[int]:
-        """Points the unfilled ones of `indices` at memory of their own holding their values;
-        returns those."""
-        lent = [i for i in indices if self._uses[self._chunk_of[i]] == 0]
-        for i, value in zip(lent, self._masters(lent)):
+    def _lend(self, own: list[int]) -> None:
+        """Gives `own`'s parameters memory of their own holding their values, for one module's
+        part of a state_dict or load_state_dict call. The call is a session from its outermost
+        module's pre-hook to its post-hook (a parent's runs before its children's hooks and
+        after them): a parameter lent once in it keeps its tensor to the end, so tied weights
+        share one."""
+        self._session_depth += 1
+        fresh = [i for i in own if i not in self._session
+                 and self._uses[self._chunk_of[i]] == 0]
+        for i, value in zip(fresh, self._masters(fresh)):
             self._params[i]().data = value.to(self._device, self._dtype).view(self._shapes[i])
+            self._session[i] = None
+
+    def _end_session(self) -> list[int]:
+        """One module's part is done; at the session's end, the parameters it lent (to be
+        given their stand-ins back by the caller)."""
+        self._session_depth -= 1
+        if self._session_depth > 0:
+            return []
+        lent = [i for i in self._session if self._uses[self._chunk_of[i]] == 0]
+        self._session.clear()
         return lent
 
     def _before_state_dict(self, own: list[int], module: Any, prefix: str,
                            keep_vars: bool) -> None:
-        self._lent[id(module)] = self._materialize(own)
+        self._lend(own)
 
     def _after_state_dict(self, own: list[int], module: Any, state_dict: Any, prefix: str,
                           local_metadata: Any) -> None:
-        for i in self._lent.pop(id(module), []):
+        for i in self._end_session():
             self._params[i]().data = self._absent[i]
 
     def _before_load(self, own: list[int], module: Any, *args: Any) -> None:
-        self._lent[id(module)] = self._materialize(own)
+        self._lend(own)
 
     def _after_load(self, own: list[int], module: Any, incompatible_keys: Any) -> None:
-        loading = self._lent.pop(id(module), [])
-        if not loading:
+        done = self._end_session()
+        if not done:
             return
         optimizer = self._optimizer()
         values = [self._params[i]().detach().reshape(-1).to("cpu", torch.float32)
-                  for i in loading]
+                  for i in done]
         if self._dtype != torch.float32:
             # A value that rounds from its master keeps the master's fp32 bits (a save and
             # load of the same model keeps training exactly).
-            masters = self._masters(loading)
+            masters = self._masters(done)
             values = [torch.where(m.to(self._dtype).float() == v, m, v)
                       for m, v in zip(masters, values)]
         try:
             optimizer._write_states([(i, MASTER, v, "the loaded value")
-                                     for i, v in zip(loading, values)])
+                                     for i, v in zip(done, values)])
         finally:
-            for i in loading:
+            for i in done:
                 self._params[i]().data = self._absent[i]
 
 
@@ -492,13 +630,15 @@ class _Hook:
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for o in output for t in _tensors(o)]
-    return []
+    """The tensors in a module's output: pytree's containers (HF's ModelOutput registers
+    itself), and dataclasses' fields."""
+    found = []
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
 
 
 def _unreadable(like: torch.Tensor, message: str) -> torch.Tensor:

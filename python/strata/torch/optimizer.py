@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from strata import _strata
-from strata.torch import _lifetime, _param_offload, _sharded, _state_dict
+from strata.torch import _device, _lifetime, _param_offload, _sharded, _state_dict
 from strata.torch._options import (WORKING_DTYPES, auto_chunk_bytes, engine_options,
                                    rechecks_gradients)
 from strata.torch._state_dict import MASTER
@@ -169,6 +169,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             config=config)
         if self._plan is not None:
             _param_offload.place(options, self._plan, self._engine_accumulation())
+        # A live optimizer on these parameters gives them up to this one (`opt = ...` again),
+        # before their values are read: offloaded ones get theirs back only then.
+        for previous in _lifetime.owners(self._params):
+            previous._close(f"its parameters were taken over by a new {type(self).__name__}")
         registered = []
         for i, p in enumerate(self._params):
             group = self.param_groups[self._group_of[i]]
@@ -176,9 +180,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                _flat_fp32(self._layout.local(i, p)).numpy(),
                                float(group["weight_decay"]),
                                self._lr_scales[self._group_of[i]], not p.requires_grad))
-        # A live optimizer on these parameters gives them up to this one (`opt = ...` again).
-        for previous in _lifetime.owners(self._params):
-            previous._close(f"its parameters were taken over by a new {type(self).__name__}")
         with self._on_device():
             self._engine = _strata.Engine(
                 json.dumps(options), registered,
@@ -273,6 +274,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         can only be finished, by step()."""
         self._check_open("zero_grad()")
         if self._residency is not None:
+            self._residency.after_interruption()
             handed = self._residency.handed_chunks()
             if handed and not self._retry_pending:
                 raise RuntimeError(
@@ -360,8 +362,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """step() with offload_parameters: every chunk went to the engine during backward."""
         residency = self._residency
         if not self._retry_pending:
-            residency.check_no_gradient_missing()
-            residency.check_idle()
+            residency.before_step()
             passes = residency.backward_passes()
             if passes == 0:
                 raise RuntimeError(
@@ -970,18 +971,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- device and exit
 
     def _stream(self) -> int:
-        if self._device.type != "cuda":
-            return 0  # CPU tensors: torch's work is done when the hook runs.
-        # torch's legacy default stream has handle 0, which the engine reads as its own compute
-        # stream; cudaStreamLegacy (1) names the legacy stream explicitly.
-        return torch.cuda.current_stream(self._device).cuda_stream or 1
+        return _device.trainer_stream(self._device)
 
     def _on_device(self) -> contextlib.AbstractContextManager:
-        """Engine calls select the parameters' GPU on the calling thread; this puts torch's
-        current device back afterwards."""
-        if self._device.type == "cuda":
-            return torch.cuda.device(self._device)
-        return contextlib.nullcontext()
+        return _device.selected(self._device)
 
 
 class _GradHook:
