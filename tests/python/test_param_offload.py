@@ -164,11 +164,6 @@ def test_reads_outside_a_module_and_offloaded_gradients_raise_clear_errors(tmp_p
     with pytest.raises(RuntimeError, match="after 1 backward passes without step"):
         models.loss_of("mlp", model, 1, 1)
     opt.step()
-    # And step() after fewer backward passes than declared.
-    model, opt, _ = offloaded("mlp", None, "cpu", "cpu", 2, 0.0, tmp_path)
-    models.loss_of("mlp", model, 0, 0).backward()
-    with pytest.raises(RuntimeError, match="step.. after 1 backward passes"):
-        opt.step()
 
 
 def test_a_trained_parameter_without_a_gradient_is_refused(tmp_path):
@@ -344,6 +339,21 @@ def test_two_backward_passes_for_one_micro_step_are_refused_clearly():
     opt.step()
     opt.zero_grad()
     models.train("mlp", model, opt, range(1, 2))
+
+
+def test_a_window_cut_short_trains_as_torch(tmp_path):
+    """The HF Trainer's last window of an epoch: step() after fewer backward passes than
+    gradient_accumulation_steps."""
+    model, opt, _ = offloaded("mlp", None, "cpu", "cpu", 3, 0.0, tmp_path)
+    ref, _ = reference("mlp", None, 0, 1, 0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for net, o in ((model, opt), (ref, ref_opt)):
+        for micros in (3, 2, 3, 1):
+            for micro in range(micros):
+                (models.loss_of("mlp", net, micros, micro) / 3).backward()
+            o.step()
+            o.zero_grad()
+    assert max_difference(model.state_dict(), ref.state_dict()) <= 1e-5
 
 
 def test_a_module_used_in_some_micro_steps_only_trains_as_torch():

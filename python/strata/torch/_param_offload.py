@@ -213,18 +213,19 @@ class ParameterResidency:
         return max(self.handed, default=0)
 
     def before_step(self) -> None:
-        """step(): makes every chunk that took part in this step's backward passes count
-        each of them (a module used in some micro-steps only had nothing to hand over in the
-        others: the engine, which sums micro-steps, gets zeros for those)."""
+        """step(): hands every chunk that took part in this step zeros for the micro-steps it
+        missed, up to gradient_accumulation_steps. The engine sums micro-steps, so the sum is
+        torch's: a module used in some micro-steps only, and a window cut short (the HF
+        Trainer's last at an epoch's end: step() after fewer backward passes) train as in
+        torch."""
         self.after_interruption()
         if self._refusal is not None:
             raise RuntimeError(self._refusal)
         busy = [c for c, n in enumerate(self._uses) if n]
         if busy:
             raise RuntimeError(f"step() while a forward pass holds chunks {busy}")
-        passes = self.backward_passes()
         for c, n in enumerate(self.handed):
-            for _ in range(n, passes if n else 0):
+            for _ in range(n, self.accumulation if n else 0):
                 with self._on_device():
                     _, grads = self._engine.acquire(c)
                     try:

@@ -362,19 +362,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """step() with offload_parameters: every chunk went to the engine during backward."""
         residency = self._residency
         if not self._retry_pending:
-            residency.before_step()
-            passes = residency.backward_passes()
-            if passes == 0:
+            if residency.backward_passes() == 0:
+                residency.after_interruption()
                 raise RuntimeError(
                     "step() before any backward(): no parameter received a gradient since the "
                     "last step()")
-            if passes != self._engine_accumulation():
-                raise RuntimeError(
-                    f"step() after {passes} backward passes, but with offload_parameters the "
-                    "engine sums the micro-steps and was built for "
-                    f"gradient_accumulation_steps={self.gradient_accumulation_steps}: call "
-                    "step() after that many backward() calls, or build the optimizer with "
-                    "the count you use")
+            residency.before_step()
         before = self._engine.iteration_count
         try:
             with self._on_device():
