@@ -5,7 +5,9 @@ torch.optim.AdamW and the config's hyper-parameters, and the config errors
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import types
 from pathlib import Path
@@ -18,6 +20,10 @@ import strata
 import strata.torch as st
 
 STEPS = 12
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parents[1] / "examples" / "python" / "train_gpt.py"
+# DeepSpeed's ZeRO-Infinity example (docs), as the config parser's tests and fuzzer use it.
+ZERO_INFINITY = HERE.parent / "fuzz" / "corpus" / "config" / "zero_infinity_config.json"
 MICRO = 2  # Micro-batches per step (gradient_accumulation_steps).
 
 
@@ -97,33 +103,51 @@ def test_zero3_offload_configs_train_as_torch(tmp_path, params, states):
     assert fetched > 0
 
 
-def test_zero_infinity_fp16_config_with_a_scheduler_trains(tmp_path):
-    """DeepSpeed's ZeRO-Infinity example as is (fp16, NVMe for both, dynamic loss scale), with
-    its WarmupLR built in torch and passed as lr_scheduler."""
-    config = zero3_config(tmp_path, "nvme", "nvme")
-    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8,
-                      "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1}
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0,
-                                                          "warmup_max_lr": 3e-3,
-                                                          "warmup_num_steps": 4}}
-    model = models.make("gpt")
+def example_gpt() -> type:
+    """examples/python/train_gpt.py's GPT."""
+    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GPT
+
+
+def test_the_zero_infinity_example_config_trains_the_example_gpt(tmp_path):
+    """DeepSpeed's ZeRO-Infinity example config as it is (fp16 with a dynamic loss scale,
+    parameters and states on NVMe, Adam, clipping, 4 micro-batches per step, WarmupLR), its
+    NVMe paths pointed at scratch folders, on examples/python/train_gpt.py's GPT."""
+    config = json.loads(ZERO_INFINITY.read_text())
+    for section in ("offload_optimizer", "offload_param"):
+        folder = tmp_path / section
+        folder.mkdir()
+        config["zero_optimization"][section]["nvme_path"] = str(folder)
+    torch.manual_seed(0)
+    model = example_gpt()(context=32, width=64, layers=2, heads=4)
     with pytest.raises(NotImplementedError, match="scheduler"):
         st.initialize(model=model, config=config)
-    model = models.make("gpt")
-    engine, opt, _, scheduler = st.initialize(
-        model=model, config=config,
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1, s / 4)))
+    # WarmupLR, built in torch.
+    warmup = config["scheduler"]["params"]["warmup_num_steps"]
+    engine, opt, _, _ = st.initialize(
+        model=model, model_parameters=model.parameters(), config=config,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: math.log(s + 1) / math.log(warmup)))
     assert next(model.parameters()).dtype == torch.float16
-    losses = []
-    for step in range(STEPS):
-        for micro in range(MICRO):
-            loss = models.loss_of("gpt", engine, step, micro, torch.float16)
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < losses[0]
+    assert isinstance(opt, st.OffloadAdamW)  # DeepSpeed's Adam is AdamW (adam_w_mode).
+    assert engine.gradient_accumulation_steps() == 4
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3 * engine.gradient_accumulation_steps()):
+        tokens = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 33), generator=g)
+        logits = engine(tokens[:, :-1]).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        assert torch.isfinite(loss)
+        engine.backward(loss)
+        engine.step()
+    assert engine.global_steps == 3
+    after = model.state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in ("blocks.0.qkv.weight", "norm.bias"))
     assert opt.loss_scale > 1
+    m = opt.metrics()
+    assert m["nvme_write_bytes"] > 0  # The states live on NVMe.
 
 
 def strata_cli() -> Path:

@@ -326,27 +326,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 # every parameter, and so does this step.
                 self._reset_step()
                 return loss
-        # Whether the engine finished the step is its iteration count's business, not the
-        # exception's: a Ctrl-C can arrive just after a successful call returns.
-        before = self._engine.iteration_count
         grad_norm = self._this_step.grad_norm
-        try:
-            with self._on_device():
-                report = self._engine.step()
-        finally:
-            self._retry_pending = self._engine.iteration_count == before
-            if not self._retry_pending:
-                self._restore_pending += self._this_step.untouched
-                self._learn_rhythm()
-                self._reset_step()
+
+        def finished() -> None:
+            self._restore_pending += self._this_step.untouched
+            self._learn_rhythm()
+            self._reset_step()
+        report = self._engine_step(finished)
         self._restore_untouched()
         self._consolidated = None
         if self._layout.mirrors:
             self._publish_parts()
             report["grad_norm"] = grad_norm
-        self._last_report = report
-        if report["skipped"]:
-            self._skipped_steps += 1
+        self._record(report)
         if modified:
             raise RuntimeError(
                 f"the gradients of {modified} changed between backward() and step() (by "
@@ -368,15 +360,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "step() before any backward(): no parameter received a gradient since the "
                     "last step()")
             residency.before_step()
+
+        def finished() -> None:
+            residency.step_done()
+            self._reset_step()
+        self._record(self._engine_step(finished))
+
+    def _engine_step(self, finished: Callable[[], None]) -> dict[str, Any]:
+        """The engine's step; `finished` runs once it completed (a failed one waits for step()
+        to retry it). Whether the engine finished is its iteration count's business, not the
+        exception's: a Ctrl-C can arrive just after a successful call returns."""
         before = self._engine.iteration_count
         try:
             with self._on_device():
-                report = self._engine.step()
+                return self._engine.step()
         finally:
             self._retry_pending = self._engine.iteration_count == before
             if not self._retry_pending:
-                residency.step_done()
-                self._reset_step()
+                finished()
+
+    def _record(self, report: dict[str, Any]) -> None:
         self._last_report = report
         if report["skipped"]:
             self._skipped_steps += 1
