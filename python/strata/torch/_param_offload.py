@@ -184,17 +184,17 @@ class ParameterResidency:
         # outermost backward pass (reentrant checkpointing runs nested ones inside it).
         self._callbacks_queued: set[int] = set()
         self._outermost: int | None = None
-        # Why this step cannot be finished, once a backward pass lost gradients.
-        self._refusal: str | None = None
         # A state_dict or load_state_dict call (see _lend): the parameters given memory of
         # their own (a dict: ordered, fast to look up) and the modules' hooks still open.
         self._session: dict[int, None] = {}
+        self._session_in_use: dict[int, None] = {}
         self._session_depth = 0
         # The chunks each module's forward calls running took, innermost call last.
         self._running: dict[int, list[list[int]]] = {}
         self.filled_bytes = 0
         self.peak_filled_bytes = 0
-        self._hooks = self._install(model, {id(p): i for i, p in enumerate(params)})
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._hooks = self._install(model, self._index)
         left_out = [p for p in model.parameters() if id(p) not in {id(q) for q in params}]
         if left_out:
             mib = sum(p.numel() * p.element_size() for p in left_out) / 2**20
@@ -219,11 +219,11 @@ class ParameterResidency:
         Trainer's last at an epoch's end: step() after fewer backward passes) train as in
         torch."""
         self.after_interruption()
-        if self._refusal is not None:
-            raise RuntimeError(self._refusal)
         busy = [c for c, n in enumerate(self._uses) if n]
         if busy:
             raise RuntimeError(f"step() while a forward pass holds chunks {busy}")
+        self._keep_untouched([c for c, n in enumerate(self.handed)
+                              if 0 < n < self.accumulation])
         for c, n in enumerate(self.handed):
             for _ in range(n, self.accumulation if n else 0):
                 with self._on_device():
@@ -234,6 +234,19 @@ class ParameterResidency:
                     finally:
                         self._engine.release(c, self._stream())
                 self.handed[c] += 1
+
+    def _keep_untouched(self, last: list[int]) -> None:
+        """Before the last hand-over of chunks `last`: the states of their parameters without
+        a gradient in this whole step, which the engine updates with zeros and torch leaves
+        alone, are saved to be put back after the step (the optimizer's untouched states)."""
+        never = [i for c in last for i in self._members[c] if not self._had_gradient[i]]
+        optimizer = self._optimizer()
+        if not never or optimizer is None:
+            return
+        kinds = [MASTER, *optimizer._state_names]
+        wanted = [(i, k) for i in never for k in kinds]
+        optimizer._this_step.untouched += [
+            (i, k, v) for (i, k), v in zip(wanted, optimizer._read_states(wanted))]
 
     def step_done(self) -> None:
         self.handed = [0] * len(self.handed)
@@ -266,7 +279,7 @@ class ParameterResidency:
         self._outermost = None
         if self._session_depth:  # A state_dict call that raised.
             self._session_depth = 1
-            for i in self._end_session():
+            for i in self._end_session()[0]:
                 self._params[i]().data = self._absent[i]
 
     def remove(self) -> None:
@@ -302,15 +315,19 @@ class ParameterResidency:
         for module in model.modules():
             own = sorted({index[id(p)] for p in module._parameters.values()
                           if p is not None and id(p) in index})
-            if not own:
+            if own:
+                chunks = sorted({self._chunk_of[i] for i in own})
+                handles.append(module.register_forward_pre_hook(
+                    _Hook(self, "_before_forward", chunks)))
+                # always_call: a forward that raises lets go of what it took too (non-reentrant
+                # checkpointing stops each recompute with an exception once it has what it
+                # needs).
+                handles.append(module.register_forward_hook(
+                    _Hook(self, "_after_forward", chunks), always_call=True))
+            elif module is not model:
                 continue
-            chunks = sorted({self._chunk_of[i] for i in own})
-            handles.append(module.register_forward_pre_hook(
-                _Hook(self, "_before_forward", chunks)))
-            # always_call: a forward that raises lets go of what it took too (non-reentrant
-            # checkpointing stops each recompute with an exception once it has what it needs).
-            handles.append(module.register_forward_hook(_Hook(self, "_after_forward", chunks),
-                                                        always_call=True))
+            # The model's own hooks, with or without parameters of its own, make a state_dict
+            # call one session (tied weights lent once).
             handles.append(module.register_state_dict_pre_hook(
                 _Hook(self, "_before_state_dict", own)))
             handles.append(module.register_state_dict_post_hook(
@@ -339,14 +356,16 @@ class ParameterResidency:
                 tensors, _Hook(self, "_before_backward", []), mode="any")
 
     def _before_forward(self, chunks: list[int], module: Any, args: Any) -> None:
-        if torch._C._current_graph_task_id() == -1:  # Not a recompute inside backward.
-            if self.backward_passes() >= self.accumulation:
-                raise RuntimeError(
-                    f"the model runs again after {self.backward_passes()} backward passes "
-                    "without step(): offload_parameters hands the gradients to the engine during "
-                    "backward, and after the last micro-step the parameters are being updated. "
-                    "Call step() first, or build the optimizer with "
-                    "gradient_accumulation_steps=N to accumulate N backward passes")
+        task = torch._C._current_graph_task_id()
+        if task != -1:  # A recompute inside backward.
+            self._enter_backward(task)
+        elif self.backward_passes() >= self.accumulation:
+            raise RuntimeError(
+                f"the model runs again after {self.backward_passes()} backward passes without "
+                "step(): offload_parameters hands the gradients to the engine during backward, "
+                "and after the last micro-step the parameters are being updated. Call step() "
+                "first, or build the optimizer with gradient_accumulation_steps=N to accumulate "
+                "N backward passes")
         taken = []
         try:
             for c in chunks:
@@ -380,22 +399,32 @@ class ParameterResidency:
         parameter)."""
         emptied = {self._homes[i].untyped_storage().data_ptr()
                    for c in taken if self._uses[c] == 1 for i in self._members[c]}
-        leaves, spec = pytree.tree_flatten(output)
-        if not any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in emptied
-                   for t in leaves):
+        if not any(t.untyped_storage().data_ptr() in emptied for t in _tensors(output)):
             return output
-        return pytree.tree_unflatten(
-            [t.clone() if isinstance(t, torch.Tensor)
-             and t.untyped_storage().data_ptr() in emptied else t for t in leaves], spec)
+        return _map_tensors(output, lambda t: t.clone()
+                            if t.untyped_storage().data_ptr() in emptied else t)
+
+    def _enter_backward(self, task: int) -> None:
+        """A hook of ours runs in backward pass (graph task) `task`: its end gets a callback,
+        and the first such pass is the outermost. A recompute's forward (activation
+        checkpointing) runs in the pass around the region's own, so that one is seen first
+        even when nothing hooks the model's output."""
+        if task in self._callbacks_queued:
+            return
+        self._callbacks_queued.add(task)
+        if self._outermost is None:
+            self._outermost = task
+        torch.autograd.Variable._execution_engine.queue_callback(
+            _Hook(self, "_after_backward", task))
 
     def _before_backward(self, chunks: list[int], _grads: Any) -> None:
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "a backward pass with create_graph=True (a double backward: gradient penalties) "
+                "is not built with offload_parameters: the second pass would read parameters "
+                "the first one let go")
         task = torch._C._current_graph_task_id()
-        if task not in self._callbacks_queued:
-            self._callbacks_queued.add(task)
-            if self._outermost is None:
-                self._outermost = task
-            torch.autograd.Variable._execution_engine.queue_callback(
-                _Hook(self, "_after_backward", task))
+        self._enter_backward(task)
         for c in chunks:
             if self._backward_task[c] is not None:
                 continue
@@ -457,19 +486,7 @@ class ParameterResidency:
             return
         self._outermost = None
         partial = [c for c, taken in enumerate(self._backward_task) if taken is not None]
-        last = [c for c in partial if self.handed[c] + 1 == self.accumulation]
-        never = [i for c in last for i in self._members[c] if not self._had_gradient[i]]
-        if never:
-            for c in partial:
-                self._let_go(c)
-            # Their chunks' other gradients are lost: step() must not finish this step.
-            self._refusal = (
-                f"parameters {never} received no gradient in any backward pass of this step. "
-                "offload_parameters hands a chunk's gradients to the engine during backward, and "
-                "the engine would update one without a gradient with zeros (torch skips it): "
-                "freeze parameters the loss does not use (requires_grad=False) before building "
-                "the optimizer")
-            raise RuntimeError(self._refusal)
+        self._keep_untouched([c for c in partial if self.handed[c] + 1 == self.accumulation])
         for c in partial:
             for i in self._members[c]:
                 if not self._has_gradient[i]:
@@ -563,23 +580,31 @@ class ParameterResidency:
         part of a state_dict or load_state_dict call. The call is a session from its outermost
         module's pre-hook to its post-hook (a parent's runs before its children's hooks and
         after them): a parameter lent once in it keeps its tensor to the end, so tied weights
-        share one."""
+        share one. A parameter filled for a module running now (a state_dict taken inside a
+        forward) is read where it is."""
         self._session_depth += 1
-        fresh = [i for i in own if i not in self._session
-                 and self._uses[self._chunk_of[i]] == 0]
+        fresh = []
+        for i in own:
+            if i in self._session or i in self._session_in_use:
+                continue
+            if self._uses[self._chunk_of[i]] > 0:
+                self._session_in_use[i] = None
+            else:
+                fresh.append(i)
         for i, value in zip(fresh, self._masters(fresh)):
             self._params[i]().data = value.to(self._device, self._dtype).view(self._shapes[i])
             self._session[i] = None
 
-    def _end_session(self) -> list[int]:
+    def _end_session(self) -> tuple[list[int], list[int]]:
         """One module's part is done; at the session's end, the parameters it lent (to be
-        given their stand-ins back by the caller)."""
+        given their stand-ins back by the caller) and those it read where they were filled."""
         self._session_depth -= 1
         if self._session_depth > 0:
-            return []
-        lent = [i for i in self._session if self._uses[self._chunk_of[i]] == 0]
+            return [], []
+        lent, in_use = list(self._session), list(self._session_in_use)
         self._session.clear()
-        return lent
+        self._session_in_use.clear()
+        return lent, in_use
 
     def _before_state_dict(self, own: list[int], module: Any, prefix: str,
                            keep_vars: bool) -> None:
@@ -587,14 +612,24 @@ class ParameterResidency:
 
     def _after_state_dict(self, own: list[int], module: Any, state_dict: Any, prefix: str,
                           local_metadata: Any) -> None:
-        for i in self._end_session():
+        # Entries of parameters filled for a running module view storage emptied when it
+        # returns: they get copies.
+        for name, p in module._parameters.items():
+            i = self._index.get(id(p)) if p is not None else None
+            key = prefix + name
+            if (i is not None and i in self._session_in_use and key in state_dict
+                    and state_dict[key] is not p):
+                state_dict[key] = state_dict[key].clone()
+        lent, _ = self._end_session()
+        for i in lent:
             self._params[i]().data = self._absent[i]
 
     def _before_load(self, own: list[int], module: Any, *args: Any) -> None:
         self._lend(own)
 
     def _after_load(self, own: list[int], module: Any, incompatible_keys: Any) -> None:
-        done = self._end_session()
+        lent, in_use = self._end_session()
+        done = lent + in_use
         if not done:
             return
         optimizer = self._optimizer()
@@ -610,7 +645,7 @@ class ParameterResidency:
             optimizer._write_states([(i, MASTER, v, "the loaded value")
                                      for i, v in zip(done, values)])
         finally:
-            for i in done:
+            for i in lent:
                 self._params[i]().data = self._absent[i]
 
 
@@ -630,15 +665,27 @@ class _Hook:
         return None
 
 
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output: pytree's containers (HF's ModelOutput registers
-    itself), and dataclasses' fields."""
-    found = []
-    for leaf in pytree.tree_leaves(output):
+def _map_tensors(output: Any, fn: Any) -> Any:
+    """`output` with `fn` applied to each tensor in it: in pytree's containers (HF's
+    ModelOutput registers itself) and dataclasses' fields."""
+    leaves, spec = pytree.tree_flatten(output)
+    mapped = []
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
+            leaf = fn(leaf)
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+            fields = {f.name: _map_tensors(getattr(leaf, f.name), fn)
+                      for f in dataclasses.fields(leaf) if f.init}
+            if any(v is not getattr(leaf, k) for k, v in fields.items()):
+                leaf = dataclasses.replace(leaf, **fields)
+        mapped.append(leaf)
+    return pytree.tree_unflatten(mapped, spec)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (as _map_tensors finds them)."""
+    found: list[torch.Tensor] = []
+    _map_tensors(output, lambda t: found.append(t) or t)
     return found
 
 

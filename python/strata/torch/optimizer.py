@@ -362,9 +362,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             residency.before_step()
 
         def finished() -> None:
+            # Parameters without a gradient in this step (ParameterResidency._keep_untouched).
+            self._restore_pending += self._this_step.untouched
             residency.step_done()
             self._reset_step()
         self._record(self._engine_step(finished))
+        self._restore_untouched()
 
     def _engine_step(self, finished: Callable[[], None]) -> dict[str, Any]:
         """The engine's step; `finished` runs once it completed (a failed one waits for step()
