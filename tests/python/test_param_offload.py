@@ -585,3 +585,15 @@ def test_a_double_backward_is_refused_clearly():
     assert opt is not None
     with pytest.raises(NotImplementedError, match="create_graph"):
         torch.autograd.grad(model(x).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("rule", [st.OffloadAdam, st.OffloadAdagrad, st.OffloadLion])
+def test_every_update_rule_trains_as_with_the_parameters_resident(rule):
+    resident = models.make("gpt")
+    resident_opt = rule(resident.parameters(), lr=1e-3, weight_decay=0.01, chunk_size=CHUNK)
+    expected = models.train("gpt", resident, resident_opt, range(5))
+    model = models.make("gpt")
+    st.offload_parameters(model, "cpu", device_memory=device_memory_for(model))
+    opt = rule(model.parameters(), lr=1e-3, weight_decay=0.01, chunk_size=CHUNK)
+    assert models.train("gpt", model, opt, range(5)) == expected
+    assert max_difference(model.state_dict(), resident.state_dict()) == 0.0
