@@ -597,3 +597,15 @@ def test_every_update_rule_trains_as_with_the_parameters_resident(rule):
     opt = rule(model.parameters(), lr=1e-3, weight_decay=0.01, chunk_size=CHUNK)
     assert models.train("gpt", model, opt, range(5)) == expected
     assert max_difference(model.state_dict(), resident.state_dict()) == 0.0
+
+
+def test_several_ranks_are_refused(monkeypatch):
+    """ZeRO-3 across ranks from PyTorch is not built: DDP's and FSDP2's gradient hooks would
+    meet parameters that leave the device."""
+    import torch.distributed as dist
+    model = models.make("mlp")
+    st.offload_parameters(model, "cpu")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(NotImplementedError, match="several ranks"):
+        st.OffloadAdamW(model.parameters(), lr=LR)

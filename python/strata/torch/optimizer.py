@@ -137,10 +137,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # offload_parameters(model) was called: the parameters live off the device between
         # uses, and a ParameterResidency puts them there while their modules run.
         self._plan = _param_offload.plan_of(self._params)
-        if self._plan is not None and self._layout.mirrors:
+        if self._plan is not None and (self._layout.mirrors or (
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
             raise NotImplementedError(
-                "offload_parameters with FSDP2 or shard_states is not built yet: offloaded "
-                "parameters work on one rank")
+                "offload_parameters across several ranks (FSDP2, DDP, shard_states) is not "
+                "built yet: offloaded parameters work on one rank")
         # The engine reads the gradients again at step() and redoes what changed (CPU tensors,
         # _options.rechecks_gradients): whatever the trainer did to them between backward and
         # step(), the step uses them as they are then. torch.amp.GradScaler then unscales the
