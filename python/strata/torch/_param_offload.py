@@ -17,11 +17,12 @@ that owns it runs, forward or backward:
   hooks that output so that backward takes them again before it reaches the module
   (register_multi_grad_hook, as FSDP2).
 * In backward the engine's copy of a trained chunk stays acquired: each parameter's
-  post-accumulate-grad hook copies its gradient into the chunk's gradient buffer and frees
-  ``.grad``; once every trained parameter of the chunk has one, the chunk goes to the engine
-  (GradsReady: its update may start at once) and is let go. The engine sums micro-steps, so
-  gradient accumulation needs its count up front. A frozen chunk is let go at the end of the
-  backward pass that took it.
+  post-accumulate-grad hook copies its gradient into the chunk's gradient buffer (``.grad``
+  then says where it went); once every trained parameter of the chunk has one, the chunk goes
+  to the engine (GradsReady: its update may start at once) and is let go. The engine sums
+  micro-steps, so gradient accumulation needs its count up front, and a chunk that missed a
+  micro-step gets zeros for it. A frozen chunk is let go at the end of the backward pass that
+  took it.
 
 ``model.state_dict()`` and ``load_state_dict`` see real values: hooks fill the parameters from
 the engine's masters around them and write loaded values back as masters.
@@ -33,7 +34,6 @@ import dataclasses
 import os
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,11 +45,11 @@ from strata.torch._state_dict import MASTER
 
 _OFFLOAD_TIERS = {"cpu": "host", "host": "host", "nvme": "nvme"}
 
-# id(parameter) -> (the parameter, its model's plan), both weakly held by the parameter's side.
+# id(parameter) -> (the parameter, held weakly; its model's plan, which holds the model weakly).
 _planned: dict[int, tuple[weakref.ref, "OffloadPlan"]] = {}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OffloadPlan:
     """What offload_parameters() asked for one model."""
 
