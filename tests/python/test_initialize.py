@@ -194,3 +194,87 @@ def test_auto_values_come_from_training_arguments_or_are_refused(tmp_path):
     assert engine.train_batch_size() == 4 * MICRO
     losses = deepspeed_loop(engine, 4)
     assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5
+
+
+# What a review found, read as a DeepSpeed user would: each failed before its fix.
+
+
+def test_a_client_optimizer_gets_the_configs_settings(tmp_path):
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    del config["optimizer"]
+    engine, opt, _, _ = st.initialize(
+        model=models.make("gpt"), config=config,
+        optimizer=lambda params, **settings: st.OffloadLion(params, lr=1e-4, **settings))
+    assert isinstance(opt, st.OffloadLion)
+    assert opt.max_grad_norm == 6.0 and opt.gradient_accumulation_steps == MICRO
+    with pytest.raises(TypeError, match="settings as keywords"):
+        st.initialize(model=models.make("gpt"), config=config,
+                      optimizer=lambda params: st.OffloadLion(params, lr=1e-4))
+    with pytest.raises(TypeError, match="strata optimizer"):
+        st.initialize(model=models.make("gpt"), config=config,
+                      optimizer=lambda params, **_: torch.optim.AdamW(params))
+
+
+def test_the_scheduler_does_not_step_on_steps_fp16_skipped(tmp_path):
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    config["fp16"] = {"enabled": True, "initial_scale_power": 60}  # Every early step overflows.
+    engine, opt, _, scheduler = st.initialize(
+        model=models.make("gpt"), config=config,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: s + 1))
+    for micro in range(MICRO):
+        engine.backward(models.loss_of("gpt", engine, 0, micro, torch.float16))
+        engine.step()
+    assert opt.last_step["skipped"] and engine.skipped_steps == 1
+    assert scheduler.last_epoch == 0
+
+
+def test_a_config_with_comments_is_read_whole(tmp_path):
+    params, states = tmp_path / "params", tmp_path / "states"
+    params.mkdir()
+    states.mkdir()
+    config = zero3_config(tmp_path, "nvme", "nvme")
+    config["zero_optimization"]["offload_param"]["nvme_path"] = str(params)
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(states)
+    text = json.dumps(config, indent=1)
+    path = tmp_path / "ds_config.json"
+    path.write_text("// a comment\n" + text.replace('"stage": 3,', '"stage": 3, /* ZeRO-3 */'))
+    engine, opt, _, _ = st.initialize(model=models.make("gpt"), config=str(path))
+    assert opt._plan.nvme_path == str(params)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    path.write_text("// a comment\n" + json.dumps(config))
+    with pytest.raises(NotImplementedError, match="scheduler"):
+        st.initialize(model=models.make("gpt"), config=str(path))
+
+
+def test_keys_strata_does_not_use_are_named(tmp_path):
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    config["activation_checkpointing"] = {"partition_activations": True}
+    with pytest.warns(UserWarning, match="ignored.*activation_checkpointing"):
+        st.initialize(model=models.make("gpt"), config=config)
+
+
+def test_args_that_disagree_with_the_config_are_refused(tmp_path):
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    args = types.SimpleNamespace(learning_rate=5e-5, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=MICRO, max_grad_norm=6.0,
+                                 adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+                                 weight_decay=0.1, fp16=False, bf16=False)
+    with pytest.raises(ValueError, match=r"optimizer.params.lr=0.003 but args say 5e-05"):
+        st.initialize(args=args, model=models.make("gpt"), config=config)
+    args.learning_rate = 3e-3
+    args.deepspeed = config
+    with pytest.raises(ValueError, match="both as config= and in args"):
+        st.initialize(args=args, model=models.make("gpt"), config=config)
+    engine, _, _, _ = st.initialize(args=args, model=models.make("gpt"))  # args.deepspeed
+    assert engine.device == torch.device("cpu") and engine.local_rank == 0
+
+
+def test_a_refused_initialize_leaves_the_model_as_it_was(tmp_path):
+    config = zero3_config(tmp_path, "cpu", "cpu")
+    config["fp16"] = {"enabled": True}
+    model = models.make("gpt")
+    with pytest.raises(ValueError, match="optimizer= was given"):
+        st.initialize(model=model, config=config,
+                      optimizer=lambda params, **s: st.OffloadAdamW(params, **s))
+    assert next(model.parameters()).dtype == torch.float32
+    assert next(model.parameters()).sum().isfinite()  # Not offloaded: readable.

@@ -18,18 +18,21 @@ otherwise: a default standing in for a learning rate would train silently wrong.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from strata import _strata
+from strata import _log, _strata
 from strata.torch import rules
 from strata.torch._param_offload import offload_parameters
+from strata.torch.optimizer import OffloadOptimizer
 
 _OPTIMIZERS = {"adamw": rules.OffloadAdamW, "adam": rules.OffloadAdam,
                "adagrad": rules.OffloadAdagrad, "lion": rules.OffloadLion}
@@ -58,21 +61,77 @@ def _from_args(args: Any, world_size: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dict, dict | None]:
-    """(what `strata config check` resolves `config` to, the document as a dict or None when
-    it has comments) with "auto" values resolved from `args` (see the module docstring).
-    `config`: a path, or the document as a dict (DeepSpeed's config_params)."""
+def _without_comments(text: str) -> str:
+    """JSON text with its // and /* */ comments (which the engine's parser allows) removed,
+    strings left alone."""
+    out, i, quoted = [], 0, False
+    while i < len(text):
+        c = text[i]
+        if quoted:
+            out.append(c)
+            if c == "\\":
+                out.append(text[i + 1:i + 2])
+                i += 1
+            elif c == '"':
+                quoted = False
+        elif c == '"':
+            quoted = True
+            out.append(c)
+        elif text.startswith("//", i):
+            i = text.find("\n", i)
+            i = len(text) if i < 0 else i
+            continue
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = len(text) if end < 0 else end + 2
+            continue
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _check_against_args(document: dict, args: Any, source: str) -> None:
+    """A value the config gives and `args` gives too must agree, as the HF integration
+    requires (its "mismatch" error): a script whose arguments say one learning rate and whose
+    config another would otherwise train with the config's without a word."""
+    if args is None:
+        return
+    mismatches = []
+    for key, value in _from_args(args, 1).items():
+        if key == "train_batch_size":
+            continue  # Needs the world size: DeepSpeed's own check covers it.
+        node: Any = document
+        for name in key.split("."):
+            node = node.get(name) if isinstance(node, dict) else None
+        if node is None or node == "auto":
+            continue
+        try:
+            wanted = value()
+        except AttributeError:
+            continue
+        same = (node == wanted if not isinstance(wanted, (int, float))
+                or isinstance(wanted, bool) else math.isclose(float(node), float(wanted)))
+        if not same:
+            mismatches.append(f"{key}={node!r} but args say {wanted!r}")
+    if mismatches:
+        raise ValueError(f"{source}: the config and args disagree: " + "; ".join(mismatches)
+                         + " (set the value in one place, or \"auto\" in the config)")
+
+
+def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dict, dict]:
+    """(what `strata config check` resolves `config` to, the document as a dict) with "auto"
+    values resolved from `args` (see the module docstring). `config`: a path, or the document
+    as a dict (DeepSpeed's config_params)."""
     if isinstance(config, dict):
-        document, source = json.loads(json.dumps(config)), "<config dict>"
+        document, source = json.loads(json.dumps(config, default=os.fspath)), "<config dict>"
         loaded = _strata.parse_config(json.dumps(document), "auto", source, world_size)
     else:
         source = os.fspath(config)
-        loaded = _strata.load_config(source, "auto", world_size)
-        try:
-            with open(source, encoding="utf-8") as f:
-                document = json.load(f)
-        except ValueError:
-            document = None  # JSON with comments, which the engine's parser reads.
+        loaded = _strata.load_config(source, "auto", world_size)  # Its errors come first.
+        with open(source, encoding="utf-8") as f:
+            document = json.loads(_without_comments(f.read()))
+    _check_against_args(document, args, source)
     autos = [note.split(": auto -> ")[0] for note in loaded["auto_resolved"]]
     if not autos:
         return loaded, document
@@ -87,9 +146,6 @@ def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dic
             raise ValueError(
                 f"{source}: {key} is \"auto\" and {where}; give it a value in the config (the "
                 "HF Trainer fills these in from its arguments)") from None
-    if document is None:
-        raise ValueError(f"{source}: \"auto\" values ({', '.join(autos)}) are resolved in a "
-                         "plain JSON document; this one has comments")
     for key, value in values.items():
         *parents, last = key.split(".")
         node = document
@@ -105,10 +161,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                **unsupported: Any) -> tuple["ModelEngine", Any, None, Any]:
     """``deepspeed.initialize`` on Strata: returns ``(model_engine, optimizer, None,
     lr_scheduler)``. ``config`` is a DeepSpeed (or Strata) config file or dict
-    (``config_params`` is DeepSpeed's other name for it; ``args.deepspeed_config`` is read when
-    neither is given). ``optimizer``: None to build the config's ``optimizer`` section, or a
-    callable taking the parameters and returning a strata optimizer. ``lr_scheduler``: a
-    scheduler, or a callable taking the optimizer. The loop is DeepSpeed's::
+    (``config_params`` is DeepSpeed's other name for it; ``args.deepspeed_config``, or the HF
+    Trainer's ``args.deepspeed``, is read when neither is given). ``optimizer``: None to build
+    the config's ``optimizer`` section, or a callable taking the parameters and the config's
+    settings as keywords and returning a strata optimizer (``lambda params, **settings:
+    st.OffloadLion(params, lr=1e-4, **settings)``). ``lr_scheduler``: a scheduler, or a
+    callable taking the optimizer; it steps after each optimizer step that fp16 did not skip.
+    The model goes to this process's GPU when there is one, in the config's dtype. The loop is
+    DeepSpeed's::
 
         engine, opt, _, _ = strata.torch.initialize(model=model, config="ds_config.json")
         for batch in loader:
@@ -116,9 +176,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             engine.backward(loss)   # divides by gradient_accumulation_steps, as DeepSpeed
             engine.step()           # steps at the end of each accumulation window
     """
+    # deepspeed.initialize's other arguments: accepted when they ask for nothing.
+    unsupported = {k: v for k, v in unsupported.items()
+                   if v is not None and k != "dist_init_required"}
     if unsupported:
         raise TypeError(f"initialize() does not take {sorted(unsupported)} (deepspeed's "
-                        "distributed_port, mpu, collate_fn, ... are not used by Strata)")
+                        "mpu, collate_fn, mesh_param, ... are not used by Strata)")
     if model is None:
         raise ValueError("initialize() needs model=")
     if training_data is not None:
@@ -128,8 +191,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if config is not None and config_params is not None:
         raise ValueError("give config or config_params, not both")
     config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepspeed", None)
+    if config is not None and isinstance(from_args, (str, os.PathLike, dict)):
+        raise ValueError("a config was given both as config= and in args (deepspeed_config or "
+                         "the HF Trainer's deepspeed): give one (DeepSpeed refuses both too)")
     if config is None:
-        config = getattr(args, "deepspeed_config", None)
+        config = from_args
     if config is None:
         raise ValueError("initialize() needs config= (a DeepSpeed config file or dict)")
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -138,50 +205,87 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             "strata.torch.initialize across several ranks is not built yet; on several ranks "
             "use OffloadAdamW with FSDP2 or DDP (docs/python.md, \"Several GPUs\")")
     loaded, document = load_config(config, args, world_size)
+    _report(loaded)
     options = json.loads(loaded["options"])
-    if document is not None and "scheduler" in document and lr_scheduler is None:
+    if "scheduler" in document and lr_scheduler is None:
         raise NotImplementedError(
             "the config's \"scheduler\" section is not built into Strata: build the schedule "
             "with torch.optim.lr_scheduler and pass initialize(lr_scheduler=...)")
+    if optimizer is None and not loaded["has_optimizer"]:
+        raise ValueError("the config has no \"optimizer\" section: add one, or pass "
+                         "optimizer= (a callable taking the parameters)")
+    if optimizer is not None and loaded["has_optimizer"]:
+        raise ValueError("the config has an \"optimizer\" section and optimizer= was given: "
+                         "use one (DeepSpeed refuses both too)")
+    if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer)
+                                  or not callable(optimizer)):
+        raise TypeError("optimizer= must be a callable taking the parameters (the optimizer "
+                        "is built after the parameters are offloaded)")
 
-    dtype = _DTYPES[options["precision"]["working_dtype"]]
-    model.to(dtype)
+    # What DeepSpeed does to the model: onto this process's GPU if there is one, in the
+    # config's dtype.
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else next(model.parameters()).device)
+    model.to(device, _DTYPES[options["precision"]["working_dtype"]])
     placement = options["placement"]
     nvme = options["nvme"]
     if placement["params"] != "device":
         param_path = _nvme_path(document, "offload_param", nvme["paths"])
         offload_parameters(model, _PARAM_TIERS[placement["params"]], nvme_path=param_path)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    offload = _offload_options(options, document, next(model.parameters()).device)
+    settings = _offload_options(options, document, device)
     if optimizer is None:
-        if not loaded["has_optimizer"]:
-            raise ValueError("the config has no \"optimizer\" section: add one, or pass "
-                             "optimizer= (a callable taking the parameters)")
-        optimizer = _build_optimizer(options, params, offload)
-    elif loaded["has_optimizer"]:
-        raise ValueError("the config has an \"optimizer\" section and optimizer= was given: "
-                         "use one (DeepSpeed refuses both too)")
-    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(params)
+        optimizer = _build_optimizer(options, params, settings)
     else:
-        raise TypeError("optimizer= must be a callable taking the parameters (the optimizer "
-                        "is built after the parameters are offloaded)")
+        optimizer = _client_optimizer(optimizer, params, settings)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)
     engine = ModelEngine(model, optimizer, lr_scheduler,
                          options["optimizer"]["gradient_accumulation_steps"],
-                         loaded["micro_batch_size"], loaded["train_batch_size"])
+                         loaded["micro_batch_size"], loaded["train_batch_size"], device)
     return engine, optimizer, None, lr_scheduler
 
 
-def _nvme_path(document: dict | None, section: str, paths: list[str]) -> str | None:
+def _report(loaded: dict) -> None:
+    """What `strata config check` says besides the options: the DeepSpeed keys Strata does not
+    use (a warning: activation_checkpointing, say, does nothing here) and the "auto" values
+    resolved (logged)."""
+    if loaded["ignored_keys"]:
+        warnings.warn("DeepSpeed config keys not used by Strata (ignored): "
+                      + ", ".join(loaded["ignored_keys"]), _log.StrataWarning, stacklevel=3)
+    for note in loaded["auto_resolved"]:
+        _log.logger.info(note)
+
+
+def _client_optimizer(build: Callable[..., Any], params: list, settings: dict) -> Any:
+    """optimizer=: called with the parameters and the config's settings as keywords (clipping,
+    accumulation, where the states live, fp16's scaler), which DeepSpeed applies to a client
+    optimizer too."""
+    try:
+        inspect.signature(build).bind(params, **settings)
+    except TypeError:
+        raise TypeError(
+            "optimizer= is called with the parameters and the config's settings as keywords "
+            f"({', '.join(settings)}), which it passes on: write it as "
+            "lambda params, **settings: st.OffloadLion(params, lr=1e-4, **settings)") from None
+    except ValueError:  # No signature to check (a builtin): call it and see.
+        pass
+    optimizer = build(params, **settings)
+    if not isinstance(optimizer, OffloadOptimizer):
+        raise TypeError(f"optimizer= returned a {type(optimizer).__name__}; it must build a "
+                        "strata optimizer (OffloadAdamW, OffloadAdam, OffloadAdagrad, "
+                        "OffloadLion)")
+    return optimizer
+
+
+def _nvme_path(document: dict, section: str, paths: list[str]) -> str | None:
     """The nvme_path of zero_optimization.`section`, or the engine's first path."""
-    zero = (document or {}).get("zero_optimization", {})
+    zero = document.get("zero_optimization", {})
     path = zero.get(section, {}).get("nvme_path")
     return path if path is not None else (paths[0] if paths else None)
 
 
-def _offload_options(options: dict, document: dict | None, device: torch.device) -> dict:
+def _offload_options(options: dict, document: dict, device: torch.device) -> dict:
     """The optimizer's offload keywords and config fragment for the config's settings."""
     placement, host, nvme = options["placement"], options["host"], options["nvme"]
     precision, optimizer = options["precision"], options["optimizer"]
@@ -232,9 +336,12 @@ class ModelEngine(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: Any, lr_scheduler: Any,
                  gradient_accumulation_steps: int, micro_batch_size: int | None,
-                 train_batch_size: int | None) -> None:
+                 train_batch_size: int | None, device: torch.device) -> None:
         super().__init__()
         self.module = module
+        self.device = device
+        self.local_rank = 0  # One rank (initialize refuses several).
+        self.skipped_steps = 0
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self._accumulation = gradient_accumulation_steps
@@ -246,23 +353,27 @@ class ModelEngine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss.backward(), divided by the accumulation steps (DeepSpeed's scale_wrt_gas) and
-        multiplied by the fp16 loss scale. Returns the loss as given."""
+        multiplied by the fp16 loss scale. Returns the loss divided, as DeepSpeed does."""
         scaled = loss / self._accumulation if scale_wrt_gas and self._accumulation > 1 else loss
-        self.optimizer.scale(scaled).backward()
-        return loss
+        self.optimizer.scale(scaled).backward(retain_graph=retain_graph)
+        return scaled
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self._accumulation == 0
 
-    def step(self) -> None:
-        """At the end of an accumulation window: the optimizer's step, the scheduler's, and
-        zero_grad. Otherwise it only counts the micro-step."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At the end of an accumulation window: the optimizer's step, the scheduler's (not
+        after a step fp16 skipped for overflow, as DeepSpeed, so a warmup is not used up by
+        them; lr_kwargs go to it), and zero_grad. Otherwise it only counts the micro-step."""
         if self.is_gradient_accumulation_boundary():
             self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            if self.optimizer.last_step["skipped"]:
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
             self.optimizer.zero_grad()
             self.global_steps += 1
         self.micro_steps += 1
