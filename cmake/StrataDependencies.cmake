@@ -38,8 +38,15 @@ if(NOT STRATA_WITH_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
     endif()
     find_package(CUDAToolkit REQUIRED)           # CUDA::cudart, CUDA::cublas
-    find_library(STRATA_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib)
-    find_path(STRATA_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+    # NCCL: the toolkit's or the system's, or a pip wheel's (nvidia-nccl-cu13 ships
+    # nvidia/nccl/{include,lib} with libnccl.so.2 alone, no libnccl.so): STRATA_NCCL_ROOT (or
+    # the environment variable) names that folder, searched first for either name.
+    set(STRATA_NCCL_ROOT "$ENV{STRATA_NCCL_ROOT}" CACHE PATH
+        "NCCL's folder (include/, lib/), e.g. <site-packages>/nvidia/nccl of torch's wheel")
+    find_library(STRATA_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
+                 HINTS ${STRATA_NCCL_ROOT}/lib ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib)
+    find_path(STRATA_NCCL_INCLUDE_DIR nccl.h
+              HINTS ${STRATA_NCCL_ROOT}/include ${CUDAToolkit_INCLUDE_DIRS})
     if(STRATA_NCCL_LIBRARY AND STRATA_NCCL_INCLUDE_DIR)
       add_library(strata_nccl UNKNOWN IMPORTED)
       set_target_properties(strata_nccl PROPERTIES IMPORTED_LOCATION "${STRATA_NCCL_LIBRARY}"
@@ -66,7 +73,12 @@ if(NOT STRATA_WITH_MPI STREQUAL "OFF")
     message(FATAL_ERROR "STRATA_WITH_MPI=ON but MPI was not found; install libopenmpi-dev")
   endif()
 endif()
-message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, NCCL ${STRATA_NCCL_ENABLED}, "
+set(strata_nccl_found_at "")
+if(STRATA_NCCL_ENABLED)
+  set(strata_nccl_found_at " (${STRATA_NCCL_LIBRARY})")
+endif()
+message(STATUS "Strata: CUDA ${STRATA_CUDA_ENABLED}, "
+               "NCCL ${STRATA_NCCL_ENABLED}${strata_nccl_found_at}, "
                "MPI ${STRATA_MPI_ENABLED}, "
                "liburing ${liburing_VERSION}, "
                "xxHash ${xxhash_VERSION}, TBB ${TBB_VERSION}, Boost ${Boost_VERSION}")
