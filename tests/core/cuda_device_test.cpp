@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "strata/core/staging_pool.h"
+#include "support/gpu.h"
 
 namespace strata {
 namespace {
@@ -18,14 +19,14 @@ std::unique_ptr<Device> MakeDeviceOrSkip() {
 }
 
 #define SKIP_WITHOUT_GPU(device) \
-  if (!(device)) GTEST_SKIP() << CreateCudaDevice().status().message()
+  if (!(device)) STRATA_SKIP_WITHOUT_GPU(CreateCudaDevice().status().message())
 
 TEST(CudaDeviceTest, ListsDevicesOrExplainsWhyNot) {
   auto devices = ListCudaDevices();
   if (!devices.ok()) {
     EXPECT_EQ(devices.status().code(), StatusCode::kUnavailable);
     EXPECT_FALSE(devices.status().message().empty());
-    GTEST_SKIP() << devices.status().message();
+    STRATA_SKIP_WITHOUT_GPU(devices.status().message());
   }
   ASSERT_FALSE(devices->empty());
   EXPECT_FALSE(devices->front().properties.name.empty());

@@ -8,16 +8,30 @@
 #include <chrono>
 #include <functional>
 #include <future>
+#include <string>
 #include <vector>
 
 #include "strata/offload/nccl_communicator.h"
+#include "support/gpu.h"
 #include "support/scratch_dir.h"
 
 namespace strata::offload {
 namespace {
 
+/// Why these tests cannot run here ("" when they can): NCCL not built, or no GPU the runtime
+/// can use (no device, or a driver older than the runtime).
+std::string WhyNoNccl() {
+  if (!NcclAvailable()) return "built without NCCL";
+  int devices = 0;
+  const cudaError_t listed = cudaGetDeviceCount(&devices);
+  if (listed != cudaSuccess) return std::string("no usable GPU: ") + cudaGetErrorString(listed);
+  return devices == 0 ? "no GPU" : "";
+}
+
+#define SKIP_WITHOUT_NCCL()                                        \
+  if (const std::string why = WhyNoNccl(); !why.empty()) STRATA_SKIP_WITHOUT_GPU(why)
+
 std::unique_ptr<Communicator> MakeOne() {
-  if (!NcclAvailable()) return nullptr;
   auto comm = CreateNcclCommunicator({.rank = 0, .size = 1, .timeout_seconds = 30});
   EXPECT_TRUE(comm.ok()) << comm.status().ToString();
   return comm.ok() ? std::move(*comm) : nullptr;
@@ -31,6 +45,7 @@ Status Wait(const std::function<void(CollectiveDone)>& enqueue) {
 }
 
 TEST(NcclCommunicatorTest, HostBuffersGoThroughTheDevice) {
+  SKIP_WITHOUT_NCCL();
   auto comm = MakeOne();
   ASSERT_NE(comm, nullptr);
   EXPECT_EQ(comm->size(), 1);
@@ -63,6 +78,7 @@ TEST(NcclCommunicatorTest, HostBuffersGoThroughTheDevice) {
 }
 
 TEST(NcclCommunicatorTest, DeviceBuffersWorkInPlace) {
+  SKIP_WITHOUT_NCCL();
   auto comm = MakeOne();
   ASSERT_NE(comm, nullptr);
   const std::vector<float> values = {5, 6, 7, 8};
@@ -88,6 +104,7 @@ TEST(NcclCommunicatorTest, DeviceBuffersWorkInPlace) {
 // Collectives run in the order enqueued, each after its ready function; one whose input failed
 // fails, and so does every later one.
 TEST(NcclCommunicatorTest, AFailedInputFailsItAndEveryLaterCollective) {
+  SKIP_WITHOUT_NCCL();
   auto comm = MakeOne();
   ASSERT_NE(comm, nullptr);
   std::vector<int> order;
@@ -120,7 +137,7 @@ TEST(NcclCommunicatorTest, AFailedInputFailsItAndEveryLaterCollective) {
 // A rank that never joins (rank 1 of 2 is never started) is an error after the timeout, not a
 // hang: the communicator is made nonblocking and abandoned.
 TEST(NcclCommunicatorTest, ARankThatNeverJoinsIsAnErrorAfterTheTimeout) {
-  if (!NcclAvailable()) GTEST_SKIP() << "built without NCCL";
+  SKIP_WITHOUT_NCCL();
   strata::testing::ScratchDir dir;
   const auto start = std::chrono::steady_clock::now();
   auto comm = CreateNcclCommunicator(
@@ -134,7 +151,7 @@ TEST(NcclCommunicatorTest, ARankThatNeverJoinsIsAnErrorAfterTheTimeout) {
 }
 
 TEST(NcclCommunicatorTest, BadOptionsAreRefused) {
-  if (!NcclAvailable()) GTEST_SKIP() << "built without NCCL";
+  if (!NcclAvailable()) STRATA_SKIP_WITHOUT_GPU("built without NCCL");
   EXPECT_EQ(CreateNcclCommunicator({.rank = 2, .size = 2}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(CreateNcclCommunicator({.rank = 0, .size = 1, .timeout_seconds = 0}).status().code(),

@@ -13,6 +13,7 @@
 
 #include "sharding/cuda_quantize.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
+#include "support/gpu.h"
 
 namespace strata::offload {
 namespace {
@@ -70,7 +71,10 @@ float ValueAt(const std::vector<std::byte>& bytes, DType dtype, size_t i) {
 
 TEST(QuantizeGpuTest, WritesTheCpuKernelsBytesAndReadsThemToTheSameValues) {
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) GTEST_SKIP() << "no GPU";
+  const cudaError_t listed = cudaGetDeviceCount(&devices);
+  if (listed != cudaSuccess || devices == 0) {
+    STRATA_SKIP_WITHOUT_GPU(std::string("no GPU: ") + cudaGetErrorString(listed));
+  }
   auto cpu = cpu_adam::CpuOptimizer::Create({.threads = 1});
   ASSERT_TRUE(cpu.ok());
   cudaStream_t stream = nullptr;
