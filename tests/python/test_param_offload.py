@@ -212,6 +212,15 @@ def twins(make):
     return a, make()
 
 
+def beside_torch(make, **options):
+    """(model, its OffloadAdamW with parameters offloaded to host memory, the twin, torch's
+    AdamW on it), lr 1e-2 both."""
+    model, ref = twins(make)
+    st.offload_parameters(model, "cpu")
+    return (model, st.OffloadAdamW(model.parameters(), lr=1e-2, **options),
+            ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+
+
 def torch_step(model, loss_fn, opt) -> None:
     loss_fn(model).backward()
     opt.step()
@@ -236,10 +245,7 @@ def test_a_module_returning_a_view_of_its_parameter_keeps_its_output():
         def forward(self, x):
             return self.linear(x + self.positions(x.shape[1])).pow(2).mean()
 
-    model, ref = twins(Model)
-    st.offload_parameters(model, "cpu")
-    opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = beside_torch(Model)
     x = torch.randn(2, 10, 8)
     for _ in range(3):
         torch_step(model, lambda m: m(x), opt)
@@ -260,10 +266,7 @@ def test_a_collected_optimizer_gives_the_parameters_back_with_their_values():
 
 
 def test_a_new_optimizer_takes_over_an_offloaded_model():
-    model, ref = twins(lambda: models.make("mlp"))
-    st.offload_parameters(model, "cpu")
-    opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = beside_torch(lambda: models.make("mlp"))
     models.train("mlp", model, opt, range(2))
     models.train("mlp", ref, ref_opt, range(2))
     opt = st.OffloadAdamW(model.parameters(), lr=1e-2)  # Fresh states, the trained values.
@@ -276,10 +279,7 @@ def test_a_new_optimizer_takes_over_an_offloaded_model():
 def test_a_backward_to_the_inputs_only_takes_no_step():
     """FGSM: the gradient of the loss with respect to the input, then a step on the
     perturbed input."""
-    model, ref = twins(lambda: models.make("mlp"))
-    st.offload_parameters(model, "cpu")
-    opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = beside_torch(lambda: models.make("mlp"))
     for net, o in ((model, opt), (ref, ref_opt)):
         for step in range(3):
             x, y = models.batch("mlp", step, 0)
@@ -304,10 +304,7 @@ def failing_backward(model, where):
 
 
 def test_a_backward_that_fails_before_any_handover_can_be_skipped():
-    model, ref = twins(lambda: models.make("mlp"))
-    st.offload_parameters(model, "cpu")
-    opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = beside_torch(lambda: models.make("mlp"))
     armed = failing_backward(model, model.out)  # The first module backward reaches.
     with pytest.raises(RuntimeError, match="simulated"):
         models.loss_of("mlp", model, 0, 0).backward()
@@ -435,10 +432,7 @@ def test_a_dataclass_output_gets_its_backward_hook():
         def forward(self, x):
             return self.b(self.a(x).hidden).hidden.pow(2).mean()
 
-    model, ref = twins(Model)
-    st.offload_parameters(model, "cpu")
-    opt = st.OffloadAdamW(model.parameters(), lr=1e-2, chunk_size=4096)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = beside_torch(Model, chunk_size=4096)
     x = torch.randn(4, 64)
     for _ in range(2):
         torch_step(model, lambda m: m(x), opt)
@@ -548,10 +542,7 @@ def test_a_dataclass_output_viewing_a_parameter_keeps_its_values():
         def forward(self, x):
             return self.linear(x + self.positions(x.shape[1]).positions).pow(2).mean()
 
-    model, ref = twins(Model)
-    st.offload_parameters(model, "cpu")
-    opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt, ref, ref_opt = beside_torch(Model)
     x = torch.randn(2, 10, 8)
     for _ in range(2):
         torch_step(model, lambda m: m(x), opt)

@@ -241,12 +241,8 @@ class ParameterResidency:
         alone, are saved to be put back after the step (the optimizer's untouched states)."""
         never = [i for c in last for i in self._members[c] if not self._had_gradient[i]]
         optimizer = self._optimizer()
-        if not never or optimizer is None:
-            return
-        kinds = [MASTER, *optimizer._state_names]
-        wanted = [(i, k) for i in never for k in kinds]
-        optimizer._this_step.untouched += [
-            (i, k, v) for (i, k), v in zip(wanted, optimizer._read_states(wanted))]
+        if never and optimizer is not None:
+            optimizer._save_untouched(never)
 
     def step_done(self) -> None:
         self.handed = [0] * len(self.handed)

@@ -718,15 +718,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
         step = self._this_step
         chunks = [c for c, members in enumerate(self._members)
                   if not step.submitted[c] and any(has_gradient(i) for i in members)]
-        kinds = [MASTER, *self._state_names]
-        saved = [(i, k) for c in chunks for i in self._members[c] if not has_gradient(i)
-                 for k in kinds]
-        step.untouched += [(i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
+        self._save_untouched([i for c in chunks for i in self._members[c]
+                              if not has_gradient(i)])
         for c in chunks:
             for i in self._members[c]:
                 # Placed before too, when .grad was replaced since (nothing to copy otherwise).
                 self._place_gradient(i)
             self._submit(c)
+
+    def _save_untouched(self, indices: list[int]) -> None:
+        """Saves the master and states of parameters without a gradient this step, to be put
+        back after it (_restore_untouched): the engine updates them with zeros, torch not."""
+        kinds = [MASTER, *self._state_names]
+        saved = [(i, k) for i in indices for k in kinds]
+        self._this_step.untouched += [
+            (i, k, v) for (i, k), v in zip(saved, self._read_states(saved))]
 
     def _sync_handed_gradients(self) -> None:
         """Rechecking, at step(): a handed-over parameter whose ``.grad`` the trainer replaced
