@@ -55,25 +55,31 @@ Result<ChunkView> BackwardKeeping(Engine& engine, size_t keep) {
 }
 
 /// A kernel the trainer queued on a chunk's working parameters: it reads them after `delay`, so
-/// a test can tell whether the engine rewrote them before the kernel had run.
+/// a test can tell whether the engine rewrote them before the kernel had run. Its read is a copy
+/// on the device's compute stream, so it is a kernel on a GPU as on a HostDevice.
 class QueuedRead {
  public:
-  explicit QueuedRead(const ChunkView& view)
-      : params_(view.params), bytes_(view.numel * sizeof(float)), before_(bytes_), seen_(bytes_) {
-    std::memcpy(before_.data(), params_, bytes_);
+  QueuedRead(Device& device, const ChunkView& view)
+      : device_(device), params_(view.params), bytes_(view.numel * sizeof(float)),
+        before_(bytes_), seen_(bytes_) {
+    EXPECT_TRUE(testing::ReadDeviceMemory(device_, params_, before_.data(), bytes_).ok());
   }
-  Status QueueOn(Device& device, std::chrono::milliseconds delay = 100ms) {
-    return device.LaunchHostFunction(Stream::kCompute, [this, delay] {
-      std::this_thread::sleep_for(delay);
-      std::memcpy(seen_.data(), params_, bytes_);
-    });
+  Status Queue(std::chrono::milliseconds delay = 100ms) {
+    STRATA_RETURN_IF_ERROR(device_.LaunchHostFunction(
+        Stream::kCompute, [delay] { std::this_thread::sleep_for(delay); }));
+    return device_.CopyToHost(seen_.data(), params_, bytes_, Stream::kCompute);
   }
   /// Once the stream has run it: whether the kernel saw the weights as they were when queued.
   bool SawTheOldWeights() const { return std::memcmp(seen_.data(), before_.data(), bytes_) == 0; }
   /// Whether the weights are the old ones now.
-  bool WeightsUnchanged() const { return std::memcmp(params_, before_.data(), bytes_) == 0; }
+  bool WeightsUnchanged() const {
+    std::vector<std::byte> now(bytes_);
+    EXPECT_TRUE(testing::ReadDeviceMemory(device_, params_, now.data(), bytes_).ok());
+    return std::memcmp(now.data(), before_.data(), bytes_) == 0;
+  }
 
  private:
+  Device& device_;
   const void* params_;
   size_t bytes_;
   std::vector<std::byte> before_, seen_;
@@ -85,11 +91,20 @@ bool Mentions(const Status& status, const std::string& text) {
 
 // Defect 1: a view held across Step() or Load() would dangle once the commit drops offloaded
 // copies. Both refuse, naming the chunk.
-TEST(EngineContractTest, StepAndLoadRefuseWhileAChunkIsAcquired) {
+// The trainer contract on each device: views held across Step and Load, the trainer's queued
+// work, retries.
+class ContractOnDeviceTest : public testing::OnDeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Host, ContractOnDeviceTest,
+                         ::testing::Values(testing::DeviceUnderTest::kHost));
+INSTANTIATE_TEST_SUITE_P(Cuda, ContractOnDeviceTest,
+                         ::testing::Values(testing::DeviceUnderTest::kCuda));
+
+TEST_P(ContractOnDeviceTest, StepAndLoadRefuseWhileAChunkIsAcquired) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
   auto device = MakeDevice(2 * kSlotBytes);
+  ASSERT_NE(device, nullptr);
   auto engine = MakeEngine(options, *device, model);
   ASSERT_NE(engine, nullptr);
   EngineTrainer trainer(*engine, model);
@@ -119,11 +134,12 @@ TEST(EngineContractTest, StepAndLoadRefuseWhileAChunkIsAcquired) {
 
 // Defect 1: a chunk released with device work still queued on it must not be freed by the
 // step's commit before that work has run (AddressSanitizer sees the read of freed memory).
-TEST(EngineContractTest, TheCommitWaitsForTheTrainersLastUseOfAChunk) {
+TEST_P(ContractOnDeviceTest, TheCommitWaitsForTheTrainersLastUseOfAChunk) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options = MakeOptions({"params_host", Tier::kHost, Tier::kHost}, dir.path());
   auto device = MakeDevice(2 * kSlotBytes);
+  ASSERT_NE(device, nullptr);
   auto engine = MakeEngine(options, *device, model);
   ASSERT_NE(engine, nullptr);
   EngineTrainer trainer(*engine, model);
@@ -133,8 +149,8 @@ TEST(EngineContractTest, TheCommitWaitsForTheTrainersLastUseOfAChunk) {
   Result<ChunkView> view = BackwardKeeping(*engine, 0);
   ASSERT_TRUE(view.ok()) << view.status().ToString();
   // The trainer's last kernel on chunk 0, still queued when Step() is called.
-  QueuedRead kernel(*view);
-  ASSERT_TRUE(kernel.QueueOn(*device).ok());
+  QueuedRead kernel(*device, *view);
+  ASSERT_TRUE(kernel.Queue().ok());
   engine->Release(0);
   Result<StepReport> stepped = engine->Step().get();
   ASSERT_TRUE(stepped.ok()) << stepped.status().ToString();
@@ -152,16 +168,21 @@ struct RetryCase {
   bool nvme_write_fails;  // Else a host-to-device copy fails.
 };
 
-class RetriedStepTest : public ::testing::TestWithParam<RetryCase> {};
+class RetriedStepTest
+    : public ::testing::TestWithParam<std::tuple<testing::DeviceUnderTest, RetryCase>> {
+ protected:
+  void SetUp() override { STRATA_SKIP_UNLESS_USABLE(std::get<0>(GetParam())); }
+};
 
 TEST_P(RetriedStepTest, AppliesTheOptimizerOnce) {
-  const RetryCase& c = GetParam();
+  const RetryCase& c = std::get<1>(GetParam());
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options =
       MakeOptions({c.name, c.states, c.params, 1.0, c.device_budget}, dir.path());
   auto plan = std::make_shared<nvme::FaultPlan>();
-  auto inner = MakeDevice(c.device_budget);
+  auto inner = testing::MakeDeviceUnderTest(std::get<0>(GetParam()), c.device_budget);
+  ASSERT_NE(inner, nullptr);
   WrappedDevice device(*inner);
   auto engine = MakeEngine(options, device, model, FaultyNvme(plan));
   ASSERT_NE(engine, nullptr);
@@ -201,14 +222,26 @@ TEST_P(RetriedStepTest, AppliesTheOptimizerOnce) {
   EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Placements, RetriedStepTest,
-    ::testing::Values(RetryCase{"states_host_params_nvme_write", Tier::kHost, Tier::kNvme,
-                                3 * kSlotBytes, true},
-                      RetryCase{"states_host_upload", Tier::kHost, Tier::kDevice, 64 << 20, false},
-                      RetryCase{"states_nvme_upload", Tier::kNvme, Tier::kDevice, 64 << 20, false},
-                      RetryCase{"states_nvme_write", Tier::kNvme, Tier::kDevice, 64 << 20, true}),
-    [](const ::testing::TestParamInfo<RetryCase>& param) { return param.param.name; });
+void PrintTo(const RetryCase& c, std::ostream* out) { *out << c.name; }
+
+const RetryCase kRetryCases[] = {
+    {"states_host_params_nvme_write", Tier::kHost, Tier::kNvme, 3 * kSlotBytes, true},
+    {"states_host_upload", Tier::kHost, Tier::kDevice, 64 << 20, false},
+    {"states_nvme_upload", Tier::kNvme, Tier::kDevice, 64 << 20, false},
+    {"states_nvme_write", Tier::kNvme, Tier::kDevice, 64 << 20, true},
+};
+std::string RetryCaseName(
+    const ::testing::TestParamInfo<std::tuple<testing::DeviceUnderTest, RetryCase>>& param) {
+  return std::get<1>(param.param).name;
+}
+INSTANTIATE_TEST_SUITE_P(Host, RetriedStepTest,
+                         ::testing::Combine(::testing::Values(testing::DeviceUnderTest::kHost),
+                                            ::testing::ValuesIn(kRetryCases)),
+                         RetryCaseName);
+INSTANTIATE_TEST_SUITE_P(Cuda, RetriedStepTest,
+                         ::testing::Combine(::testing::Values(testing::DeviceUnderTest::kCuda),
+                                            ::testing::ValuesIn(kRetryCases)),
+                         RetryCaseName);
 
 // Defect 3: the device passed decides what runs where, not options.device.kind.
 TEST(EngineContractTest, ACudaDeviceIsTreatedAsOneWhateverTheOptionsSay) {
@@ -592,12 +625,13 @@ TEST(EngineContractTest, DestroyingAnEngineRightAfterStepFinishesTheStep) {
 
 // Load and WriteParameterState rewrite device memory only after the trainer's queued work on
 // it has run (a kernel still reading the old weights sees only the old weights).
-TEST(EngineContractTest, LoadAndStateWritesWaitForTheTrainersQueuedWork) {
+TEST_P(ContractOnDeviceTest, LoadAndStateWritesWaitForTheTrainersQueuedWork) {
   for (bool load : {true, false}) {
     ScratchDir dir;
     const TinyModel model(kLayers, kWidth, kBatch);
     const EngineOptions options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, dir.path());
     auto device = MakeDevice(64 << 20);
+    ASSERT_NE(device, nullptr);
     auto engine = MakeEngine(options, *device, model);
     ASSERT_NE(engine, nullptr);
     EngineTrainer trainer(*engine, model);
@@ -607,8 +641,8 @@ TEST(EngineContractTest, LoadAndStateWritesWaitForTheTrainersQueuedWork) {
 
     Result<ChunkView> view = engine->Acquire(0);
     ASSERT_TRUE(view.ok());
-    QueuedRead kernel(*view);
-    ASSERT_TRUE(kernel.QueueOn(*device).ok());
+    QueuedRead kernel(*device, *view);
+    ASSERT_TRUE(kernel.Queue().ok());
     engine->Release(0);
     if (load) {
       ASSERT_TRUE(engine->Load(dir.path() / "ckpt").ok());

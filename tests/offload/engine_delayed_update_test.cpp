@@ -84,7 +84,14 @@ void TrainDelayed(Engine& engine, const TinyModel& model, bool overlapped,
   }
 }
 
-TEST(DelayedUpdateTest, TrajectoryIsTheDelayedReferenceBitForBit) {
+// The delayed trajectories, on each device.
+class DelayedUpdateOnDeviceTest : public testing::OnDeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Host, DelayedUpdateOnDeviceTest,
+                         ::testing::Values(testing::DeviceUnderTest::kHost));
+INSTANTIATE_TEST_SUITE_P(Cuda, DelayedUpdateOnDeviceTest,
+                         ::testing::Values(testing::DeviceUnderTest::kCuda));
+
+TEST_P(DelayedUpdateOnDeviceTest, TrajectoryIsTheDelayedReferenceBitForBit) {
   const TinyModel model(kLayers, kWidth, kBatch);
   // A threshold between the steps' norms: some clip, some do not.
   for (const Setting& setting :
@@ -96,6 +103,7 @@ TEST(DelayedUpdateTest, TrajectoryIsTheDelayedReferenceBitForBit) {
         ScratchDir nvme;
         const EngineOptions options = DelayedOptions(placement, nvme.path(), setting);
         auto device = MakeDevice(64 << 20);
+        ASSERT_NE(device, nullptr);
         auto engine = MakeEngine(options, *device, model);
         ASSERT_NE(engine, nullptr);
         std::vector<double> losses;
@@ -125,7 +133,7 @@ TEST(DelayedUpdateTest, TrajectoryIsTheDelayedReferenceBitForBit) {
   }
 }
 
-TEST(DelayedUpdateTest, AccumulationAndChunksThatSitStepsOutKeepTheDelay) {
+TEST_P(DelayedUpdateOnDeviceTest, AccumulationAndChunksThatSitStepsOutKeepTheDelay) {
   // Two micro-steps per step, and chunk 2 without gradients every other step: what it held back
   // goes up when Step() is called, its update waits for a step that has its gradients.
   const TinyModel model(kLayers, kWidth, kBatch);
@@ -135,6 +143,7 @@ TEST(DelayedUpdateTest, AccumulationAndChunksThatSitStepsOutKeepTheDelay) {
     EngineOptions options = DelayedOptions(placement, nvme.path(), {"fp32"});
     options.optimizer.gradient_accumulation_steps = 2;
     auto device = MakeDevice(64 << 20);
+    ASSERT_NE(device, nullptr);
     auto engine = MakeEngine(options, *device, model);
     ASSERT_NE(engine, nullptr);
     EngineTrainer trainer(*engine, model, /*gradient_accumulation_steps=*/2);

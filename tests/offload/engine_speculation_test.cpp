@@ -29,6 +29,7 @@ namespace {
 using namespace std::chrono_literals;
 using strata::testing::ScratchDir;
 using testing::BitEqual;
+using testing::DeviceUnderTest;
 using testing::EngineTrainer;
 using testing::kBatch;
 using testing::kLayers;
@@ -80,11 +81,13 @@ std::function<bool()> WithinAtMost(std::chrono::milliseconds at_most,
   };
 }
 
-/// Trains kSteps steps; `poison_step` overflows that step's gradients (fp16).
+/// Trains kSteps steps on a device of kind `on`; `poison_step` overflows that step's gradients
+/// (fp16).
 Trajectory Train(const EngineOptions& options, uint64_t device_budget, const TinyModel& model,
-                 int poison_step = -1) {
+                 int poison_step = -1, DeviceUnderTest on = DeviceUnderTest::kHost) {
   Trajectory run;
-  auto device = MakeDevice(device_budget);
+  auto device = testing::MakeDeviceUnderTest(on, device_budget);
+  if (device == nullptr) return run;
   auto engine = MakeEngine(options, *device, model);
   if (engine == nullptr) return run;
   run.speculative_chunks = SpeculativeChunks(*engine);
@@ -139,10 +142,11 @@ int RolledBackSteps(const Trajectory& run) {
                            [](const StepReport& r) { return r.rolled_back; }));
 }
 
-class SpeculationTest : public ::testing::TestWithParam<Placement> {};
+class SpeculationTest : public testing::PlacementOnDeviceTest {};
 
 TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
-  const Placement& placement = GetParam();
+  const Placement& placement = this->placement();
+  const DeviceUnderTest on = device_kind();
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   EngineOptions options = MakeOptions(placement, nvme.path());
@@ -150,7 +154,7 @@ TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
   // The norms of an unclipped run: a threshold at their median clips some steps, not all.
   options.optimizer.gradient_clipping = 1e9;
   options.optimizer.speculative_updates = false;
-  const Trajectory unclipped = Train(options, placement.device_budget, model);
+  const Trajectory unclipped = Train(options, placement.device_budget, model, -1, on);
   ASSERT_EQ(unclipped.reports.size(), size_t(kSteps));
   std::vector<double> norms;
   for (const StepReport& r : unclipped.reports) norms.push_back(r.grad_norm);
@@ -165,9 +169,9 @@ TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
     SCOPED_TRACE(t.name);
     options.optimizer.gradient_clipping = t.max_norm;
     options.optimizer.speculative_updates = false;
-    const Trajectory gated = Train(options, placement.device_budget, model);
+    const Trajectory gated = Train(options, placement.device_budget, model, -1, on);
     options.optimizer.speculative_updates = true;
-    const Trajectory speculative = Train(options, placement.device_budget, model);
+    const Trajectory speculative = Train(options, placement.device_budget, model, -1, on);
     ExpectSameBits(gated, speculative, std::string(placement.name) + ", " + t.name);
     EXPECT_EQ(gated.counters.speculative_updates, 0u);
 
@@ -200,14 +204,20 @@ TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Placements, SpeculationTest, ::testing::ValuesIn(testing::kPlacements),
-                         [](const ::testing::TestParamInfo<Placement>& param) {
-                           return param.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Host, SpeculationTest,
+                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kHost)),
+                         testing::PlacementName);
+INSTANTIATE_TEST_SUITE_P(Cuda, SpeculationTest,
+                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kCuda)),
+                         testing::PlacementName);
 
 // fp16: the overflowing step undoes every update made ahead of the verdict and skips; the
 // trajectory equals the gated path's bit for bit.
-TEST(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
+class SpeculationFp16Test : public testing::OnDeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Host, SpeculationFp16Test, ::testing::Values(DeviceUnderTest::kHost));
+INSTANTIATE_TEST_SUITE_P(Cuda, SpeculationFp16Test, ::testing::Values(DeviceUnderTest::kCuda));
+
+TEST_P(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   for (const Placement& placement : {Placement{"host", Tier::kHost, Tier::kDevice},
@@ -217,10 +227,11 @@ TEST(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
     EngineOptions options = MakeOptions(placement, nvme.path(), DType::kFp16);
     options.precision.hysteresis = 1;
     options.optimizer.speculative_updates = false;
-    const Trajectory gated = Train(options, placement.device_budget, model, /*poison_step=*/3);
+    const Trajectory gated =
+        Train(options, placement.device_budget, model, /*poison_step=*/3, device_kind());
     options.optimizer.speculative_updates = true;
     const Trajectory speculative =
-        Train(options, placement.device_budget, model, /*poison_step=*/3);
+        Train(options, placement.device_budget, model, /*poison_step=*/3, device_kind());
     ExpectSameBits(gated, speculative, placement.name);
     ASSERT_EQ(speculative.reports.size(), size_t(kSteps));
     EXPECT_TRUE(speculative.reports[3].skipped);

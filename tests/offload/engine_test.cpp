@@ -26,6 +26,7 @@ namespace {
 using strata::testing::ScratchDir;
 
 using testing::BitEqual;
+using testing::DeviceUnderTest;
 using testing::EngineTrainer;
 using testing::kBatch;
 using testing::kLayers;
@@ -38,14 +39,15 @@ using testing::Placement;
 using testing::ReferenceTrainer;
 using testing::TinyModel;
 
-class EngineEquivalenceTest : public ::testing::TestWithParam<Placement> {};
+class EngineEquivalenceTest : public testing::PlacementOnDeviceTest {};
 
 TEST_P(EngineEquivalenceTest, ThirtyStepsMatchTheReferenceBitForBit) {
-  const Placement& placement = GetParam();
+  const Placement& placement = this->placement();
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options = MakeOptions(placement, nvme.path());
   auto device = MakeDevice(placement.device_budget);
+  ASSERT_NE(device, nullptr);
   const auto specs = model.Specs();
   auto engine = Engine::Create(options, *device, specs);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
@@ -85,11 +87,12 @@ TEST_P(EngineEquivalenceTest, ThirtyStepsMatchTheReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Placements, EngineEquivalenceTest,
-                         ::testing::ValuesIn(testing::kPlacements),
-                         [](const ::testing::TestParamInfo<Placement>& param) {
-                           return param.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Host, EngineEquivalenceTest,
+                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kHost)),
+                         testing::PlacementName);
+INSTANTIATE_TEST_SUITE_P(Cuda, EngineEquivalenceTest,
+                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kCuda)),
+                         testing::PlacementName);
 
 // Ranks on one node share its memory and cores: the automatic host budget is divided among
 // them, counted from the launcher's environment unless the trainer says; a set budget is kept.
@@ -337,12 +340,19 @@ TEST(EngineTest, ALargeLastChunkStaysInHostWhenSpillingSmallerOnesFits) {
   EXPECT_LE((*engine)->tier_usage(Tier::kHost).peak_bytes, all_host - 1);
 }
 
-TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
+// The equivalence cases beyond placements (bf16, accumulation, clipping, fp16 overflow, resume
+// across placements), on each device.
+class EngineOnDeviceTest : public testing::OnDeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Host, EngineOnDeviceTest, ::testing::Values(DeviceUnderTest::kHost));
+INSTANTIATE_TEST_SUITE_P(Cuda, EngineOnDeviceTest, ::testing::Values(DeviceUnderTest::kCuda));
+
+TEST_P(EngineOnDeviceTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options =
       MakeOptions({"bf16", Tier::kNvme, Tier::kDevice}, nvme.path(), DType::kBf16);
   auto device = MakeDevice(64 << 20);
+  ASSERT_NE(device, nullptr);
   const auto specs = model.Specs();
   auto engine = std::move(Engine::Create(options, *device, specs)).value();
   EngineTrainer trainer(*engine, model);
@@ -357,13 +367,15 @@ TEST(EngineTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
   EXPECT_EQ(MaxAbsDiff(trainer.MasterParameters(), reference.master()), 0.0);
 }
 
-TEST(EngineTest, GradientAccumulationSumsEveryMicroStep) {
+TEST_P(EngineOnDeviceTest, GradientAccumulationSumsEveryMicroStep) {
   for (Tier states : {Tier::kHost, Tier::kNvme, Tier::kDevice}) {
+    if (!testing::RunsOn({"gas", states, Tier::kDevice}, device_kind())) continue;
     ScratchDir nvme;
     const TinyModel model(kLayers, kWidth, kBatch);
     EngineOptions options = MakeOptions({"gas", states, Tier::kDevice}, nvme.path());
     options.optimizer.gradient_accumulation_steps = 3;
     auto device = MakeDevice(64 << 20);
+    ASSERT_NE(device, nullptr);
     const auto specs = model.Specs();
     auto engine = std::move(Engine::Create(options, *device, specs)).value();
     EngineTrainer trainer(*engine, model, 3);
@@ -379,12 +391,13 @@ TEST(EngineTest, GradientAccumulationSumsEveryMicroStep) {
   }
 }
 
-TEST(EngineTest, ClippingScalesByTheGlobalNorm) {
+TEST_P(EngineOnDeviceTest, ClippingScalesByTheGlobalNorm) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   EngineOptions options = MakeOptions({"clip", Tier::kNvme, Tier::kDevice}, nvme.path());
   options.optimizer.gradient_clipping = 0.02;  // Below the gradients' norm: clipping is active.
   auto device = MakeDevice(64 << 20);
+  ASSERT_NE(device, nullptr);
   const auto specs = model.Specs();
   auto engine = std::move(Engine::Create(options, *device, specs)).value();
   EngineTrainer trainer(*engine, model);
@@ -401,13 +414,14 @@ TEST(EngineTest, ClippingScalesByTheGlobalNorm) {
   EXPECT_LT(MaxAbsDiff(trainer.MasterParameters(), reference.master()), 1e-6);
 }
 
-TEST(EngineTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
+TEST_P(EngineOnDeviceTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   ScratchDir nvme;
   const TinyModel model(kLayers, kWidth, kBatch);
   EngineOptions options =
       MakeOptions({"fp16", Tier::kHost, Tier::kDevice}, nvme.path(), DType::kFp16);
   options.precision.hysteresis = 1;
   auto device = MakeDevice(64 << 20);
+  ASSERT_NE(device, nullptr);
   const auto specs = model.Specs();
   auto engine = std::move(Engine::Create(options, *device, specs)).value();
   EngineTrainer trainer(*engine, model);
@@ -507,7 +521,7 @@ TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
   }
 }
 
-TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
+TEST_P(EngineOnDeviceTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const auto specs = model.Specs();
@@ -517,6 +531,7 @@ TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   // Straight: 20 steps with states on host.
   const EngineOptions host_options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme_path);
   auto device = MakeDevice(64 << 20);
+  ASSERT_NE(device, nullptr);
   auto straight = std::move(Engine::Create(host_options, *device, specs)).value();
   EngineTrainer straight_trainer(*straight, model);
   std::vector<double> straight_losses;
@@ -529,6 +544,7 @@ TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   // Interrupted: 10 steps on host, save, resume on NVMe (with offloaded params) for 10 more.
   {
     auto first_device = MakeDevice(64 << 20);
+    ASSERT_NE(first_device, nullptr);
     auto first = std::move(Engine::Create(host_options, *first_device, specs)).value();
     EngineTrainer trainer(*first, model);
     for (int step = 0; step < 10; ++step) {
@@ -548,6 +564,7 @@ TEST(EngineTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   const EngineOptions nvme_options =
       MakeOptions({"nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes}, nvme_path);
   auto second_device = MakeDevice(3 * kSlotBytes);
+  ASSERT_NE(second_device, nullptr);
   auto resumed = std::move(Engine::Create(nvme_options, *second_device, specs)).value();
   Status loaded = resumed->Load(checkpoint);
   ASSERT_TRUE(loaded.ok()) << loaded.ToString();

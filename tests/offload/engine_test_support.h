@@ -6,9 +6,13 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <ostream>
+#include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "device_under_test.h"
 #include "strata/core/host_device.h"
 #include "strata/nvme/fault_injection.h"
 #include "strata/offload/engine.h"
@@ -66,6 +70,56 @@ inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_pat
   o.host.param_buffer_count = 2;
   return o;
 }
+
+/// How gtest shows it (in test names and failures).
+inline void PrintTo(const Placement& p, std::ostream* out) { *out << p.name; }
+
+/// Whether `p` runs on `kind`. Optimizer steps on a CUDA device are not built yet, so placements
+/// that keep optimizer states on the device run on the host device only (a CUDA device refuses
+/// them: EngineContractTest.ACudaDeviceIsTreatedAsOneWhateverTheOptionsSay).
+inline bool RunsOn(const Placement& p, DeviceUnderTest kind) {
+  return kind == DeviceUnderTest::kHost || (p.states != Tier::kDevice && p.ratio == 1.0);
+}
+
+/// A placement on a device: the parameter of the suites that run on each device.
+using PlacementOnDevice = std::tuple<DeviceUnderTest, Placement>;
+
+/// The placements of `placements` that run on `kind`, for INSTANTIATE_TEST_SUITE_P.
+inline std::vector<PlacementOnDevice> PlacementsOn(
+    DeviceUnderTest kind, std::span<const Placement> placements = kPlacements) {
+  std::vector<PlacementOnDevice> out;
+  for (const Placement& p : placements) {
+    if (RunsOn(p, kind)) out.emplace_back(kind, p);
+  }
+  return out;
+}
+
+/// Names an instance by its placement (the instantiation's name says the device).
+inline std::string PlacementName(const ::testing::TestParamInfo<PlacementOnDevice>& info) {
+  return std::get<1>(info.param).name;
+}
+
+/// The fixture of a suite that runs one placement on one device: skips (or fails under
+/// STRATA_EXPECT_GPU=1) where the device cannot run, and makes that device.
+class PlacementOnDeviceTest : public ::testing::TestWithParam<PlacementOnDevice> {
+ protected:
+  void SetUp() override { STRATA_SKIP_UNLESS_USABLE(device_kind()); }
+  DeviceUnderTest device_kind() const { return std::get<0>(GetParam()); }
+  const Placement& placement() const { return std::get<1>(GetParam()); }
+  std::unique_ptr<Device> MakeDevice(uint64_t budget) const {
+    return MakeDeviceUnderTest(device_kind(), budget);
+  }
+};
+
+/// The fixture of a suite that runs on each device (instantiated as Host/ and Cuda/).
+class OnDeviceTest : public ::testing::TestWithParam<DeviceUnderTest> {
+ protected:
+  void SetUp() override { STRATA_SKIP_UNLESS_USABLE(device_kind()); }
+  DeviceUnderTest device_kind() const { return GetParam(); }
+  std::unique_ptr<Device> MakeDevice(uint64_t budget) const {
+    return MakeDeviceUnderTest(device_kind(), budget);
+  }
+};
 
 /// A HostDevice standing for a GPU (every copy made), or with `host_accessible` for the CPU
 /// itself (zero copy, as strata.torch's CPU tensors run).

@@ -44,17 +44,28 @@ const Placement kPlacements[] = {
 
 // Gradients written late by work on the trainer's own stream are the ones the engine copies:
 // its copies and evictions wait for that stream, not for Stream::kCompute.
-TEST(EngineTrainerTest, CopiesWaitForWorkOnTheTrainersOwnStream) {
+// On each device: a HostStream beside a HostDevice, a CUDA stream of the trainer's own on a GPU.
+class TrainerOnDeviceTest : public testing::OnDeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Host, TrainerOnDeviceTest,
+                         ::testing::Values(testing::DeviceUnderTest::kHost));
+INSTANTIATE_TEST_SUITE_P(Cuda, TrainerOnDeviceTest,
+                         ::testing::Values(testing::DeviceUnderTest::kCuda));
+
+TEST_P(TrainerOnDeviceTest, CopiesWaitForWorkOnTheTrainersOwnStream) {
   for (const Placement& placement : kPlacements) {
+    if (!testing::RunsOn(placement, device_kind())) continue;
     ScratchDir dir;
     const TinyModel model(kLayers, kWidth, kBatch);
     const EngineOptions options = MakeOptions(placement, dir.path());
     auto device = MakeDevice(placement.device_budget);
+    ASSERT_NE(device, nullptr);
     auto engine = MakeEngine(options, *device, model);
     ASSERT_NE(engine, nullptr);
-    HostStream trainer_stream;
+    Result<std::unique_ptr<testing::OutsideStream>> trainer_stream =
+        testing::OutsideStream::Create(*device);
+    ASSERT_TRUE(trainer_stream.ok()) << trainer_stream.status().ToString();
     EngineTrainer trainer(*engine, model);
-    trainer.UseTrainerStream(&trainer_stream, 5ms);
+    trainer.UseTrainerStream(trainer_stream->get(), 5ms);
     ReferenceTrainer reference(model, options);
     for (int step = 0; step < 3; ++step) {
       double loss = 0.0;
@@ -407,11 +418,12 @@ TEST(EngineTrainerTest, AStepCountACheckpointCannotHoldIsRefused) {
 // A chunk whose parameters live on the device keeps its memory for the engine's lifetime, so a
 // trainer's tensors (PyTorch parameters and their .grad) may view it across steps; the engine's
 // updates land in that same memory.
-TEST(EngineTrainerTest, DeviceHomeChunksKeepTheirMemoryAcrossSteps) {
+TEST_P(TrainerOnDeviceTest, DeviceHomeChunksKeepTheirMemoryAcrossSteps) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
   const EngineOptions options = MakeOptions({"nvme", Tier::kNvme, Tier::kDevice}, dir.path());
   auto device = MakeDevice(64 << 20);
+  ASSERT_NE(device, nullptr);
   auto engine = MakeEngine(options, *device, model);
   ASSERT_NE(engine, nullptr);
   std::vector<ChunkView> first;
@@ -422,8 +434,9 @@ TEST(EngineTrainerTest, DeviceHomeChunksKeepTheirMemoryAcrossSteps) {
     first.push_back(*view);
     engine->Release(c);
   }
-  const std::vector<float> before(static_cast<const float*>(first[0].params),
-                                  static_cast<const float*>(first[0].params) + 8);
+  std::vector<float> before(8);
+  ASSERT_TRUE(testing::ReadDeviceMemory(*device, first[0].params, before.data(), 8 * sizeof(float))
+                  .ok());
   EngineTrainer trainer(*engine, model);
   double loss = 0.0;
   for (int step = 0; step < 3; ++step) ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
@@ -434,8 +447,9 @@ TEST(EngineTrainerTest, DeviceHomeChunksKeepTheirMemoryAcrossSteps) {
     EXPECT_EQ(view->grads, first[c].grads) << "chunk " << c;
     engine->Release(c);
   }
-  const std::vector<float> after(static_cast<const float*>(first[0].params),
-                                 static_cast<const float*>(first[0].params) + 8);
+  std::vector<float> after(8);
+  ASSERT_TRUE(
+      testing::ReadDeviceMemory(*device, first[0].params, after.data(), 8 * sizeof(float)).ok());
   EXPECT_NE(before, after) << "the updates land in the memory the trainer views";
 }
 

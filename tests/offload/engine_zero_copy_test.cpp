@@ -202,16 +202,17 @@ TEST_F(ZeroCopyHostStatesTest, ParametersTheTrainerStillUsesAreNotWrittenInPlace
 // A trainer whose backward runs on its own stream: the landing reads the gradients only after
 // the work queued there has written them.
 TEST_F(ZeroCopyHostStatesTest, GradientsAreReadAfterTheTrainersQueuedBackward) {
-  HostStream stream;
+  Result<std::unique_ptr<testing::OutsideStream>> stream = testing::OutsideStream::Create(*device_);
+  ASSERT_TRUE(stream.ok()) << stream.status().ToString();
   EngineTrainer trainer(*engine_, model_);
-  trainer.UseTrainerStream(&stream, 5ms);
+  trainer.UseTrainerStream(stream->get(), 5ms);
   ReferenceTrainer reference(model_, options_);
   for (int step = 0; step < 4; ++step) {
     double loss = 0.0;
     ASSERT_TRUE(trainer.TrainStep(step, &loss).ok());
     ASSERT_EQ(loss, reference.TrainStep(step)) << "step " << step;
   }
-  stream.Synchronize();
+  ASSERT_TRUE((*stream)->Synchronize().ok());
   EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()))
       << "max |diff| " << MaxAbsDiff(trainer.MasterParameters(), reference.master());
 }

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "device_under_test.h"
 #include "strata/core/dtype.h"
 #include "strata/core/host_device.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
@@ -183,7 +184,7 @@ class EngineTrainer {
 
   /// Backward from now on writes gradients with work queued on `stream` after `delay` (an
   /// outside trainer's stream), and names it to GradsReady and Release.
-  void UseTrainerStream(HostStream* stream, std::chrono::milliseconds delay) {
+  void UseTrainerStream(OutsideStream* stream, std::chrono::milliseconds delay) {
     stream_ = stream;
     delay_ = delay;
   }
@@ -223,10 +224,13 @@ class EngineTrainer {
       std::vector<std::vector<float>> params(layout.parameter_count());
       for (size_t c = 0; c < layout.chunk_count(); ++c) {
         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
+        std::vector<std::byte> working(view.numel * DTypeSize(dtype));
+        STRATA_RETURN_IF_ERROR(
+            ReadDeviceMemory(engine_.device(), view.params, working.data(), working.size()));
         ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
           params[p].resize(loc.numel);
           for (size_t i = 0; i < loc.numel; ++i) {
-            params[p][i] = LoadAs(dtype, view.params, loc.offset + i);
+            params[p][i] = LoadAs(dtype, working.data(), loc.offset + i);
           }
         });
         engine_.Release(c);
@@ -239,23 +243,23 @@ class EngineTrainer {
         if ((c < unused_.size() && unused_[c]) || layout.chunk(c).frozen) continue;
         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
         const float factor = factor_ ? factor_(step, c) : 1.0f;
-        auto write_grads = [this, c, view, dtype, scale, factor, grads] {
-          if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
-          ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
-            std::vector<float> scaled = grads[p];
-            for (float& g : scaled) g *= scale;
-            if (factor != 1.0f) {
-              for (float& g : scaled) g *= factor;
-            }
-            StoreAs(dtype, scaled.data(), loc.numel,
-                    static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype));
-          });
-        };
-        if (stream_ != nullptr) {
-          stream_->Enqueue(write_grads);
-        } else {
-          write_grads();
-        }
+        if (stream_ != nullptr && delay_.count() > 0) STRATA_RETURN_IF_ERROR(stream_->Sleep(delay_));
+        Status written;
+        ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
+          if (!written.ok()) return;
+          std::vector<float> scaled = grads[p];
+          for (float& g : scaled) g *= scale;
+          if (factor != 1.0f) {
+            for (float& g : scaled) g *= factor;
+          }
+          std::vector<std::byte> stored(loc.numel * DTypeSize(dtype));
+          StoreAs(dtype, scaled.data(), loc.numel, stored.data());
+          void* dst = static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype);
+          written = stream_ != nullptr
+                        ? stream_->Write(dst, stored.data(), stored.size())
+                        : WriteDeviceMemory(engine_.device(), dst, stored.data(), stored.size());
+        });
+        STRATA_RETURN_IF_ERROR(written);
         const TrainerStream on{stream_ != nullptr ? stream_->native() : nullptr};
         if (c == late_chunk_ && late_ready_) WaitUntilLateChunkReady();
         STRATA_RETURN_IF_ERROR(engine_.GradsReady(c, on));
@@ -294,7 +298,7 @@ class EngineTrainer {
   Engine& engine_;
   const TinyModel& model_;
   int gas_;
-  HostStream* stream_ = nullptr;
+  OutsideStream* stream_ = nullptr;
   std::chrono::milliseconds delay_{0};
   std::vector<bool> unused_;
   size_t late_chunk_ = 0;

@@ -25,13 +25,16 @@ class WrappedDevice final : public Device {
   /// Reports `bytes` as the hardware's free memory in memory_info(), as cudaMemGetInfo would
   /// on a GPU much larger than the device's budget.
   void ReportHardwareFree(uint64_t bytes) { hardware_free_ = bytes; }
-  /// Refuses the `skip`+1-th CopyToDevice from now on, and the `times`-1 after it.
+  /// Refuses the `skip`+1-th CopyToDevice of the engine from now on, and the `times`-1 after
+  /// it. The engine's copies are those on its copy streams: a trainer's own copies on
+  /// Stream::kCompute (gradients written on a GPU) neither fail nor count.
   void FailCopiesToDevice(int skip, int times = 1) {
     copies_to_skip_ = skip;
     copies_to_fail_ = times;
   }
   int failed_copies() const { return failed_copies_; }
-  /// From now on, each CopyToDevice waits `delay` on its stream before it copies (a slow link).
+  /// From now on, each CopyToDevice of the engine waits `delay` on its stream before it copies
+  /// (a slow link).
   void DelayCopiesToDevice(std::chrono::milliseconds delay) { copy_delay_ = delay; }
   /// From now on, checks that every copy stays inside the device allocation it touches, by the
   /// size that was asked for (HostDevice rounds allocations up to pages, a GPU does not); a copy
@@ -58,6 +61,7 @@ class WrappedDevice final : public Device {
   }
   Status CopyToDevice(void* dst, const void* src, size_t bytes, Stream stream) override {
     STRATA_RETURN_IF_ERROR(CheckBounds(dst, bytes, "to"));
+    if (stream == Stream::kCompute) return inner_.CopyToDevice(dst, src, bytes, stream);
     if (copies_to_fail_ > 0 && copies_to_skip_-- <= 0) {
       --copies_to_fail_;
       ++failed_copies_;

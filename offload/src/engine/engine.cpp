@@ -143,6 +143,7 @@ const ChunkPlacement& Engine::placement(size_t chunk) const {
   return impl_->chunks_[chunk].placement;
 }
 DType Engine::working_dtype() const { return impl_->working_dtype(); }
+Device& Engine::device() const { return impl_->device_; }
 Result<ChunkView> Engine::Acquire(size_t chunk) { return impl_->Acquire(chunk); }
 void Engine::Release(size_t chunk, TrainerStream stream) { impl_->Release(chunk, stream); }
 Status Engine::GradsReady(size_t chunk, TrainerStream stream) {

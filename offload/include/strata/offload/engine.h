@@ -230,6 +230,9 @@ class Engine {
   size_t chunk_count() const { return layout().chunk_count(); }
   const ChunkPlacement& placement(size_t chunk) const;
   DType working_dtype() const;
+  /// The device this engine was created on: where ChunkView memory lives, and the streams a
+  /// trainer's copies to and from that memory go through.
+  Device& device() const;
 
   /// Makes `chunk`'s working parameters resident on the device and its gradient buffer free for
   /// backward, blocking until both hold, and prefetches the chunks expected next (from the order
