@@ -12,6 +12,7 @@
   uninterrupted run, and a dead writer's staging folder is cleaned up by the next.
 - Bytes flipped in the swap file while training runs: the step fails on the checksum, naming
   the chunk, and training stops (exit 1).
+- `strata bench all` on a small tmpfs: the NVMe benchmarks fail saying why, the others run.
 
 The tmpfs cases need root (mount); without it they are skipped with the reason, the rest run.
 Usage: fault_test.py STRATA [SEED].
@@ -213,6 +214,30 @@ def flipped_swap_bytes():
     return f"after {flips} flips: " + err.strip().splitlines()[-1]
 
 
+def bench_all_on_a_full_disk():
+    """`strata bench all` with an --nvme-path too small to measure: the NVMe benchmarks fail and
+    say why, the others still run, and --out holds what was measured (exit 1)."""
+    with Tmpfs(8 << 20) as nvme, tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "bench")
+        r = subprocess.run([STRATA, "bench", "all", "--quick", "--nvme-path", nvme, "--out", out],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        assert "nvme failed:" in r.stderr and "cannot reserve" in r.stderr, r.stderr
+        assert "[3/4] copies" in r.stderr and "[4/4] pipeline" in r.stderr, r.stderr
+        assert "nvme, pipeline could not be measured" in r.stderr, r.stderr
+        assert "not measured" in r.stdout, r.stdout
+        with open(os.path.join(out, "bench.json"), encoding="utf-8") as f:
+            bench = json.load(f)
+        assert set(bench["errors"]) == {"nvme", "pipeline"}, bench["errors"]
+        assert "states on nvme" in bench["errors"]["pipeline"], bench["errors"]
+        assert bench["adam"] and len(bench["copies"]) == 12, bench
+        assert [p["offload_optimizer"] for p in bench["pipeline"]] == ["host"], bench["pipeline"]
+        assert {(t["from"], t["to"]) for t in bench["tiers"]} == {("host", "device"),
+                                                                   ("device", "host")}
+        assert not os.listdir(nvme), "the benchmark left files on the disk"
+    return r.stderr.strip().splitlines()[-1]
+
+
 def main():
     reference = losses(train("--steps", "200", "--json").stdout)
     results = []
@@ -226,6 +251,7 @@ def main():
         _, data = checkpoint_sizes()
         results.append(("disk full mid-checkpoint", checkpoint_full(reference, data)))
         results.append(("nvme disk filled while training", disk_fills_while_training(reference)))
+        results.append(("bench all on a full disk", bench_all_on_a_full_disk()))
     results.append(("kill -9 at random moments", kill_at_random_moments(reference)))
     results.append(("bytes flipped in the swap file", flipped_swap_bytes()))
     for what, outcome in results:

@@ -7,6 +7,10 @@
 // 2. nvme:     sequential O_DIRECT read and write bandwidth over block sizes and queue depths.
 // 3. copies:   host<->device bandwidth per transfer size (copy_bench.h says which device).
 // 4. pipeline: an engine step against its slowest resource, states on host and on NVMe.
+//
+// A benchmark that fails (an --nvme-path where O_DIRECT or the space is missing, no device)
+// says why and the others still run: the summary and --out hold what was measured, with the
+// failures under "errors", and the exit status is 1.
 #include <unistd.h>
 
 #include <cstdio>
@@ -141,7 +145,11 @@ Status RunPipelines(const BenchAllFlags& f, ordered_json& report) {
       o.warmup_steps = 1;
       o.timed_steps = 3;
     }
-    STRATA_ASSIGN_OR_RETURN(offload::PipelineBenchmarkResult r, offload::RunPipelineBenchmark(o));
+    Result<offload::PipelineBenchmarkResult> result = offload::RunPipelineBenchmark(o);
+    if (!result.ok()) {
+      return result.status().WithContext("states on " + std::string(TierName(states)));
+    }
+    const offload::PipelineBenchmarkResult& r = *result;
     std::fprintf(stderr, "      states on %-4s step %.4f s = %.3f x slowest (%s), %.3f x serial\n",
                  std::string(TierName(states)).c_str(), r.step_median_seconds, r.ratio_to_slowest,
                  r.slowest.c_str(), r.ratio_to_serial);
@@ -206,6 +214,10 @@ void PrintSummary(const ordered_json& report) {
                 name.c_str(), p["step_median_seconds"].get<double>(),
                 p["ratio_to_slowest"].get<double>(), p["slowest"].get<std::string>().c_str(),
                 p["ratio_to_serial"].get<double>());
+  }
+  if (!report.contains("errors")) return;
+  for (const auto& [name, message] : report.at("errors").items()) {
+    std::printf("  %-30s not measured: %s\n", name.c_str(), message.get<std::string>().c_str());
   }
 }
 
@@ -360,8 +372,16 @@ int RunBenchAll(const std::vector<std::string>& args) {
       {"simd", std::string(cpu_adam::SimdLevelName(cpu_adam::BestSupportedSimdLevel()))},
       {"nvme_path", f.nvme_path}};
   report["quick"] = f.quick;
-  for (auto* run : {RunAdam, RunNvme, RunCopies, RunPipelines}) {
-    if (Status s = run(f, report); !s.ok()) return Fail(kExitFailure, s.message());
+  struct Benchmark {
+    const char* name;
+    Status (*run)(const BenchAllFlags&, ordered_json&);
+  };
+  for (const Benchmark& b : {Benchmark{"adam", RunAdam}, Benchmark{"nvme", RunNvme},
+                             Benchmark{"copies", RunCopies}, Benchmark{"pipeline", RunPipelines}}) {
+    if (Status s = b.run(f, report); !s.ok()) {
+      std::fprintf(stderr, "      %s failed: %s\n", b.name, s.message().c_str());
+      report["errors"][b.name] = s.message();
+    }
   }
   report["tiers"] = TierSummary(report);
   if (!f.out.empty()) {
@@ -375,6 +395,13 @@ int RunBenchAll(const std::vector<std::string>& args) {
       std::printf("\nWrote %s/bench.json and CSVs; charts: scripts/plot_bench.py %s\n",
                   f.out.c_str(), f.out.c_str());
     }
+  }
+  if (report.contains("errors")) {
+    std::string failed;
+    for (const auto& [name, message] : report["errors"].items()) {
+      failed += (failed.empty() ? "" : ", ") + name;
+    }
+    return Fail(kExitFailure, failed + " could not be measured (see above); the rest was");
   }
   return kExitOk;
 }
