@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Collects what a bare CUDA image lacks to build Strata into one folder that travels with the
 # working tree (the lent GPU machine has no network: no apt, no pip): the Debian packages of the
-# build's libraries, fetched here with `apt-get download`, and unpack.sh, which unpacks them
-# there into a prefix (dpkg-deb -x) with their pkg-config files pointed into it. The CUDA
+# build's libraries, fetched here with `apt-get download`, pytest's pure-Python wheels (for the
+# torch CUDA tests), and unpack.sh, which unpacks them there into a prefix (dpkg-deb -x; the
+# wheels unzipped into PREFIX/python) with their pkg-config files pointed into it. The CUDA
 # toolkit, CMake, ninja and Python come with that image; NCCL comes as torch's pip wheel
 # (nvidia-nccl-cu13), found through STRATA_NCCL_ROOT (docs/gpu.md).
 #
@@ -43,8 +44,9 @@ if [[ -e $out ]]; then
 fi
 mkdir -p "$out/debs"
 touch "$out/$marker"
-# Only this script's own files go: the .debs it fetched before and its two text files.
-rm -f "$out"/debs/*.deb "$out/packages.txt" "$out/unpack.sh"
+mkdir -p "$out/wheels"
+# Only this script's own files go: the .debs and wheels it fetched before and its two text files.
+rm -f "$out"/debs/*.deb "$out"/wheels/*.whl "$out/packages.txt" "$out/unpack.sh"
 
 command -v apt-get >/dev/null || { echo "gpu-bundle: needs apt-get (Debian 12)" >&2; exit 1; }
 if ! (cd "$out/debs" && apt-get download "${packages[@]}" >/dev/null 2>"$out/debs/apt.log"); then
@@ -57,8 +59,20 @@ if ! (cd "$out/debs" && apt-get download "${packages[@]}" >/dev/null 2>"$out/deb
 fi
 rm -f "$out/debs/apt.log"
 for deb in "$out"/debs/*.deb; do
-  dpkg-deb -f "$deb" Package Version | paste -sd= -
+  dpkg-deb -W --showformat='${Package}=${Version}\n' "$deb"
 done >"$out/packages.txt"
+
+# pytest and what it imports, as pure-Python wheels (py3-none-any) for the GPU image's Python
+# 3.12, with the pip of the project's venv (scripts/python-env.sh).
+wheels=(pytest pluggy iniconfig packaging pygments)
+venv=$(cd "$(dirname "$0")" && ./python-env.sh)
+"$venv/bin/python" -m pip download --quiet --only-binary=:all: --no-deps \
+  --python-version 3.12 --implementation py --abi none --platform any \
+  --dest "$out/wheels" "${wheels[@]}" || {
+  echo "gpu-bundle: pip download ${wheels[*]} failed (network?)" >&2
+  exit 1
+}
+(cd "$out/wheels" && ls -1 -- *.whl) >>"$out/packages.txt"
 
 cat >"$out/unpack.sh" <<'UNPACK'
 #!/usr/bin/env bash
@@ -76,6 +90,12 @@ for deb in "$here"/debs/*.deb; do
 done
 find "$prefix/usr" -name '*.pc' -print0 |
   xargs -0 sed -i -E "s#(^[a-z_]+=|-I|-L)/usr#\1$prefix/usr#g"
+# Pure-Python wheels are zip files of the installed layout: unzipped, they import from
+# PYTHONPATH=PREFIX/python with no pip needed.
+mkdir -p "$prefix/python"
+for wheel in "$here"/wheels/*.whl; do
+  python3 -m zipfile -e "$wheel" "$prefix/python"
+done
 echo "unpack: $(wc -l <"$here/packages.txt") packages into $prefix"
 UNPACK
 chmod +x "$out/unpack.sh"

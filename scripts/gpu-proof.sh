@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a borrowed GPU machine (no network; see docs/gpu.md): what it is, a CUDA
-# build from the offline bundle, the GPU tests with any skip counted as a failure, copy
-# bandwidth against torch's, the example on CUDA, and compute-sanitizer if time is left. Every
+# build from the offline bundle, the GPU tests (the engine suites on CudaDevice among them) and
+# strata.torch on CUDA tensors with any skip counted as a failure, copy bandwidth against
+# torch's, the example on CUDA, and compute-sanitizer if time is left. Every
 # stage has its own time limit and all of them fit in 9 minutes; each writes its log under $OUT
 # and a line to $OUT/summary.md as it ends, so a run cut short still says how far it got.
 #
@@ -137,6 +138,16 @@ for size in (1 << 20, 64 << 20):
 PY
 }
 
+# tests/python/test_cuda.py: OffloadAdamW on CUDA tensors against torch AdamW, and the stream
+# order. pytest comes from the bundle (unpacked into $deps/python).
+torch_cuda_tests() {
+  local folder
+  folder=$(direct_io_folder) || folder=""
+  env STRATA_EXPECT_GPU=1 STRATA_TEST_NVME_DIR="$folder" PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONPATH="$build/python:$deps/python" "$python" -m pytest -q -rs -p no:cacheprovider \
+    "$repo/tests/python/test_cuda.py"
+}
+
 train_gpt_nvme() {
   local folder
   folder=$(direct_io_folder) || { echo "no folder where O_DIRECT works"; return 1; }
@@ -156,7 +167,7 @@ has_gpu() {
 }
 
 export repo python deps build out
-export -f facts nccl_root configure direct_io_folder torch_copies train_gpt_nvme
+export -f facts nccl_root configure direct_io_folder torch_copies torch_cuda_tests train_gpt_nvme
 stage facts 30 facts
 stage unpack 60 bash "$bundle/unpack.sh" "$deps"
 stage configure 90 configure
@@ -166,9 +177,13 @@ if ! has_gpu; then
   echo "gpu-proof: no GPU (nvidia-smi -L, torch.cuda.is_available()); see $summary" >&2
   exit 2
 fi
-stage build 300 cmake --build "$build" -j"$(nproc)"
-stage gpu-tests 90 env STRATA_EXPECT_GPU=1 ctest --test-dir "$build" -L gpu --output-on-failure
-echo "| torch-cuda-tests | not built yet: tests/python runs on CPU tensors | 0 |" >>"$summary"
+# What the later stages run, not the CPU-only tests and benchmarks: minutes less to build.
+stage build 300 cmake --build "$build" -j"$(nproc)" --target strata _strata core_gpu_tests \
+  offload_tests offload_quantize_gpu_tests offload_gpu_tests
+# The engine suites' Cuda/ instances and the device tests; python.test_cuda runs next, on its own.
+stage gpu-tests 120 env STRATA_EXPECT_GPU=1 ctest --test-dir "$build" -L gpu -LE python -j 4 \
+  --output-on-failure
+stage torch-cuda-tests 120 torch_cuda_tests
 stage copies-torch 30 torch_copies
 stage bench 120 "$build/tools/strata" bench all --quick --out "$out/bench" \
   --nvme-path "$(direct_io_folder || echo /tmp)"

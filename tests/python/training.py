@@ -111,16 +111,16 @@ def make_optimizer(which: str, model: nn.Module, *, lr: float, max_grad_norm: fl
 
 
 def train(kind: str, model: nn.Module, opt: torch.optim.Optimizer, scheduler, steps: range, *,
-          gas: int, max_grad_norm: float) -> list[float]:
+          gas: int, max_grad_norm: float, device: str | torch.device = "cpu") -> list[float]:
     """Steps `steps`, each over `gas` micro-batches (loss / gas, as DeepSpeed and torchao have
-    the trainer do), clipping on the global norm: by torch for torch.optim, by the optimizer
-    itself for strata. Returns the losses."""
+    the trainer do) moved to `device`, clipping on the global norm: by torch for torch.optim, by
+    the optimizer itself for strata. Returns the losses."""
     losses = []
     reference = not isinstance(opt, st.OffloadOptimizer)
     for step in steps:
         total = 0.0
         for micro in range(gas):
-            x, y = batch(kind, step, micro)
+            x, y = (t.to(device) for t in batch(kind, step, micro))
             loss = loss_of(kind, model, x, y) / gas
             loss.backward()
             total += loss.item()
