@@ -17,11 +17,11 @@
 namespace strata::offload::testing {
 namespace {
 
+// Whether GPU 0 can be used, by making a CudaDevice on it as the tests do.
 std::optional<std::string> WhyNoCuda() {
   if (!BuiltWithCuda()) return "built without CUDA";
-  Result<std::vector<CudaDeviceInfo>> gpus = ListCudaDevices();
-  if (!gpus.ok()) return "no usable GPU: " + gpus.status().ToString();
-  if (gpus->empty()) return "no GPU";
+  Result<std::unique_ptr<Device>> gpu = CreateCudaDevice({.device_index = 0});
+  if (!gpu.ok()) return "no usable GPU: " + gpu.status().ToString();
   return std::nullopt;
 }
 
@@ -56,9 +56,14 @@ Status CudaStatus(cudaError_t error, const char* what) {
   return Internal(std::string(what) + ": " + cudaGetErrorString(error));
 }
 
+// On GPU 0, the device the tests' CudaDevice runs on. Writes go through pinned memory (a copy
+// from pageable memory would first wait for the stream, so the work queued before it, a
+// Sleep, would be over by the time GradsReady names the stream); it is freed once the stream
+// has run, in Synchronize or the destructor (a host function must not call CUDA).
 class CudaOutsideStream final : public OutsideStream {
  public:
   static Result<std::unique_ptr<OutsideStream>> Create() {
+    STRATA_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(0), "cudaSetDevice"));
     cudaStream_t stream = nullptr;
     STRATA_RETURN_IF_ERROR(
         CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
@@ -66,6 +71,7 @@ class CudaOutsideStream final : public OutsideStream {
   }
   ~CudaOutsideStream() override {
     cudaStreamSynchronize(stream_);
+    FreeStaging();
     cudaStreamDestroy(stream_);
   }
 
@@ -73,21 +79,28 @@ class CudaOutsideStream final : public OutsideStream {
     return Queue([delay] { std::this_thread::sleep_for(delay); });
   }
   Status Write(void* dst, const void* src, size_t bytes) override {
-    const auto* first = static_cast<const std::byte*>(src);
-    auto data = std::make_shared<std::vector<std::byte>>(first, first + bytes);
-    STRATA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(dst, data->data(), bytes, cudaMemcpyHostToDevice, stream_),
-        "cudaMemcpyAsync"));
-    // The host copy lives until the stream has read it.
-    return Queue([data] {});
+    void* pinned = nullptr;
+    STRATA_RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&pinned, bytes), "cudaMallocHost"));
+    staging_.push_back(pinned);
+    std::memcpy(pinned, src, bytes);
+    return CudaStatus(cudaMemcpyAsync(dst, pinned, bytes, cudaMemcpyHostToDevice, stream_),
+                      "cudaMemcpyAsync");
   }
   Status Synchronize() override {
-    return CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    STRATA_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"));
+    FreeStaging();
+    return Status();
   }
   void* native() override { return stream_; }
 
  private:
   explicit CudaOutsideStream(cudaStream_t stream) : stream_(stream) {}
+
+  void FreeStaging() {
+    for (void* pinned : staging_) cudaFreeHost(pinned);
+    staging_.clear();
+  }
 
   Status Queue(std::function<void()> work) {
     auto* heap = new std::function<void()>(std::move(work));
@@ -104,6 +117,7 @@ class CudaOutsideStream final : public OutsideStream {
   }
 
   cudaStream_t stream_;
+  std::vector<void*> staging_;  // Pinned copies of what Write was given; the test's thread only.
 };
 #endif
 
@@ -140,6 +154,15 @@ Status WriteDeviceMemory(Device& device, void* dst, const void* src, size_t byte
   }
   STRATA_RETURN_IF_ERROR(device.CopyToDevice(dst, src, bytes, Stream::kCompute));
   return device.SynchronizeStream(Stream::kCompute);
+}
+
+Result<StagingBuffer> StagingBuffer::Create(Device& device, size_t bytes) {
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer memory, AlignedBuffer::Allocate(bytes));
+  PinnedHostRegion pinned;
+  if (!InPlace(device) && device.CanPin()) {
+    STRATA_ASSIGN_OR_RETURN(pinned, device.PinHostMemory(memory.data(), memory.size()));
+  }
+  return StagingBuffer(std::move(memory), std::move(pinned));
 }
 
 Result<std::unique_ptr<OutsideStream>> OutsideStream::Create(const Device& device) {

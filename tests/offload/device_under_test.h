@@ -16,7 +16,9 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <utility>
 
+#include "strata/core/aligned_buffer.h"
 #include "strata/core/device.h"
 #include "support/gpu.h"
 
@@ -49,6 +51,21 @@ Status ReadDeviceMemory(Device& device, const void* src, void* dst, size_t bytes
 /// Copies `bytes` of host memory at `src` to device memory at `dst` on Stream::kCompute, and
 /// waits for it. In place on a HostDevice.
 Status WriteDeviceMemory(Device& device, void* dst, const void* src, size_t bytes);
+
+/// Host memory a device copies from or to without holding up the caller: pinned beside a GPU
+/// (from pageable memory, a copy to the device first waits for its stream, and a copy from it
+/// returns only once done), plain beside a HostDevice, whose memory is the host's.
+class StagingBuffer {
+ public:
+  static Result<StagingBuffer> Create(Device& device, size_t bytes);
+  std::byte* data() const { return memory_.data(); }
+
+ private:
+  StagingBuffer(AlignedBuffer memory, PinnedHostRegion pinned)
+      : memory_(std::move(memory)), pinned_(std::move(pinned)) {}
+  AlignedBuffer memory_;
+  PinnedHostRegion pinned_;  // Declared after memory_: unpinned before it is freed.
+};
 
 /// A trainer's own stream, outside the engine's device (PyTorch's current stream): a HostStream
 /// beside a HostDevice, a cudaStream_t of its own beside a CudaDevice. native() is what a

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "engine_test_support.h"
@@ -56,21 +57,33 @@ Result<ChunkView> BackwardKeeping(Engine& engine, size_t keep) {
 
 /// A kernel the trainer queued on a chunk's working parameters: it reads them after `delay`, so
 /// a test can tell whether the engine rewrote them before the kernel had run. Its read is a copy
-/// on the device's compute stream, so it is a kernel on a GPU as on a HostDevice.
+/// on the device's compute stream into staging memory (pinned on a GPU, so that queuing it does
+/// not wait for it), so it is a kernel on a GPU as on a HostDevice.
 class QueuedRead {
  public:
   QueuedRead(Device& device, const ChunkView& view)
       : device_(device), params_(view.params), bytes_(view.numel * sizeof(float)),
-        before_(bytes_), seen_(bytes_) {
+        before_(bytes_) {
     EXPECT_TRUE(testing::ReadDeviceMemory(device_, params_, before_.data(), bytes_).ok());
   }
+  /// Queues the kernel; on a GPU, fails if queuing it waited for it (the test would then test
+  /// nothing: a HostDevice's copies are always queued).
   Status Queue(std::chrono::milliseconds delay = 100ms) {
+    STRATA_ASSIGN_OR_RETURN(seen_, testing::StagingBuffer::Create(device_, bytes_));
+    const auto start = std::chrono::steady_clock::now();
     STRATA_RETURN_IF_ERROR(device_.LaunchHostFunction(
         Stream::kCompute, [delay] { std::this_thread::sleep_for(delay); }));
-    return device_.CopyToHost(seen_.data(), params_, bytes_, Stream::kCompute);
+    STRATA_RETURN_IF_ERROR(device_.CopyToHost(seen_->data(), params_, bytes_, Stream::kCompute));
+    if (device_.properties().kind != DeviceKind::kHost &&
+        std::chrono::steady_clock::now() - start >= delay) {
+      return Internal("queuing the kernel's read waited for it");
+    }
+    return Status();
   }
   /// Once the stream has run it: whether the kernel saw the weights as they were when queued.
-  bool SawTheOldWeights() const { return std::memcmp(seen_.data(), before_.data(), bytes_) == 0; }
+  bool SawTheOldWeights() const {
+    return seen_ && std::memcmp(seen_->data(), before_.data(), bytes_) == 0;
+  }
   /// Whether the weights are the old ones now.
   bool WeightsUnchanged() const {
     std::vector<std::byte> now(bytes_);
@@ -82,7 +95,8 @@ class QueuedRead {
   Device& device_;
   const void* params_;
   size_t bytes_;
-  std::vector<std::byte> before_, seen_;
+  std::vector<std::byte> before_;
+  std::optional<testing::StagingBuffer> seen_;
 };
 
 bool Mentions(const Status& status, const std::string& text) {

@@ -353,8 +353,8 @@ TEST_P(EngineOnDeviceTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
       MakeOptions({"bf16", Tier::kNvme, Tier::kDevice}, nvme.path(), DType::kBf16);
   auto device = MakeDevice(64 << 20);
   ASSERT_NE(device, nullptr);
-  const auto specs = model.Specs();
-  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  auto engine = testing::MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
   EngineTrainer trainer(*engine, model);
   ReferenceTrainer reference(model, options);
   for (int step = 0; step < 30; ++step) {
@@ -376,8 +376,8 @@ TEST_P(EngineOnDeviceTest, GradientAccumulationSumsEveryMicroStep) {
     options.optimizer.gradient_accumulation_steps = 3;
     auto device = MakeDevice(64 << 20);
     ASSERT_NE(device, nullptr);
-    const auto specs = model.Specs();
-    auto engine = std::move(Engine::Create(options, *device, specs)).value();
+    auto engine = testing::MakeEngine(options, *device, model);
+    ASSERT_NE(engine, nullptr);
     EngineTrainer trainer(*engine, model, 3);
     ReferenceTrainer reference(model, options);
     for (int step = 0; step < 8; ++step) {
@@ -398,8 +398,8 @@ TEST_P(EngineOnDeviceTest, ClippingScalesByTheGlobalNorm) {
   options.optimizer.gradient_clipping = 0.02;  // Below the gradients' norm: clipping is active.
   auto device = MakeDevice(64 << 20);
   ASSERT_NE(device, nullptr);
-  const auto specs = model.Specs();
-  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  auto engine = testing::MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
   EngineTrainer trainer(*engine, model);
   ReferenceTrainer reference(model, options);
   for (int step = 0; step < 10; ++step) {
@@ -422,8 +422,8 @@ TEST_P(EngineOnDeviceTest, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   options.precision.hysteresis = 1;
   auto device = MakeDevice(64 << 20);
   ASSERT_NE(device, nullptr);
-  const auto specs = model.Specs();
-  auto engine = std::move(Engine::Create(options, *device, specs)).value();
+  auto engine = testing::MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
   EngineTrainer trainer(*engine, model);
   ReferenceTrainer reference(model, options);
   EXPECT_EQ(engine->loss_scale(), 65536.0);
@@ -524,7 +524,6 @@ TEST(EngineTest, NvmeFaultFailsTheStepAndLeavesStateIntactThenRetrySucceeds) {
 TEST_P(EngineOnDeviceTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
-  const auto specs = model.Specs();
   const std::string nvme_path = dir.path();
   const std::filesystem::path checkpoint = dir.path() / "ckpt";
 
@@ -532,7 +531,8 @@ TEST_P(EngineOnDeviceTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   const EngineOptions host_options = MakeOptions({"host", Tier::kHost, Tier::kDevice}, nvme_path);
   auto device = MakeDevice(64 << 20);
   ASSERT_NE(device, nullptr);
-  auto straight = std::move(Engine::Create(host_options, *device, specs)).value();
+  auto straight = testing::MakeEngine(host_options, *device, model);
+  ASSERT_NE(straight, nullptr);
   EngineTrainer straight_trainer(*straight, model);
   std::vector<double> straight_losses;
   for (int step = 0; step < 20; ++step) {
@@ -545,7 +545,8 @@ TEST_P(EngineOnDeviceTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
   {
     auto first_device = MakeDevice(64 << 20);
     ASSERT_NE(first_device, nullptr);
-    auto first = std::move(Engine::Create(host_options, *first_device, specs)).value();
+    auto first = testing::MakeEngine(host_options, *first_device, model);
+    ASSERT_NE(first, nullptr);
     EngineTrainer trainer(*first, model);
     for (int step = 0; step < 10; ++step) {
       double loss = 0.0;
@@ -565,7 +566,8 @@ TEST_P(EngineOnDeviceTest, ResumeFromACheckpointIsBitExactAcrossPlacements) {
       MakeOptions({"nvme", Tier::kNvme, Tier::kNvme, 1.0, 3 * kSlotBytes}, nvme_path);
   auto second_device = MakeDevice(3 * kSlotBytes);
   ASSERT_NE(second_device, nullptr);
-  auto resumed = std::move(Engine::Create(nvme_options, *second_device, specs)).value();
+  auto resumed = testing::MakeEngine(nvme_options, *second_device, model);
+  ASSERT_NE(resumed, nullptr);
   Status loaded = resumed->Load(checkpoint);
   ASSERT_TRUE(loaded.ok()) << loaded.ToString();
   EXPECT_EQ(resumed->step_count(), 10);

@@ -42,8 +42,6 @@ const Placement kPlacements[] = {
     {"states_device", Tier::kDevice, Tier::kDevice},
 };
 
-// Gradients written late by work on the trainer's own stream are the ones the engine copies:
-// its copies and evictions wait for that stream, not for Stream::kCompute.
 // On each device: a HostStream beside a HostDevice, a CUDA stream of the trainer's own on a GPU.
 class TrainerOnDeviceTest : public testing::OnDeviceTest {};
 INSTANTIATE_TEST_SUITE_P(Host, TrainerOnDeviceTest,
@@ -51,29 +49,39 @@ INSTANTIATE_TEST_SUITE_P(Host, TrainerOnDeviceTest,
 INSTANTIATE_TEST_SUITE_P(Cuda, TrainerOnDeviceTest,
                          ::testing::Values(testing::DeviceUnderTest::kCuda));
 
+// Gradients written late by work on the trainer's own stream, or on the device's compute
+// stream (GradsReady without a stream), are the ones the engine copies: its copies and
+// evictions wait for the stream named, not for another.
 TEST_P(TrainerOnDeviceTest, CopiesWaitForWorkOnTheTrainersOwnStream) {
-  for (const Placement& placement : kPlacements) {
-    if (!testing::RunsOn(placement, device_kind())) continue;
-    ScratchDir dir;
-    const TinyModel model(kLayers, kWidth, kBatch);
-    const EngineOptions options = MakeOptions(placement, dir.path());
-    auto device = MakeDevice(placement.device_budget);
-    ASSERT_NE(device, nullptr);
-    auto engine = MakeEngine(options, *device, model);
-    ASSERT_NE(engine, nullptr);
-    Result<std::unique_ptr<testing::OutsideStream>> trainer_stream =
-        testing::OutsideStream::Create(*device);
-    ASSERT_TRUE(trainer_stream.ok()) << trainer_stream.status().ToString();
-    EngineTrainer trainer(*engine, model);
-    trainer.UseTrainerStream(trainer_stream->get(), 5ms);
-    ReferenceTrainer reference(model, options);
-    for (int step = 0; step < 3; ++step) {
-      double loss = 0.0;
-      Result<StepReport> report = trainer.TrainStep(step, &loss);
-      ASSERT_TRUE(report.ok()) << placement.name << ": " << report.status().ToString();
-      EXPECT_EQ(loss, reference.TrainStep(step)) << placement.name << " step " << step;
+  for (const bool own_stream : {true, false}) {
+    for (const Placement& placement : kPlacements) {
+      if (!testing::RunsOn(placement, device_kind())) continue;
+      SCOPED_TRACE(std::string(placement.name) + (own_stream ? ", own stream" : ", compute"));
+      ScratchDir dir;
+      const TinyModel model(kLayers, kWidth, kBatch);
+      const EngineOptions options = MakeOptions(placement, dir.path());
+      auto device = MakeDevice(placement.device_budget);
+      ASSERT_NE(device, nullptr);
+      auto engine = MakeEngine(options, *device, model);
+      ASSERT_NE(engine, nullptr);
+      Result<std::unique_ptr<testing::OutsideStream>> trainer_stream =
+          testing::OutsideStream::Create(*device);
+      ASSERT_TRUE(trainer_stream.ok()) << trainer_stream.status().ToString();
+      EngineTrainer trainer(*engine, model);
+      if (own_stream) {
+        trainer.UseTrainerStream(trainer_stream->get(), 5ms);
+      } else {
+        trainer.DelayComputeStream(5ms);
+      }
+      ReferenceTrainer reference(model, options);
+      for (int step = 0; step < 3; ++step) {
+        double loss = 0.0;
+        Result<StepReport> report = trainer.TrainStep(step, &loss);
+        ASSERT_TRUE(report.ok()) << report.status().ToString();
+        EXPECT_EQ(loss, reference.TrainStep(step)) << "step " << step;
+      }
+      EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
     }
-    EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master())) << placement.name;
   }
 }
 

@@ -188,6 +188,10 @@ class EngineTrainer {
     stream_ = stream;
     delay_ = delay;
   }
+  /// Backward from now on writes gradients on the device's own compute stream (GradsReady with
+  /// no stream) behind a wait of `delay` there, and calls GradsReady without waiting for them:
+  /// the engine must order its copies after that stream. Micro-steps end with the stream done.
+  void DelayComputeStream(std::chrono::milliseconds delay) { compute_delay_ = delay; }
   /// Chunks whose gradients backward does not produce (an unused expert): no GradsReady.
   void SetUnusedChunks(std::vector<bool> unused) { unused_ = std::move(unused); }
   /// Backward waits on the trainer thread before `chunk`'s GradsReady until `ready()` holds
@@ -244,6 +248,10 @@ class EngineTrainer {
         STRATA_ASSIGN_OR_RETURN(ChunkView view, engine_.Acquire(c));
         const float factor = factor_ ? factor_(step, c) : 1.0f;
         if (stream_ != nullptr && delay_.count() > 0) STRATA_RETURN_IF_ERROR(stream_->Sleep(delay_));
+        if (stream_ == nullptr && compute_delay_.count() > 0) {
+          STRATA_RETURN_IF_ERROR(engine_.device().LaunchHostFunction(
+              Stream::kCompute, [delay = compute_delay_] { std::this_thread::sleep_for(delay); }));
+        }
         Status written;
         ForEachParameter(c, [&](size_t p, const ParameterLocation& loc) {
           if (!written.ok()) return;
@@ -255,15 +263,23 @@ class EngineTrainer {
           std::vector<std::byte> stored(loc.numel * DTypeSize(dtype));
           StoreAs(dtype, scaled.data(), loc.numel, stored.data());
           void* dst = static_cast<char*>(view.grads) + loc.offset * DTypeSize(dtype);
-          written = stream_ != nullptr
-                        ? stream_->Write(dst, stored.data(), stored.size())
-                        : WriteDeviceMemory(engine_.device(), dst, stored.data(), stored.size());
+          if (stream_ != nullptr) {
+            written = stream_->Write(dst, stored.data(), stored.size());
+          } else if (compute_delay_.count() > 0) {
+            written = QueueOnComputeStream(dst, stored);
+          } else {
+            written = WriteDeviceMemory(engine_.device(), dst, stored.data(), stored.size());
+          }
         });
         STRATA_RETURN_IF_ERROR(written);
         const TrainerStream on{stream_ != nullptr ? stream_->native() : nullptr};
         if (c == late_chunk_ && late_ready_) WaitUntilLateChunkReady();
         STRATA_RETURN_IF_ERROR(engine_.GradsReady(c, on));
         engine_.Release(c, on);
+      }
+      if (compute_delay_.count() > 0) {
+        STRATA_RETURN_IF_ERROR(engine_.device().SynchronizeStream(Stream::kCompute));
+        staged_.clear();
       }
     }
     return Status();
@@ -287,6 +303,22 @@ class EngineTrainer {
     }
   }
 
+  // Queues a copy of `data` to device memory `dst` on Stream::kCompute from staging memory that
+  // lives until the micro-step's end; on a HostDevice, a host function there copies it in place.
+  Status QueueOnComputeStream(void* dst, const std::vector<std::byte>& data) {
+    Device& device = engine_.device();
+    STRATA_ASSIGN_OR_RETURN(StagingBuffer staging, StagingBuffer::Create(device, data.size()));
+    std::memcpy(staging.data(), data.data(), data.size());
+    const std::byte* src = staging.data();
+    staged_.push_back(std::move(staging));
+    if (device.properties().kind == DeviceKind::kHost) {
+      return device.LaunchHostFunction(Stream::kCompute, [dst, src, bytes = data.size()] {
+        std::memcpy(dst, src, bytes);
+      });
+    }
+    return device.CopyToDevice(dst, src, data.size(), Stream::kCompute);
+  }
+
   template <typename F>
   void ForEachParameter(size_t chunk, F&& f) {
     const ChunkInfo& info = engine_.layout().chunk(chunk);
@@ -300,6 +332,8 @@ class EngineTrainer {
   int gas_;
   OutsideStream* stream_ = nullptr;
   std::chrono::milliseconds delay_{0};
+  std::chrono::milliseconds compute_delay_{0};
+  std::vector<StagingBuffer> staged_;  // What the compute stream still copies from.
   std::vector<bool> unused_;
   size_t late_chunk_ = 0;
   std::function<bool()> late_ready_;

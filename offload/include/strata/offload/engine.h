@@ -95,7 +95,9 @@ struct ChunkView {
 /// where a trainer that runs its kernels through the engine's Device queues them.
 struct TrainerStream {
   /// The trainer's native stream: a cudaStream_t on CUDA (torch.cuda.current_stream()
-  /// .cuda_stream), HostStream::native() on HostDevice. Null = Stream::kCompute.
+  /// .cuda_stream), HostStream::native() on HostDevice. Null = Stream::kCompute, so CUDA's
+  /// legacy default stream, whose handle is 0, must be named cudaStreamLegacy (1), as
+  /// strata.torch does.
   void* native = nullptr;
 };
 
