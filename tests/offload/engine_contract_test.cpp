@@ -108,10 +108,7 @@ bool Mentions(const Status& status, const std::string& text) {
 // The trainer contract on each device: views held across Step and Load, the trainer's queued
 // work, retries.
 class ContractOnDeviceTest : public testing::OnDeviceTest {};
-INSTANTIATE_TEST_SUITE_P(Host, ContractOnDeviceTest,
-                         ::testing::Values(testing::DeviceUnderTest::kHost));
-INSTANTIATE_TEST_SUITE_P(Cuda, ContractOnDeviceTest,
-                         ::testing::Values(testing::DeviceUnderTest::kCuda));
+STRATA_INSTANTIATE_ON_EACH_DEVICE(ContractOnDeviceTest);
 
 TEST_P(ContractOnDeviceTest, StepAndLoadRefuseWhileAChunkIsAcquired) {
   ScratchDir dir;

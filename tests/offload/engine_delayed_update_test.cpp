@@ -86,10 +86,7 @@ void TrainDelayed(Engine& engine, const TinyModel& model, bool overlapped,
 
 // The delayed trajectories, on each device.
 class DelayedUpdateOnDeviceTest : public testing::OnDeviceTest {};
-INSTANTIATE_TEST_SUITE_P(Host, DelayedUpdateOnDeviceTest,
-                         ::testing::Values(testing::DeviceUnderTest::kHost));
-INSTANTIATE_TEST_SUITE_P(Cuda, DelayedUpdateOnDeviceTest,
-                         ::testing::Values(testing::DeviceUnderTest::kCuda));
+STRATA_INSTANTIATE_ON_EACH_DEVICE(DelayedUpdateOnDeviceTest);
 
 TEST_P(DelayedUpdateOnDeviceTest, TrajectoryIsTheDelayedReferenceBitForBit) {
   const TinyModel model(kLayers, kWidth, kBatch);

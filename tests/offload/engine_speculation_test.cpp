@@ -204,18 +204,12 @@ TEST_P(SpeculationTest, ClippedAndUnclippedStepsEqualTheGatedPathBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Host, SpeculationTest,
-                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kHost)),
-                         testing::PlacementName);
-INSTANTIATE_TEST_SUITE_P(Cuda, SpeculationTest,
-                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kCuda)),
-                         testing::PlacementName);
+STRATA_INSTANTIATE_PLACEMENTS_ON_EACH_DEVICE(SpeculationTest);
 
 // fp16: the overflowing step undoes every update made ahead of the verdict and skips; the
 // trajectory equals the gated path's bit for bit.
 class SpeculationFp16Test : public testing::OnDeviceTest {};
-INSTANTIATE_TEST_SUITE_P(Host, SpeculationFp16Test, ::testing::Values(DeviceUnderTest::kHost));
-INSTANTIATE_TEST_SUITE_P(Cuda, SpeculationFp16Test, ::testing::Values(DeviceUnderTest::kCuda));
+STRATA_INSTANTIATE_ON_EACH_DEVICE(SpeculationFp16Test);
 
 TEST_P(SpeculationFp16Test, AnOverflowUndoesTheUpdatesMadeAheadOfIt) {
   ScratchDir nvme;

@@ -26,7 +26,6 @@ namespace {
 using strata::testing::ScratchDir;
 
 using testing::BitEqual;
-using testing::DeviceUnderTest;
 using testing::EngineTrainer;
 using testing::kBatch;
 using testing::kLayers;
@@ -87,12 +86,7 @@ TEST_P(EngineEquivalenceTest, ThirtyStepsMatchTheReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Host, EngineEquivalenceTest,
-                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kHost)),
-                         testing::PlacementName);
-INSTANTIATE_TEST_SUITE_P(Cuda, EngineEquivalenceTest,
-                         ::testing::ValuesIn(testing::PlacementsOn(DeviceUnderTest::kCuda)),
-                         testing::PlacementName);
+STRATA_INSTANTIATE_PLACEMENTS_ON_EACH_DEVICE(EngineEquivalenceTest);
 
 // Ranks on one node share its memory and cores: the automatic host budget is divided among
 // them, counted from the launcher's environment unless the trainer says; a set budget is kept.
@@ -343,8 +337,7 @@ TEST(EngineTest, ALargeLastChunkStaysInHostWhenSpillingSmallerOnesFits) {
 // The equivalence cases beyond placements (bf16, accumulation, clipping, fp16 overflow, resume
 // across placements), on each device.
 class EngineOnDeviceTest : public testing::OnDeviceTest {};
-INSTANTIATE_TEST_SUITE_P(Host, EngineOnDeviceTest, ::testing::Values(DeviceUnderTest::kHost));
-INSTANTIATE_TEST_SUITE_P(Cuda, EngineOnDeviceTest, ::testing::Values(DeviceUnderTest::kCuda));
+STRATA_INSTANTIATE_ON_EACH_DEVICE(EngineOnDeviceTest);
 
 TEST_P(EngineOnDeviceTest, Bf16MatchesTheReferenceRoundedTheSameWay) {
   ScratchDir nvme;

@@ -172,3 +172,22 @@ inline std::unique_ptr<Engine> MakeEngine(const EngineOptions& options, Device& 
 }
 
 }  // namespace strata::offload::testing
+
+/// Instantiates an OnDeviceTest suite on each device: Host/suite.* and Cuda/suite.*.
+#define STRATA_INSTANTIATE_ON_EACH_DEVICE(suite)                                        \
+  INSTANTIATE_TEST_SUITE_P(                                                              \
+      Host, suite, ::testing::Values(::strata::offload::testing::DeviceUnderTest::kHost)); \
+  INSTANTIATE_TEST_SUITE_P(                                                              \
+      Cuda, suite, ::testing::Values(::strata::offload::testing::DeviceUnderTest::kCuda))
+
+/// Instantiates a PlacementOnDeviceTest suite with every placement (kPlacements) that runs on
+/// each device: Host/suite.*/<placement> and Cuda/suite.*/<placement>.
+#define STRATA_INSTANTIATE_PLACEMENTS_ON_EACH_DEVICE(suite)                                 \
+  INSTANTIATE_TEST_SUITE_P(Host, suite,                                                    \
+                           ::testing::ValuesIn(::strata::offload::testing::PlacementsOn(    \
+                               ::strata::offload::testing::DeviceUnderTest::kHost)),        \
+                           ::strata::offload::testing::PlacementName);                      \
+  INSTANTIATE_TEST_SUITE_P(Cuda, suite,                                                    \
+                           ::testing::ValuesIn(::strata::offload::testing::PlacementsOn(    \
+                               ::strata::offload::testing::DeviceUnderTest::kCuda)),        \
+                           ::strata::offload::testing::PlacementName)

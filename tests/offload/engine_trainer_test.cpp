@@ -44,10 +44,7 @@ const Placement kPlacements[] = {
 
 // On each device: a HostStream beside a HostDevice, a CUDA stream of the trainer's own on a GPU.
 class TrainerOnDeviceTest : public testing::OnDeviceTest {};
-INSTANTIATE_TEST_SUITE_P(Host, TrainerOnDeviceTest,
-                         ::testing::Values(testing::DeviceUnderTest::kHost));
-INSTANTIATE_TEST_SUITE_P(Cuda, TrainerOnDeviceTest,
-                         ::testing::Values(testing::DeviceUnderTest::kCuda));
+STRATA_INSTANTIATE_ON_EACH_DEVICE(TrainerOnDeviceTest);
 
 // Gradients written late by work on the trainer's own stream, or on the device's compute
 // stream (GradsReady without a stream), are the ones the engine copies: its copies and
