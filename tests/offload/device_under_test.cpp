@@ -25,8 +25,6 @@ std::optional<std::string> WhyNoCuda() {
   return std::nullopt;
 }
 
-bool InPlace(const Device& device) { return device.properties().kind == DeviceKind::kHost; }
-
 class HostOutsideStream final : public OutsideStream {
  public:
   Status Sleep(std::chrono::milliseconds delay) override {
@@ -166,7 +164,7 @@ Result<StagingBuffer> StagingBuffer::Create(Device& device, size_t bytes) {
 }
 
 Result<std::unique_ptr<OutsideStream>> OutsideStream::Create(const Device& device) {
-  if (device.properties().kind == DeviceKind::kHost) {
+  if (InPlace(device)) {
     return std::unique_ptr<OutsideStream>(std::make_unique<HostOutsideStream>());
   }
 #if STRATA_TEST_WITH_CUDA

@@ -25,8 +25,6 @@
 namespace strata::offload::testing {
 
 enum class DeviceUnderTest { kHost, kCuda };
-inline constexpr DeviceUnderTest kDevicesUnderTest[] = {DeviceUnderTest::kHost,
-                                                       DeviceUnderTest::kCuda};
 
 /// "Host" or "Cuda": the prefix of a parametrised suite's instances.
 inline std::string_view DeviceUnderTestName(DeviceUnderTest kind) {
@@ -44,6 +42,10 @@ std::optional<std::string> WhyUnusable(DeviceUnderTest kind);
 /// zero copy), or a CudaDevice on GPU 0. Null, with a test failure saying why, when it cannot
 /// be made (call WhyUnusable first).
 std::unique_ptr<Device> MakeDeviceUnderTest(DeviceUnderTest kind, uint64_t budget);
+
+/// Whether the test reaches `device`'s memory in place (a HostDevice, whose memory is the
+/// host's) rather than through the device's copies (a GPU).
+inline bool InPlace(const Device& device) { return device.properties().kind == DeviceKind::kHost; }
 
 /// Copies `bytes` of device memory at `src` to host memory at `dst`, after the work queued on
 /// Stream::kCompute, and waits for it. In place on a HostDevice.

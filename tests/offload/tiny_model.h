@@ -311,7 +311,7 @@ class EngineTrainer {
     std::memcpy(staging.data(), data.data(), data.size());
     const std::byte* src = staging.data();
     staged_.push_back(std::move(staging));
-    if (device.properties().kind == DeviceKind::kHost) {
+    if (InPlace(device)) {
       return device.LaunchHostFunction(Stream::kCompute, [dst, src, bytes = data.size()] {
         std::memcpy(dst, src, bytes);
       });
