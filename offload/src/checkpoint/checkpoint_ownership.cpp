@@ -176,6 +176,36 @@ bool IsStagingDirectory(const fs::path& staging) {
          (::lstat(manifest.c_str(), &st) != 0 || CheckReplaceable(staging).ok());
 }
 
+std::vector<std::string> RemovalOrder(const fs::path& dir) {
+  Result<std::vector<std::string>> entries = SortedEntries(dir);
+  if (!entries.ok()) return {};
+  std::vector<std::string> order;
+  bool manifest = false;
+  bool marker = false;
+  for (std::string& name : *entries) {
+    if (name == kManifestFileName) {
+      manifest = true;
+    } else if (name == kStagingMarkerName) {
+      marker = true;
+    } else {
+      order.push_back(std::move(name));
+    }
+  }
+  if (manifest) order.emplace_back(kManifestFileName);
+  if (marker) order.emplace_back(kStagingMarkerName);
+  return order;
+}
+
+std::error_code RemoveOwnedDirectory(const fs::path& dir) {
+  std::error_code ec;
+  for (const std::string& name : RemovalOrder(dir)) {
+    fs::remove_all(dir / name, ec);
+    if (ec) return ec;
+  }
+  fs::remove(dir, ec);
+  return ec;
+}
+
 void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
   const std::string name = dir.filename().string();
   const std::string staging_prefix = name + ".tmp-";
@@ -212,9 +242,7 @@ void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
         continue;
       }
     }
-    std::error_code ec;
-    fs::remove_all(old, ec);
-    if (!ec) {
+    if (const std::error_code ec = RemoveOwnedDirectory(old); !ec) {
       Log(LogLevel::kWarning,
           "removed " + old.string() + ", left by an interrupted checkpoint save");
     }
@@ -228,9 +256,7 @@ void CleanUpLeftovers(const fs::path& parent, const fs::path& dir) {
                                   "directory, but it holds what Strata did not write there");
       continue;
     }
-    std::error_code ec;
-    fs::remove_all(staging, ec);
-    if (!ec) {
+    if (const std::error_code ec = RemoveOwnedDirectory(staging); !ec) {
       Log(LogLevel::kWarning,
           "removed " + staging.string() + ", left by an interrupted checkpoint save");
     }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <filesystem>
+#include <system_error>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -41,6 +42,18 @@ Result<std::vector<std::string>> SortedEntries(const std::filesystem::path& dir)
 /// A staging directory that holds a manifest is a committed checkpoint moved aside (the previous
 /// one after an exchange): it must also be nothing but that checkpoint.
 bool IsStagingDirectory(const std::filesystem::path& staging);
+
+/// The entries of `dir` in the order RemoveOwnedDirectory deletes them: every one but the
+/// manifest and the staging marker, then the manifest, then the marker. A removal stopped after
+/// any of them (the process killed) leaves a directory still provably Strata's
+/// (IsStagingDirectory): the marker stays to the last, and while the manifest stays, so does
+/// nothing it does not list. In directory order the marker could go first and leave a
+/// manifest and data files that no later cleanup may remove.
+std::vector<std::string> RemovalOrder(const std::filesystem::path& dir);
+
+/// Removes `dir`, a checkpoint or staging directory proved Strata's, entry by entry in
+/// RemovalOrder, then the directory itself.
+std::error_code RemoveOwnedDirectory(const std::filesystem::path& dir);
 
 /// Cleans up after crashed writers of `dir`: removes "<name>.tmp-<pid>" of dead pids, and for
 /// "<name>.old-<pid>" of dead pids (left inside the fallback's window), puts the old checkpoint

@@ -151,8 +151,7 @@ CheckpointWriter::CheckpointWriter(fs::path dir, fs::path staging, int64_t pid, 
 
 void CheckpointWriter::Abandon() {
   if (!committed_ && owns_staging_ && !staging_.empty()) {
-    std::error_code ec;
-    fs::remove_all(staging_, ec);  // Best effort; the next Begin removes what is left.
+    RemoveOwnedDirectory(staging_);  // Best effort; the next Begin removes what is left.
   }
 }
 
@@ -310,9 +309,7 @@ Result<CheckpointWriter> CheckpointWriter::Begin(const fs::path& requested_dir,
                                 ", the name of its staging directory, is taken by something "
                                 "Strata did not create; move it away");
     }
-    std::error_code ec;
-    fs::remove_all(staging, ec);
-    if (ec) {
+    if (const std::error_code ec = RemoveOwnedDirectory(staging)) {
       return ErrnoError("cannot remove the stale staging directory " + staging.string(),
                         ec.value());
     }
@@ -493,9 +490,7 @@ void CheckpointWriter::RemovePrevious() {
     previous_.clear();
     return;
   }
-  std::error_code ec;
-  fs::remove_all(previous_, ec);
-  if (ec) {
+  if (const std::error_code ec = RemoveOwnedDirectory(previous_)) {
     Log(LogLevel::kWarning, "checkpoint " + dir_.string() +
                                 " was committed, but removing the previous one at " +
                                 previous_.string() + " failed: " + ec.message() +
@@ -532,8 +527,7 @@ Status CheckpointWriter::Publish() {
       // dir_, the old one at `old` (the next Begin puts it back) and the new one at staging_.
       old = parent / (dir_.filename().string() + ".old-" + std::to_string(::getpid()));
       if (Status ours = CheckReplaceable(old); !ours.ok()) return ours.WithContext(what);
-      std::error_code ec;
-      fs::remove_all(old, ec);
+      RemoveOwnedDirectory(old);
       if (::rename(dir_.c_str(), old.c_str()) != 0) {
         return FileError("rename previous checkpoint", dir_, errno, " to " + old.string())
             .WithContext(what);
