@@ -9,7 +9,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from training import SEQ, VOCAB, Block
+import training
+from training import SEQ, VOCAB, Block, batch  # noqa: F401 (batch: the tests' micro-batches)
 
 
 class TiedGPT(nn.Module):
@@ -65,37 +66,16 @@ def make(kind: str, checkpointing: str | None = None, dtype: torch.dtype = torch
     return model.to(dtype)
 
 
-def batch(kind: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + micro)
-    if kind == "mlp":
-        return torch.randn(16, 24, generator=g), torch.randn(16, 8, generator=g)
-    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def loss_of(kind: str, model: nn.Module, step: int, micro: int,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    x, y = batch(kind, step, micro)
-    out = model(x.to(dtype) if x.is_floating_point() else x).float()
-    if kind == "mlp":
-        return nn.functional.mse_loss(out, y)
-    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+    """training.py's loss of micro-batch `micro` of step `step`, the input cast to `dtype`
+    (an offloaded model's parameters cannot be asked: they are not on the device)."""
+    return training.loss_of(kind, model, *training.batch(kind, step, micro), dtype)
 
 
 def train(kind: str, model: nn.Module, opt: torch.optim.Optimizer, steps: range, *,
           gas: int = 1, clip: float = 0.0, dtype: torch.dtype = torch.float32) -> list[float]:
-    """The plain loop; `clip` > 0 clips with torch.nn.utils (for torch's optimizer: strata's
-    clips inside, given max_grad_norm)."""
-    losses = []
-    for step in steps:
-        total = 0.0
-        for micro in range(gas):
-            loss = loss_of(kind, model, step, micro, dtype) / gas
-            loss.backward()
-            total += loss.item()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
+    """training.py's plain loop; `clip` > 0 clips with torch.nn.utils (for torch's optimizer:
+    strata's clips inside, given max_grad_norm)."""
+    return training.loop(model, opt, steps, lambda s, m: loss_of(kind, model, s, m, dtype),
+                         gas=gas, clip=clip)

@@ -139,7 +139,7 @@ def compare(name: str, how: str, options: dict, *, gas: int = 1, strata_clips: b
         / full(reference_states[i][k]).abs().max().clamp_min(1e-30).item()
         for i in states for k in ("exp_avg", "exp_avg_sq"))
     # The elements this rank's engine holds, against the model's.
-    held = sum(strata.opt._engine_numel) / sum(p.numel() for p in strata.opt._params)
+    held = sum(strata.opt._table.engine_numel()) / sum(p.numel() for p in strata.opt._table.params)
     expected = norms if strata_clips else [min(n, max_norm) for n in norms]
     return {
         "scenario": name,

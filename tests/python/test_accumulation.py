@@ -61,13 +61,13 @@ def test_auto_overlaps_once_a_step_has_shown_the_window():
     # The first step: nothing goes to the engine before step().
     backward(model, 0, 2)
     backward(model, 1, 2)
-    assert not any(opt._this_step.submitted)
+    assert not any(opt._body.state.handed)
     opt.step()
     opt.zero_grad()
     # Now it knows: after two backward passes every chunk is with the engine, updating.
     backward(model, 2, 2)
     backward(model, 3, 2)
-    assert all(opt._this_step.submitted)
+    assert all(opt._body.state.handed)
     opt.step()
     assert opt.metrics()["rolled_back_updates"] == 0
 
@@ -111,7 +111,7 @@ def test_an_explicit_count_overlaps_from_the_first_step():
     opt = st.OffloadAdamW(model.parameters(), lr=1e-2, gradient_accumulation_steps=2)
     backward(model, 0, 2)
     backward(model, 1, 2)
-    assert all(opt._this_step.submitted)
+    assert all(opt._body.state.handed)
     opt.step()
     assert opt.last_step["step"] == 1
 

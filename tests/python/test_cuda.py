@@ -78,7 +78,7 @@ def test_offload_adamw_on_cuda_matches_torch_adamw(kind, offload, nvme_dir):
     reference, reference_losses = torch_run(kind)
     model = training.make_model(kind).cuda()
     opt = strata_optimizer(offload, model, nvme_dir if offload == "nvme" else None)
-    assert opt._engine.chunk_count > 2, "several chunks, so updates overlap backward"
+    assert opt._native.chunk_count > 2, "several chunks, so updates overlap backward"
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
     losses = training.train(kind, model, opt, scheduler, range(STEPS), gas=GAS,
                             max_grad_norm=MAX_NORM, device="cuda")
@@ -204,7 +204,7 @@ def test_gradients_are_copied_after_the_trainers_stream_wrote_them(where):
     model = slow_model()
     opt = strata.torch.OffloadAdamW(model.parameters(), lr=LR, max_grad_norm=MAX_NORM,
                                     gradient_accumulation_steps=2, chunk_size="16KiB")
-    assert opt._engine.chunk_count > 1, "several chunks: copies start during backward"
+    assert opt._native.chunk_count > 1, "several chunks: copies start during backward"
     train_slow(model, opt, stream)
     assert training.relative_difference(model, reference) < 1e-6
     opt.close()

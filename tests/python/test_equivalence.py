@@ -36,7 +36,7 @@ def test_offload_adamw_matches_torch_adamw(kind, offload, tmp_path):
     model = training.make_model(kind)
     opt = training.make_optimizer(offload, model, lr=LR, max_grad_norm=MAX_NORM, gas=GAS,
                                   nvme_path=str(tmp_path))
-    assert opt._engine.chunk_count > 2, "several chunks, so updates overlap backward"
+    assert opt._native.chunk_count > 2, "several chunks, so updates overlap backward"
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
     losses = training.train(kind, model, opt, scheduler, range(STEPS), gas=GAS,
                             max_grad_norm=MAX_NORM)

@@ -29,14 +29,18 @@ HERE = pathlib.Path(__file__).parent
 class Made:
     """Makes an OffloadAdamW and keeps it, to read its metrics after the framework is done."""
 
-    def __init__(self, **options) -> None:
+    def __init__(self, updates_ahead=None, **options) -> None:
         self.options = options
         self.optimizer = None
+        # conftest's updates_ahead: every clip waits for an update to have started ahead.
+        self.updates_ahead = updates_ahead
 
     def __call__(self, params):
         if hasattr(params, "parameters"):  # The HF Trainer's factory gets the model.
             params = params.parameters()
         self.optimizer = st.OffloadAdamW(params, **self.options)
+        if self.updates_ahead is not None:
+            self.updates_ahead.watch(self.optimizer)
         return self.optimizer
 
     def redone(self) -> int:
@@ -98,10 +102,11 @@ def hf_train(make_optimizer, **arguments) -> tuple[list[float], nn.Module]:
 # None: the optimizer's default (on CPU tensors the updates wait for step()); True: they run
 # during backward and those the clip changed are redone.
 @pytest.mark.parametrize("speculative", [None, True])
-def test_hf_trainer_with_default_arguments_clips_at_one_exactly(speculative):
+def test_hf_trainer_with_default_arguments_clips_at_one_exactly(speculative, updates_ahead):
     # max_grad_norm=1.0 by default: clip_grad_norm_ after every backward, clipping or not.
     arguments = dict(num_train_epochs=4)
-    made = Made(lr=1e-3, speculative_updates=speculative)
+    made = Made(updates_ahead if speculative else None, lr=1e-3,
+                speculative_updates=speculative)
     losses, model = hf_train(made, **arguments)
     reference_losses, reference = hf_train(
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), **arguments)
@@ -171,10 +176,10 @@ def lightning_train(make_optimizer, **arguments) -> Regression:
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_lightning_gradient_clipping(algorithm):
+def test_lightning_gradient_clipping(algorithm, updates_ahead):
     # Small enough to clip most steps: the clip changes every gradient after backward.
     arguments = dict(gradient_clip_val=0.05, gradient_clip_algorithm=algorithm, max_epochs=3)
-    made = Made(lr=1e-2, speculative_updates=True)
+    made = Made(updates_ahead, lr=1e-2, speculative_updates=True)
     module = lightning_train(made, **arguments)
     reference = lightning_train(lambda p: torch.optim.AdamW(p, lr=1e-2), **arguments)
     assert len(module.losses) == 39
@@ -226,8 +231,8 @@ def test_accelerate_accumulate_with_a_short_last_window():
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e9])  # Clipping most steps; never clipping.
-def test_accelerate_accumulate_and_clip_grad_norm(max_norm):
-    made = Made(lr=1e-2, speculative_updates=True)
+def test_accelerate_accumulate_and_clip_grad_norm(max_norm, updates_ahead):
+    made = Made(updates_ahead, lr=1e-2, speculative_updates=True)
     losses, model = accelerate_train(made, max_norm)
     reference_losses, reference = accelerate_train(lambda p: torch.optim.AdamW(p, lr=1e-2),
                                                    max_norm)

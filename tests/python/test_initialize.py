@@ -239,7 +239,7 @@ def test_a_config_with_comments_is_read_whole(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text("// a comment\n" + text.replace('"stage": 3,', '"stage": 3, /* ZeRO-3 */'))
     engine, opt, _, _ = st.initialize(model=models.make("gpt"), config=str(path))
-    assert opt._plan.nvme_path == str(params)
+    assert opt._body.layout.plan.nvme_path == str(params)
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
     path.write_text("// a comment\n" + json.dumps(config))
     with pytest.raises(NotImplementedError, match="scheduler"):

@@ -165,12 +165,12 @@ def test_a_failed_engine_step_is_retried_by_the_next_step():
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), lr=0.1)
 
-    opt._engine = FailsOnce(opt._engine)
+    opt._native.raw = FailsOnce(opt._native.raw)
     backward(model)
     with pytest.raises(OSError, match="simulated"):
         opt.step()
     opt.step()  # The retry: the same step, finished once.
-    assert opt._engine.calls == 2 and opt.last_step["step"] == 1
+    assert opt._native.raw.calls == 2 and opt.last_step["step"] == 1
     opt.zero_grad()
     backward(model, 1)
     opt.step()
@@ -258,12 +258,42 @@ def test_deleting_the_optimizer_frees_the_engine_and_keeps_the_parameters():
     backward(model)
     opt.step()
     values = [p.detach().clone() for p in model.parameters()]
-    engine = weakref.ref(opt._engine)
+    engine = weakref.ref(opt._native.raw)
     del opt
     gc.collect()
     assert engine() is None, "the parameters no longer hold the engine"
     assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values))
     backward(model, 1)  # The model trains on (no hooks left).
+
+
+@pytest.mark.parametrize("layout", ["resident", "offloaded", "mirrored"])
+def test_the_engine_goes_with_its_optimizer_without_a_garbage_collection(layout, tmp_path):
+    # Nothing of an optimizer refers back to it or to itself in a cycle: at the last reference's
+    # end its engine is freed (and its NVMe swap files with it) at once, as at interpreter exit,
+    # where cycles may never be collected.
+    model = mlp()
+    if layout == "offloaded":
+        st.offload_parameters(model, "cpu")
+    if layout == "mirrored":  # One rank of shard_states: the mirrored layout.
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        opt = st.OffloadAdamW(model.parameters(), lr=0.1, shard_states=layout == "mirrored",
+                              offload="nvme", nvme_path=tmp_path)
+        backward(model)
+        opt.step()
+        opt.state_dict() if layout != "mirrored" else opt.consolidate_state_dict()
+        engine = weakref.ref(opt._native.raw)
+        gc.disable()
+        try:
+            del opt
+            assert engine() is None, "the optimizer's parts hold each other in a cycle"
+        finally:
+            gc.enable()
+        assert not list(tmp_path.glob("strata-swap-*")), "the swap files go with the engine"
+    finally:
+        if layout == "mirrored":
+            torch.distributed.destroy_process_group()
 
 
 def test_parameters_stay_valid_in_exit_handlers_registered_before_the_import():
@@ -344,12 +374,12 @@ def test_an_interrupt_after_the_engine_finished_the_step_loses_nothing():
             self.engine.step()
             raise KeyboardInterrupt  # Ctrl-C just as the call returns.
 
-    real = opt._engine
-    opt._engine = InterruptedAfter(real)
+    real = opt._native.raw
+    opt._native.raw = InterruptedAfter(real)
     backward(model)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-    opt._engine = real
+    opt._native.raw = real
     opt.zero_grad()
     backward(model, 1)
     opt.step()
@@ -378,7 +408,7 @@ def test_a_write_between_backward_and_step_to_a_chunk_without_gradients_is_kept(
     a, u, b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(64, 64)
     opt = st.OffloadAdamW([*a.parameters(), *u.parameters(), *b.parameters()], lr=0.1,
                           chunk_size="4KiB")
-    assert opt._chunk_of[0] == opt._chunk_of[2] != opt._chunk_of[4]
+    assert opt._table.chunk_of(0) == opt._table.chunk_of(2) != opt._table.chunk_of(4)
     a(torch.randn(4, 8)).sum().backward()
     with torch.no_grad():
         b.weight.fill_(0.5)
@@ -415,7 +445,7 @@ def test_a_retry_pending_says_so():
     model = mlp()
     opt = st.OffloadAdamW(model.parameters(), lr=0.1)
 
-    opt._engine = FailsOnce(opt._engine)
+    opt._native.raw = FailsOnce(opt._native.raw)
     backward(model)
     with pytest.raises(OSError):
         opt.step()

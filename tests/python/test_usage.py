@@ -119,8 +119,9 @@ def test_weights_loaded_after_construction_are_the_ones_trained():
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e9])  # Clipping; not (multiplying by 1).
-def test_clipping_outside_the_optimizer_is_exact(max_norm):
+def test_clipping_outside_the_optimizer_is_exact(max_norm, updates_ahead):
     model, opt, reference, ropt = twin(speculative_updates=True)
+    updates_ahead.watch(opt)  # Each clip comes after an update has started.
     for m, o in ((model, opt), (reference, ropt)):
         for step in range(6):
             g = torch.Generator().manual_seed(step)
@@ -303,7 +304,7 @@ def test_states_kept_partly_or_wholly_on_the_device_train_alike():
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
         opt = st.OffloadAdamW(model.parameters(), lr=1e-2, offload=offload,
                               offload_ratio=ratio, chunk_size="16KiB")
-        homes = [opt._engine.chunk(c)[5] for c in range(opt._engine.chunk_count)]
+        homes = [opt._native.chunk(c)[5] for c in range(opt._native.chunk_count)]
         for step in range(5):
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
             model(x).pow(2).mean().backward()

@@ -78,13 +78,16 @@ def batch(kind: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_of(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss_of(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The model's loss on (x, y), in fp32; a floating input is cast to `dtype` (default: the
+    model's)."""
     if x.is_floating_point():
-        x = x.to(next(model.parameters()).dtype)
-    out = model(x)
+        x = x.to(dtype or next(model.parameters()).dtype)
+    out = model(x).float()
     if kind == "mlp":
-        return ((out.float() - y) ** 2).mean()
-    return nn.functional.cross_entropy(out.float().reshape(-1, VOCAB), y.reshape(-1))
+        return ((out - y) ** 2).mean()
+    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
 
 
 def param_groups(model: nn.Module, lr: float) -> list[dict]:
@@ -114,24 +117,34 @@ def make_optimizer(which: str, model: nn.Module, *, lr: float, max_grad_norm: fl
 
 def train(kind: str, model: nn.Module, opt: torch.optim.Optimizer, scheduler, steps: range, *,
           gas: int, max_grad_norm: float, device: str | torch.device = "cpu") -> list[float]:
-    """Steps `steps`, each over `gas` micro-batches (loss / gas, as DeepSpeed and torchao have
-    the trainer do) moved to `device`, clipping on the global norm: by torch for torch.optim, by
-    the optimizer itself for strata. Returns the losses."""
-    losses = []
+    """Steps `steps`, each over `gas` micro-batches moved to `device`, clipping on the global
+    norm: by torch for torch.optim, by the optimizer itself for strata. Returns the losses."""
+    def loss(step: int, micro: int) -> torch.Tensor:
+        return loss_of(kind, model, *(t.to(device) for t in batch(kind, step, micro)))
+
     reference = not isinstance(opt, st.OffloadOptimizer)
+    return loop(model, opt, steps, loss, gas=gas, clip=max_grad_norm if reference else 0.0,
+                scheduler=scheduler)
+
+
+def loop(model: nn.Module, opt: torch.optim.Optimizer, steps: range, loss, *, gas: int = 1,
+         clip: float = 0.0, scheduler=None) -> list[float]:
+    """The plain loop: each step over `gas` micro-batches (loss(step, micro) / gas, as DeepSpeed
+    and torchao have the trainer do), clipped to `clip` by torch.nn.utils when > 0, then step(),
+    zero_grad() and the scheduler's step. Returns each step's loss."""
+    losses = []
     for step in steps:
         total = 0.0
         for micro in range(gas):
-            x, y = (t.to(device) for t in batch(kind, step, micro))
-            loss = loss_of(kind, model, x, y) / gas
-            loss.backward()
-            total += loss.item()
-        if reference and max_grad_norm > 0:
-            nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                     max_grad_norm)
+            value = loss(step, micro) / gas
+            value.backward()
+            total += value.item()
+        if clip > 0:
+            nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
         opt.step()
         opt.zero_grad()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(total)
     return losses
 

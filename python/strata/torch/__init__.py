@@ -10,7 +10,7 @@ See docs/python.md for what each option does and how it maps to DeepSpeed's conf
 
 from strata.torch._deepspeed import ModelEngine, initialize
 from strata.torch._launch import init_process_group
-from strata.torch._param_offload import offload_parameters
+from strata.torch._offload_plan import offload_parameters
 from strata.torch.optimizer import OffloadOptimizer
 from strata.torch.rules import (
     OffloadAdagrad,

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strata import _log, _strata
+from strata import _log
+from strata.torch import _native
 from strata.torch import rules
-from strata.torch._param_offload import offload_parameters
+from strata.torch._offload_plan import offload_parameters
 from strata.torch.optimizer import OffloadOptimizer
 
 _OPTIMIZERS = {"adamw": rules.OffloadAdamW, "adam": rules.OffloadAdam,
@@ -125,10 +126,10 @@ def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dic
     as a dict (DeepSpeed's config_params)."""
     if isinstance(config, dict):
         document, source = json.loads(json.dumps(config, default=os.fspath)), "<config dict>"
-        loaded = _strata.parse_config(json.dumps(document), "auto", source, world_size)
+        loaded = _native.parse_config(json.dumps(document), "auto", source, world_size)
     else:
         source = os.fspath(config)
-        loaded = _strata.load_config(source, "auto", world_size)  # Its errors come first.
+        loaded = _native.load_config(source, "auto", world_size)  # Its errors come first.
         with open(source, encoding="utf-8") as f:
             document = json.loads(_without_comments(f.read()))
     _check_against_args(document, args, source)
@@ -152,7 +153,7 @@ def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dic
         for name in parents:
             node = node[name]
         node[last] = value
-    return _strata.parse_config(json.dumps(document), "auto", source, world_size), document
+    return _native.parse_config(json.dumps(document), "auto", source, world_size), document
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,

@@ -17,7 +17,7 @@ import zlib
 
 import torch.distributed as dist
 
-from strata import _strata
+from strata.torch import _native
 
 # Ports derived from a job id fall in [_PORT_BASE, _PORT_BASE + _PORT_SPAN): above torchrun's
 # default 29500 and below Linux's ephemeral range (32768 on).
@@ -33,7 +33,7 @@ def init_process_group(backend: str = "gloo", *,
     local_size and launcher ("torchrun", "mpirun", "srun", "pmix", "none"). `backend`: "gloo"
     for CPU tensors, "nccl" for GPUs. `timeout`: how long a collective waits for a rank that
     does not come (torch's default otherwise): a dead rank fails the others then."""
-    place = _strata.detect_ranks()
+    place = _native.detect_ranks()
     if dist.is_initialized():
         return place
     kwargs = {} if timeout is None else {"timeout": timeout}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from strata.torch import _sharded
+from strata.torch._dtensor import is_dtensor
 
 # id(parameter) -> (the parameter, the optimizer that drives it), both weakly. Keyed by id:
 # tensors compare elementwise, so they cannot be dictionary keys themselves.
@@ -41,15 +41,6 @@ def claim(optimizer: Any, params: list[torch.Tensor]) -> None:
         _owners[id(p)] = (weakref.ref(p), weakref.ref(optimizer))
 
 
-def watch(optimizer: Any, params: list[torch.Tensor], hooks: list[Any],
-          chunks: list[torch.Tensor]) -> weakref.finalize:
-    """Gives `params` back their own memory when `optimizer` is collected and at exit; calling
-    the returned finalizer does it now (closing the optimizer)."""
-    storages = {c.untyped_storage().data_ptr() for c in chunks}
-    refs = [weakref.ref(p) for p in params]
-    return weakref.finalize(optimizer, detach, refs, hooks, storages)
-
-
 def detach(refs: list[weakref.ref], hooks: list[Any], storages: set[int]) -> None:
     """Points every parameter still viewing one of `storages` (and its gradient) at a copy,
     and removes the optimizer's hooks."""
@@ -59,8 +50,8 @@ def detach(refs: list[weakref.ref], hooks: list[Any], storages: set[int]) -> Non
     with torch.no_grad():
         for ref in refs:
             p = ref()
-            if p is None or _sharded.is_dtensor(p):
-                continue  # FSDP2's sharded parameters never view a chunk (_sharded.py).
+            if p is None or is_dtensor(p):
+                continue  # FSDP2's sharded parameters never view a chunk (_mirrored.py).
             if p.untyped_storage().data_ptr() in storages:
                 p.data = p.data.clone()
             if p.grad is not None and p.grad.untyped_storage().data_ptr() in storages:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 WORKING_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# An `offload=` argument -> the engine's tier (placement.optimizer_states, placement.params).
 _TIERS = {"cpu": "host", "host": "host", "nvme": "nvme", "none": "device", None: "device"}
 
 # chunk_size="auto": a model's working parameters in this many chunks, each at most
@@ -45,9 +46,7 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
                    cpu_threads: int, loss_scale: Any, speculative_updates: bool | None,
                    max_grad_norm: float, config: dict[str, Any] | None) -> dict[str, Any]:
     """`group` is the first param group (betas, eps); `lr` the engine's base learning rate."""
-    if offload not in _TIERS:
-        raise ValueError(f"offload must be 'cpu', 'nvme' or None, got {offload!r}")
-    states = _TIERS[offload]
+    states = tier_of(offload)
     optimizer: dict[str, Any] = {
         "type": engine_type,
         "lr": lr,
@@ -85,11 +84,7 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
     }
     if states == "nvme":
         options["host"] = {"optimizer_buffer_count": _NVME_STATE_BUFFERS}
-        if nvme_path is None:
-            raise ValueError("offload='nvme' needs nvme_path (a directory on the NVMe drive)")
-        if not os.path.isdir(nvme_path):
-            raise FileNotFoundError(f"nvme_path {os.fspath(nvme_path)!r} is not a directory")
-        options["nvme"] = {"paths": [os.fspath(nvme_path)]}
+        options["nvme"] = {"paths": [nvme_directory(nvme_path)]}
     if host_memory is not None:
         options.setdefault("host", {})["pinned_memory_bytes"] = host_memory
     if device.type == "cuda":
@@ -97,6 +92,24 @@ def engine_options(owner: str, group: dict[str, Any], lr: float, engine_type: st
     _refuse_own_keys(owner, config or {})
     _merge(options, config or {})
     return options
+
+
+def tier_of(offload: str | None, *, device_allowed: bool = True) -> str:
+    """The engine's tier for an `offload=` argument ("cpu", "nvme"; None or "none" keeps it
+    on the device where `device_allowed`)."""
+    if offload not in _TIERS or (not device_allowed and _TIERS[offload] == "device"):
+        allowed = "'cpu', 'nvme' or None" if device_allowed else "'cpu' or 'nvme'"
+        raise ValueError(f"offload must be {allowed}, got {offload!r}")
+    return _TIERS[offload]
+
+
+def nvme_directory(nvme_path: Any) -> str:
+    """`nvme_path` checked for offload="nvme": an existing directory."""
+    if nvme_path is None:
+        raise ValueError("offload='nvme' needs nvme_path (a directory on the NVMe drive)")
+    if not os.path.isdir(nvme_path):
+        raise FileNotFoundError(f"nvme_path {os.fspath(nvme_path)!r} is not a directory")
+    return os.fspath(nvme_path)
 
 
 def speculates_by_default(device: torch.device) -> bool:

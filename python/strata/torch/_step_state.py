@@ -1,7 +1,8 @@
-"""What one optimizer step has gathered between its first gradient hook and step(): the
-backward passes each parameter has seen, which gradients sit in their chunk's buffer, and which
-chunks are with the engine. OffloadOptimizer keeps one and replaces it at every step's end
-(step(), a discarded step); only it and its hooks touch it, on the trainer's thread."""
+"""What one optimizer step has gathered between its first gradient and step(): the backward
+passes each parameter has seen, which chunks are with the engine (and how many micro-steps of
+each), which gradients sit in their chunk's buffer, and the states to put back after it. The
+step body (_step.py) keeps one, for every layout, and replaces it at every step's end (step(),
+a discarded step); only it and its layout touch it, on the trainer's thread."""
 
 from __future__ import annotations
 
@@ -10,34 +11,41 @@ import torch
 
 class StepState:
     def __init__(self, members: list[list[int]], parameters: int) -> None:
+        # The first gradient of the step arrived: torch-side changes have reached the engine.
+        self.open = False
         # Backward passes that reached each parameter this step.
         self.counts = [0] * parameters
-        # Its gradient is in its chunk's buffer (OffloadOptimizer._place_gradient).
+        # Per chunk: micro-steps of gradients handed to the engine (grads_ready); resident
+        # layouts hand a chunk over once per step.
+        self.handed = [0] * len(members)
+        # (parameter, state kind, values) of parameters without a gradient in a chunk handed
+        # over, to put back after the step: the engine updates them with zeros, torch not.
+        self.untouched: list[tuple[int, int, torch.Tensor]] = []
+        # The gradients' norm over every rank, where the layout takes it (mirrored).
+        self.grad_norm: float | None = None
+
+        # Resident and mirrored layouts (_resident.py):
+        # Its gradient is in its chunk's buffer (Resident.place_gradient).
         self.placed = [False] * parameters
         # Per chunk: its trained parameters without their last gradient yet.
         self.waiting = [len(m) for m in members]
-        # Per chunk: handed to the engine (grads_ready), its update started.
-        self.submitted = [False] * len(members)
         # Chunk -> its gradient buffer's version once placed (the GPU's change check).
         self.placed_version: dict[int, int] = {}
-        # (parameter, state kind, values) of parameters without a gradient in a chunk handed
-        # over in step(), to put back after the step (OffloadOptimizer._hand_over_the_rest).
-        self.untouched: list[tuple[int, int, torch.Tensor]] = []
-        # Sharded (FSDP2): parameter -> the gradient tensor whose values were copied into its
+        # Mirrored: parameter -> the gradient tensor whose values were copied into its
         # chunk's buffer, to tell it from one that replaced it.
         self.placed_gradient: dict[int, torch.Tensor] = {}
-        # Sharded: the gradients' norm over every rank, taken by step().
-        self.grad_norm: float | None = None
-        # The first gradient hook ran: torch-side changes have reached the engine.
-        self.open = False
 
-    def handed(self) -> list[int]:
+    def handed_chunks(self) -> list[int]:
         """The chunks with the engine."""
-        return [c for c, done in enumerate(self.submitted) if done]
+        return [c for c, n in enumerate(self.handed) if n]
+
+    def backward_passes(self) -> int:
+        """The most micro-steps handed over for any chunk."""
+        return max(self.handed, default=0)
 
     def took_back(self) -> None:
         """The engine dropped the step: no chunk is with it any more."""
-        self.submitted = [False] * len(self.submitted)
+        self.handed = [0] * len(self.handed)
 
     def restart(self, discarded: list[int], members: list[list[int]]) -> None:
         """Parameters whose gradient the loop discarded since it was placed count backward

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from strata.torch._state_dict import EXP_AVG, EXP_AVG_SQ
+from strata.torch._native import EXP_AVG, EXP_AVG_SQ
 from strata.torch.optimizer import OffloadOptimizer
 
 
