@@ -107,13 +107,14 @@ class Rank {
   void OpenSwap(std::shared_ptr<nvme::FaultPlan> faults) {
     io_ = std::move(nvme::IoEngine::Create({.block_size = 64 << 10,
                                             .queue_depth = 4,
-                                            .wrap_backend = [faults](auto inner) {
-                                              return nvme::CreateFaultInjectingBackend(
-                                                  std::move(inner), faults);
-                                            }}))
+                                            .wrap_backend =
+                                                [faults](auto inner) {
+                                                  return nvme::CreateFaultInjectingBackend(
+                                                      std::move(inner), faults);
+                                                }}))
               .value();
-    swap_ = std::move(nvme::SwapSpace::Create({.paths = {dir_.path()}, .bytes_per_path = 4 << 20},
-                                              *io_))
+    swap_ = std::move(
+                nvme::SwapSpace::Create({.paths = {dir_.path()}, .bytes_per_path = 4 << 20}, *io_))
                 .value();
   }
 
@@ -263,7 +264,8 @@ TEST(ParamGatherTest, NvmeHomeShardsAreReadForTheGatherAndAFailedReadFailsThatRa
   OnEveryRank(Group(kRanks), [](Communicator& comm) {
     auto faults = std::make_shared<nvme::FaultPlan>();
     Rank rank(comm, /*slots=*/2, {}, faults);
-    EXPECT_EQ(rank.gather().SlotExtraBytes(kShard), AlignUp(kShard * sizeof(float), kHostAlignment));
+    EXPECT_EQ(rank.gather().SlotExtraBytes(kShard),
+              AlignUp(kShard * sizeof(float), kHostAlignment));
     rank.TakeAndCheck(0);
     EXPECT_EQ(rank.nvme_read_bytes(), double(kShard * sizeof(float)));
 

@@ -88,8 +88,7 @@ inline float ElementValue(size_t chunk, size_t i) { return float(chunk * 1000 + 
 
 /// `numel` fp32 values ElementValue(chunk, first + i), in a buffer of at least `bytes` (0: just
 /// enough), the rest zero.
-inline AlignedBuffer ChunkValues(size_t chunk, size_t numel, size_t first = 0,
-                                 size_t bytes = 0) {
+inline AlignedBuffer ChunkValues(size_t chunk, size_t numel, size_t first = 0, size_t bytes = 0) {
   AlignedBuffer buffer =
       std::move(AlignedBuffer::Allocate(std::max(bytes, numel * sizeof(float)))).value();
   std::memset(buffer.data(), 0, buffer.size());

@@ -11,7 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <future>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -137,8 +138,7 @@ TEST_F(ReduceRingTest, AReleaseBeforeItsTurnCountsForItsNumber) {
 /// Runs WaitFilled(`number`) on a thread of its own and MarkFilled(`filled`) from here, then
 /// MarkFilled(`number`); returns whether the wait ended only after the second. (The pause only
 /// gives a wrong ring the chance to return early.)
-bool FilledOnlyByItsOwnNumber(ReduceRing& ring, LoopWork& work, uint64_t number,
-                              uint64_t filled) {
+bool FilledOnlyByItsOwnNumber(ReduceRing& ring, LoopWork& work, uint64_t number, uint64_t filled) {
   std::atomic<bool> marked{false};
   std::atomic<bool> after{false};
   std::thread collective([&] {
@@ -189,8 +189,16 @@ TEST(ReduceRingReduceTest, AReduceScatterFromItsSlotsIsThePlainSumOverRanks) {
     ASSERT_TRUE(ring.Initialize(kSlots, kNumel, 0, kShard).ok());
     std::vector<std::vector<float>> results(kChunks);
     std::vector<Status> statuses(kChunks);
-    size_t done = 0;  // Loop thread.
-    std::promise<void> all_done;
+    // The reduce-scatters' ends handled on the loop, and their callbacks returned (after their
+    // post to the loop, which must not race the loop's destruction).
+    std::mutex mutex;
+    std::condition_variable changed;
+    size_t handled = 0, returned = 0;
+    auto count = [&](size_t& counter) {
+      std::lock_guard lock(mutex);
+      ++counter;
+      changed.notify_all();
+    };
     LoopWork work;  // Declared last: stopped before what its handlers use goes.
     for (size_t chunk = 0; chunk < kChunks; ++chunk) {
       const uint64_t number = ring.Next();
@@ -204,11 +212,15 @@ TEST(ReduceRingReduceTest, AReduceScatterFromItsSlotsIsThePlainSumOverRanks) {
               statuses[chunk] = status;
               results[chunk].assign(ring.Output(number), ring.Output(number) + kShard);
               ring.Release(number);
-              if (++done == kChunks) all_done.set_value();
+              count(handled);
             });
+            count(returned);
           });
     }
-    all_done.get_future().wait();
+    {
+      std::unique_lock lock(mutex);
+      changed.wait(lock, [&] { return handled == kChunks && returned == kChunks; });
+    }
     work.WaitIdle();
     for (size_t chunk = 0; chunk < kChunks; ++chunk) {
       ASSERT_TRUE(statuses[chunk].ok()) << statuses[chunk].ToString();

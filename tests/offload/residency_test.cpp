@@ -61,6 +61,12 @@ class ResidencyTest : public ::testing::Test {
       c.host_params = ChunkValues(i, kNumel);
     }
     zeros_ = ChunkValues(0, 0, 0, kNumel * sizeof(float));
+    MakeResidency();
+  }
+  /// The part over what Make made (again, after a test changed the chunks' placement, which
+  /// Initialize reads).
+  void MakeResidency() {
+    residency_.reset();
     residency_.emplace(Residency::Resources{.options = options_,
                                             .device = *device_,
                                             .device_budget = *budget_,
@@ -70,7 +76,14 @@ class ResidencyTest : public ::testing::Test {
     Status initialized = residency_->Initialize(nullptr, nullptr, zeros_);
     ASSERT_TRUE(initialized.ok()) << initialized.ToString();
   }
-  void TearDown() override { work_.WaitIdle(); }
+  void TearDown() override {
+    work_.WaitIdle();
+    // A stream thread may still be inside the post of a fetch's completion that has already
+    // run: it must be done before the loop goes (as Engine::Impl's destructor orders it).
+    if (device_) {
+      ASSERT_TRUE(device_->Synchronize().ok());
+    }
+  }
 
   /// Acquires `chunk`, checks that the device holds its home values, and releases it.
   void Use(size_t chunk) {
@@ -135,15 +148,7 @@ TEST_F(ResidencyTest, ADeviceHomeChunkIsItsOwnStorageAndTakesNoBudget) {
   c.placement.params = Tier::kDevice;
   c.params = std::move(device_->Allocate(kNumel * sizeof(float))).value();
   c.grads = std::move(device_->Allocate(kNumel * sizeof(float))).value();
-  // Initialize reads the placement: make the part again over the changed chunk.
-  residency_.reset();
-  residency_.emplace(Residency::Resources{.options = options_,
-                                          .device = *device_,
-                                          .device_budget = *budget_,
-                                          .chunks = chunks_,
-                                          .metrics = metrics_.metrics,
-                                          .spawn = work_.spawner()});
-  ASSERT_TRUE(residency_->Initialize(nullptr, nullptr, zeros_).ok());
+  MakeResidency();
   Result<ChunkView> view = residency_->Acquire(0);
   ASSERT_TRUE(view.ok()) << view.status().ToString();
   EXPECT_EQ(view->params, c.params.data());
@@ -282,8 +287,7 @@ TEST_F(ResidencyTest, AFailedCopyFailsTheAcquireAndTheNextFetchReusesItsMemory) 
   Result<ChunkView> failed = residency_->Acquire(0);
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
-  EXPECT_NE(failed.status().message().find("fetching the parameters of chunk 0"),
-            std::string::npos)
+  EXPECT_NE(failed.status().message().find("fetching the parameters of chunk 0"), std::string::npos)
       << failed.status().message();
   EXPECT_EQ(device_->failed_copies(), 1);
   EXPECT_FALSE(residency_->Held(0));

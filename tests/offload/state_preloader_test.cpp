@@ -26,8 +26,6 @@ namespace {
 
 using testing::ChunkValues;
 using testing::HoldsChunk;
-using testing::LoopWork;
-using testing::RegisteredMetrics;
 
 constexpr size_t kChunks = 4;
 constexpr size_t kBaseNumel = 1024;  // Chunk i keeps kBaseNumel << i elements' states.
@@ -74,6 +72,10 @@ class StatePreloaderTest : public ::testing::Test {
   void TearDown() override {
     if (preloader_) work_.loop().Run(preloader_->DropAll());
     work_.WaitIdle();
+    // The I/O thread may still be inside the post of a read's completion that has already run:
+    // it is joined before the loop goes (as Engine::Impl's destructor orders it).
+    swap_.reset();
+    io_.reset();
   }
 
   /// Start, on the loop, and waits until the reads it started are done.
@@ -104,7 +106,7 @@ class StatePreloaderTest : public ::testing::Test {
     return bytes;
   }
 
-  RegisteredMetrics metrics_;
+  testing::RegisteredMetrics metrics_;
   strata::testing::ScratchDir dir_{"strata-preloader"};
   std::shared_ptr<nvme::FaultPlan> plan_ = std::make_shared<nvme::FaultPlan>();
   std::unique_ptr<nvme::IoEngine> io_;
@@ -113,7 +115,7 @@ class StatePreloaderTest : public ::testing::Test {
   std::vector<ChunkStep> steps_ = std::vector<ChunkStep>(kChunks);
   const StagingPool* pool_ = nullptr;  // The preloader's.
   std::optional<StatePreloader> preloader_;
-  LoopWork work_;  // Declared last: its reads end before what they use goes.
+  testing::LoopWork work_;  // Declared last: its reads end before what they use goes.
 
  private:
   Awaitable<void> TakeInto(size_t chunk, std::optional<Result<StagingBuffer>>& taken) {
