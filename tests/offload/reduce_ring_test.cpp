@@ -206,7 +206,7 @@ TEST(ReduceRingReduceTest, AReduceScatterFromItsSlotsIsThePlainSumOverRanks) {
       comm.ReduceScatter(
           ring.Input(number), ring.Output(number), kShard, DType::kFp32, ReduceOp::kSum,
           [&ring, number] { return ring.WaitFilled(number); },
-          [&, number, chunk](Status status) {
+          [&, number, chunk](const Status& status) {
             // The reader's end, on the loop: the shard is taken out before the slot is reused.
             boost::asio::post(work.loop().executor(), [&, number, chunk, status] {
               statuses[chunk] = status;
