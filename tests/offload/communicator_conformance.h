@@ -1,7 +1,8 @@
 // What every Communicator must do, checked from one rank's side: each function runs on every
 // rank of a group (threads of one process for local communicators, processes under mpirun for
 // MPI ones), the same calls in the same order, and checks that rank's results. Small integers
-// are exact in every dtype, so every rank can check the exact result.
+// are exact in every dtype, so every rank can check the exact result. Group and OnEveryRank run
+// such a function (or a part's test that needs several ranks) on local ranks.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -9,15 +10,34 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "strata/core/dtype.h"
 #include "strata/offload/communicator.h"
+#include "strata/offload/local_communicator.h"
 
 namespace strata::offload::testing {
+
+/// `size` local ranks (threads of this process), rank r at index r; empty, with a test failure,
+/// if they cannot be made.
+inline std::vector<std::unique_ptr<Communicator>> Group(int size, double timeout_seconds = 60.0) {
+  auto created = CreateLocalCommunicators({.size = size, .timeout_seconds = timeout_seconds});
+  EXPECT_TRUE(created.ok()) << created.status().ToString();
+  return created.ok() ? std::move(*created) : std::vector<std::unique_ptr<Communicator>>{};
+}
+
+/// Runs `body(communicator)` for every rank, each on a thread of its own, and waits for all.
+inline void OnEveryRank(const std::vector<std::unique_ptr<Communicator>>& group,
+                        const std::function<void(Communicator&)>& body) {
+  std::vector<std::thread> threads;
+  for (const auto& comm : group) threads.emplace_back([&body, &comm] { body(*comm); });
+  for (std::thread& thread : threads) thread.join();
+}
 
 /// Enqueues through `enqueue` (given the done callback) and waits for the result.
 template <typename Enqueue>

@@ -22,21 +22,9 @@ namespace strata::offload {
 namespace {
 
 using std::chrono::steady_clock;
+using testing::Group;
+using testing::OnEveryRank;
 using testing::RunOne;
-
-std::vector<std::unique_ptr<Communicator>> Group(int size, double timeout_seconds = 60.0) {
-  auto created = CreateLocalCommunicators({.size = size, .timeout_seconds = timeout_seconds});
-  EXPECT_TRUE(created.ok()) << created.status().ToString();
-  return created.ok() ? std::move(*created) : std::vector<std::unique_ptr<Communicator>>{};
-}
-
-/// Runs `body(communicator)` for every rank, each on a thread of its own, and waits for all.
-void OnEveryRank(const std::vector<std::unique_ptr<Communicator>>& group,
-                 const std::function<void(Communicator&)>& body) {
-  std::vector<std::thread> threads;
-  for (const auto& comm : group) threads.emplace_back([&body, &comm] { body(*comm); });
-  for (std::thread& thread : threads) thread.join();
-}
 
 TEST(LocalCommunicatorTest, AllReduceSumsAndMaxesInEveryDtype) {
   OnEveryRank(Group(3), testing::ExpectAllReduceSumsAndMaxesInEveryDtype);
