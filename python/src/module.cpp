@@ -44,6 +44,7 @@
 #include "strata/core/log.h"
 #include "strata/core/status.h"
 #include "strata/cpu_adam/adam_benchmark.h"
+#include "strata/offload/device_sizing.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/ranks.h"
 
@@ -171,30 +172,6 @@ nb::dlpack::dtype ToDlpack(DType dtype) {
 using PyParameter = std::tuple<std::string, std::vector<int64_t>, std::optional<HostFloats>,
                                std::optional<double>, double, bool>;
 
-/// HostDevice memory that fits the engine's device-home chunks (parameters and gradients, each
-/// chunk rounded to pages) and the optimizer states kept on the device (placement
-/// optimizer_states "device", or the 1 - offload_ratio not offloaded), with room for two more
-/// chunks of staging: what CPU tensors need.
-Result<uint64_t> HostDeviceBytesToFit(const EngineOptions& options,
-                                      std::span<const ParameterSpec> specs) {
-  const DType dtype = options.precision.working_dtype;
-  STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
-                          offload::ChunkLayout::Build(specs, dtype, options.placement.chunk_bytes));
-  uint64_t working = 0;
-  uint64_t states = 0;
-  for (const offload::ChunkInfo& chunk : layout.chunks()) {
-    working += offload::ChunkDeviceBytes(chunk.numel, dtype);
-    if (!chunk.frozen) states += offload::ChunkStateBytes(chunk.numel);
-  }
-  const double kept_on_device = options.placement.optimizer_states == Tier::kDevice
-                                    ? 1.0
-                                    : 1.0 - options.placement.offload_ratio;
-  const uint64_t largest = layout.max_chunk_numel();
-  return working + uint64_t(kept_on_device * double(states)) +
-         (kept_on_device > 0.0 ? offload::ChunkStateBytes(largest) : 0) +
-         2 * offload::ChunkDeviceBytes(largest, dtype) + (uint64_t{16} << 20);
-}
-
 /// A config document as `strata config check` reads it: its options in Strata's format (JSON
 /// text), the format it was read as, the DeepSpeed keys ignored, the "auto" values resolved and
 /// the batch sizes.
@@ -244,7 +221,9 @@ class PyEngine {
                                         .memory_budget_bytes = options.device.cuda_memory_bytes}));
     } else {
       if (fit_host_device) {
-        options.device.host_device_memory_bytes = Check(HostDeviceBytesToFit(options, specs));
+        // CPU tensors: every chunk where the tensors view it (offload/device_sizing.h).
+        options.device.host_device_memory_bytes =
+            Check(offload::DeviceBytesToFit(options, specs, offload::DeviceFit::kAllChunks));
       }
       // CPU tensors: the device is the CPU itself, so the engine reads gradients and writes
       // parameters in place rather than copying them between two kinds of host memory.
