@@ -33,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -265,14 +266,8 @@ class PyEngine {
     Engine& e = engine();
     const offload::StepReport report = Check(Unlocked([&] { return e.Step().get(); }));
     nb::dict out;
-    out["step"] = report.step;
-    out["iteration"] = report.iteration;
-    out["skipped"] = report.skipped;
-    out["rolled_back"] = report.rolled_back;
-    out["changed_chunks"] = report.changed_chunks;
-    out["grad_norm"] = report.grad_norm;
-    out["loss_scale"] = report.loss_scale;
-    out["seconds"] = report.seconds;
+    offload::StepReport::ForEachField(
+        [&](const char* name, auto member) { out[name] = report.*member; });
     return out;
   }
 
@@ -306,20 +301,13 @@ class PyEngine {
   nb::dict Counters() {
     const offload::EngineCounters c = engine().counters();
     nb::dict out;
-    out["device_to_host_bytes"] = c.device_to_host_bytes;
-    out["host_to_device_bytes"] = c.host_to_device_bytes;
-    out["nvme_read_bytes"] = c.nvme_read_bytes;
-    out["nvme_write_bytes"] = c.nvme_write_bytes;
-    out["optimizer_seconds"] = c.optimizer_seconds;
-    out["optimizer_params"] = c.optimizer_params;
-    out["device_optimizer_params"] = c.device_optimizer_params;
-    out["evictions"] = c.evictions;
-    out["fetches"] = c.fetches;
-    out["fetched_from_host_bytes"] = c.fetched_from_host_bytes;
-    out["fetched_from_nvme_bytes"] = c.fetched_from_nvme_bytes;
-    out["fetch_stall_seconds"] = c.fetch_stall_seconds;
-    out["speculative_updates"] = c.speculative_updates;
-    out["rolled_back_updates"] = c.rolled_back_updates;
+    offload::EngineCounters::ForEachField([&](const char* name, auto member) {
+      // This engine is one rank's (strata.torch's ranks meet in torch.distributed), so its
+      // collectives' counters would always be 0: metrics() has never had them.
+      const std::string_view counter = name;
+      if (counter == "reduce_scatter_bytes" || counter == "all_gather_bytes") return;
+      out[name] = c.*member;
+    });
     for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
       const offload::TierUsage usage = engine().tier_usage(tier);
       const std::string name(TierName(tier));
