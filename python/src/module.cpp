@@ -33,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -44,6 +45,7 @@
 #include "strata/core/log.h"
 #include "strata/core/status.h"
 #include "strata/cpu_adam/adam_benchmark.h"
+#include "strata/offload/device_sizing.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/ranks.h"
 
@@ -171,30 +173,6 @@ nb::dlpack::dtype ToDlpack(DType dtype) {
 using PyParameter = std::tuple<std::string, std::vector<int64_t>, std::optional<HostFloats>,
                                std::optional<double>, double, bool>;
 
-/// HostDevice memory that fits the engine's device-home chunks (parameters and gradients, each
-/// chunk rounded to pages) and the optimizer states kept on the device (placement
-/// optimizer_states "device", or the 1 - offload_ratio not offloaded), with room for two more
-/// chunks of staging: what CPU tensors need.
-Result<uint64_t> HostDeviceBytesToFit(const EngineOptions& options,
-                                      std::span<const ParameterSpec> specs) {
-  const DType dtype = options.precision.working_dtype;
-  STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
-                          offload::ChunkLayout::Build(specs, dtype, options.placement.chunk_bytes));
-  uint64_t working = 0;
-  uint64_t states = 0;
-  for (const offload::ChunkInfo& chunk : layout.chunks()) {
-    working += offload::ChunkDeviceBytes(chunk.numel, dtype);
-    if (!chunk.frozen) states += offload::ChunkStateBytes(chunk.numel);
-  }
-  const double kept_on_device = options.placement.optimizer_states == Tier::kDevice
-                                    ? 1.0
-                                    : 1.0 - options.placement.offload_ratio;
-  const uint64_t largest = layout.max_chunk_numel();
-  return working + uint64_t(kept_on_device * double(states)) +
-         (kept_on_device > 0.0 ? offload::ChunkStateBytes(largest) : 0) +
-         2 * offload::ChunkDeviceBytes(largest, dtype) + (uint64_t{16} << 20);
-}
-
 /// A config document as `strata config check` reads it: its options in Strata's format (JSON
 /// text), the format it was read as, the DeepSpeed keys ignored, the "auto" values resolved and
 /// the batch sizes.
@@ -244,7 +222,9 @@ class PyEngine {
                                         .memory_budget_bytes = options.device.cuda_memory_bytes}));
     } else {
       if (fit_host_device) {
-        options.device.host_device_memory_bytes = Check(HostDeviceBytesToFit(options, specs));
+        // CPU tensors: every chunk where the tensors view it (offload/device_sizing.h).
+        options.device.host_device_memory_bytes =
+            Check(offload::DeviceBytesToFit(options, specs, offload::DeviceFit::kAllChunks));
       }
       // CPU tensors: the device is the CPU itself, so the engine reads gradients and writes
       // parameters in place rather than copying them between two kinds of host memory.
@@ -286,14 +266,8 @@ class PyEngine {
     Engine& e = engine();
     const offload::StepReport report = Check(Unlocked([&] { return e.Step().get(); }));
     nb::dict out;
-    out["step"] = report.step;
-    out["iteration"] = report.iteration;
-    out["skipped"] = report.skipped;
-    out["rolled_back"] = report.rolled_back;
-    out["changed_chunks"] = report.changed_chunks;
-    out["grad_norm"] = report.grad_norm;
-    out["loss_scale"] = report.loss_scale;
-    out["seconds"] = report.seconds;
+    offload::StepReport::ForEachField(
+        [&](const char* name, auto member) { out[name] = report.*member; });
     return out;
   }
 
@@ -327,20 +301,13 @@ class PyEngine {
   nb::dict Counters() {
     const offload::EngineCounters c = engine().counters();
     nb::dict out;
-    out["device_to_host_bytes"] = c.device_to_host_bytes;
-    out["host_to_device_bytes"] = c.host_to_device_bytes;
-    out["nvme_read_bytes"] = c.nvme_read_bytes;
-    out["nvme_write_bytes"] = c.nvme_write_bytes;
-    out["optimizer_seconds"] = c.optimizer_seconds;
-    out["optimizer_params"] = c.optimizer_params;
-    out["device_optimizer_params"] = c.device_optimizer_params;
-    out["evictions"] = c.evictions;
-    out["fetches"] = c.fetches;
-    out["fetched_from_host_bytes"] = c.fetched_from_host_bytes;
-    out["fetched_from_nvme_bytes"] = c.fetched_from_nvme_bytes;
-    out["fetch_stall_seconds"] = c.fetch_stall_seconds;
-    out["speculative_updates"] = c.speculative_updates;
-    out["rolled_back_updates"] = c.rolled_back_updates;
+    offload::EngineCounters::ForEachField([&](const char* name, auto member) {
+      // This engine is one rank's (strata.torch's ranks meet in torch.distributed), so its
+      // collectives' counters would always be 0: metrics() has never had them.
+      const std::string_view counter = name;
+      if (counter == "reduce_scatter_bytes" || counter == "all_gather_bytes") return;
+      out[name] = c.*member;
+    });
     for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
       const offload::TierUsage usage = engine().tier_usage(tier);
       const std::string name(TierName(tier));

@@ -123,11 +123,7 @@ int RunBenchAdam(const std::vector<std::string>& args) {
   flags.AddInt("warmup", &warmup, "untimed runs first (default 1)");
   flags.AddInt("runs", &runs, "timed runs; the median is reported (default 5)");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, command)) return *done;
   auto options =
       ToOptions(optimizer, numel, grad_dtype, state_dtype, param_copy, threads, simd, warmup, runs);
   if (!options.ok()) return Fail(kExitUsage, options.status().message(), command);

@@ -348,11 +348,7 @@ int RunBenchAll(const std::vector<std::string>& args) {
                   "directory on the NVMe drive to measure (default $TMPDIR or /tmp)");
   flags.AddBool("quick", &f.quick, "smaller sizes and fewer runs (about a minute)");
   flags.AddBool("json", &f.json, "print bench.json on stdout instead of the summary");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, kCommand)) return *done;
   if (f.nvme_path.empty()) f.nvme_path = TempDirectory();
   if (!std::filesystem::is_directory(f.nvme_path)) {
     return Fail(kExitUsage, "--nvme-path " + f.nvme_path + " is not a directory", kCommand);

@@ -78,11 +78,7 @@ int RunBenchNvme(const std::vector<std::string>& args) {
                   "only read (--rw read)");
   flags.AddBool("sweep", &sweep, "try block sizes 128KiB,1MiB,8MiB x queue depths 8,32,128");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
-  if (Status st = flags.Parse(args); !st.ok()) return Fail(kExitUsage, st.message(), command);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, command)) return *done;
   if (s.path.empty() && s.file.empty()) return Fail(kExitUsage, "--path is required", command);
   if (s.path.empty()) s.path = s.file.substr(0, s.file.find_last_of('/'));
   if (rw != "read" && rw != "write" && rw != "both") {

@@ -163,11 +163,7 @@ int RunBenchPipeline(const std::vector<std::string>& args) {
   flags.AddInt("warmup", &warmup, "untimed engine steps first (default 2)");
   flags.AddInt("steps", &steps, "timed engine steps; the median is reported (default 5)");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, command)) return *done;
   auto dtype = ParseDType(precision);
   if (!dtype.ok()) return Fail(kExitUsage, dtype.status().message(), command);
   auto tier = ParseTier(offload_optimizer);

@@ -4,12 +4,15 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "strata/core/bytes.h"
 
 namespace strata::tools {
+
+class FlagParser;
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;
@@ -40,5 +43,11 @@ inline std::string TempDirectory() {
 
 /// Prints "strata: error: <message>" to stderr, with a pointer to --help for usage errors.
 int Fail(int exit_code, const std::string& message, const std::string& command = "");
+
+/// Parses `args` into `flags`' variables, and says whether `command` ends there: with
+/// kExitUsage after Fail's message for flags it refuses, with kExitOk after printing its help
+/// for --help; nullopt when it goes on.
+std::optional<int> ParseFlags(FlagParser& flags, const std::vector<std::string>& args,
+                              const std::string& command);
 
 }  // namespace strata::tools

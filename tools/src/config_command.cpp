@@ -27,11 +27,7 @@ int RunConfigCheck(const std::vector<std::string>& args) {
   flags.AddInt("world-size", &world_size,
                "data-parallel ranks the config is for: DeepSpeed's batch sizes are checked and "
                "derived with it (default 1)");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, command)) return *done;
   auto format = ParseFormat(format_text);
   if (!format.ok()) return Fail(kExitUsage, format.status().message(), command);
 

@@ -209,11 +209,7 @@ int RunInfo(const std::vector<std::string>& args) {
                    "offloading training state.");
   flags.AddString("path", &path, "DIR", "also probe this directory (file system, O_DIRECT)");
   flags.AddBool("json", &json, "print one JSON document instead of a table");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), "strata info");
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, "strata info")) return *done;
   const Report report = BuildReport(path);
   if (json) {
     std::cout << report.json.dump(2) << "\n";

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "flags.h"
 #include "interrupt.h"
 
 namespace strata::tools {
@@ -36,6 +37,16 @@ int Fail(int exit_code, const std::string& message, const std::string& command) 
   if (exit_code == kExitUsage && !command.empty()) std::cerr << " (see " << command << " --help)";
   std::cerr << "\n";
   return exit_code;
+}
+
+std::optional<int> ParseFlags(FlagParser& flags, const std::vector<std::string>& args,
+                              const std::string& command) {
+  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
+  if (flags.help_requested()) {
+    std::cout << flags.Help();
+    return kExitOk;
+  }
+  return std::nullopt;
 }
 
 int RunBench(const std::vector<std::string>& args) {

@@ -377,11 +377,7 @@ int RunPlan(const std::vector<std::string>& args) {
   flags.AddBytes("chunk-size", &machine.chunk_size,
                  "the engine's working bytes per chunk (default 64MiB): the chunks --measure "
                  "times, and how many chunks' NVMe states are read ahead of backward");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), command);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, command)) return *done;
   // Under a launcher with several ranks: --gpus defaults to them, --measure times the link with
   // collectives across them (MPI, as `strata train` runs them), and the first rank prints.
   const Result<offload::RankInfo> launched = offload::DetectRanks();

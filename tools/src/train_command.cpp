@@ -388,11 +388,7 @@ int RunTrain(const std::vector<std::string>& args) {
                 "old (needs --offload-params device)");
   flags.AddInt("delayed-update-from", &f.delayed_update_from,
                "the first step whose update is delayed (default 40)");
-  if (Status s = flags.Parse(args); !s.ok()) return Fail(kExitUsage, s.message(), kCommand);
-  if (flags.help_requested()) {
-    std::cout << flags.Help();
-    return kExitOk;
-  }
+  if (const std::optional<int> done = ParseFlags(flags, args, kCommand)) return *done;
   return Train(f);
 }
 

@@ -10,6 +10,7 @@
 #include "strata/core/dtype.h"
 #include "strata/core/tier.h"
 #include "strata/offload/chunk_layout.h"
+#include "strata/offload/device_sizing.h"
 
 namespace strata::tools {
 namespace {
@@ -113,26 +114,16 @@ Result<EngineOptions> EngineOptionsFor(const TrainFlags& f,
   }
   STRATA_RETURN_IF_ERROR(o.Validate());
 
-  // Device budget: given; or, with offloaded parameters, three of the largest chunk's
-  // parameters and gradients (a layer's chunks plus one fetched ahead): a fraction of the model;
-  // or, with parameters on the device, all of them with room to spare. Chunks as the engine
-  // lays them out: padded to shards of equal size across the ranks.
+  // Device budget: given, or sized to the placement (offload/device_sizing.h): with offloaded
+  // parameters a fraction of the model, with parameters on the device all of them. Chunks as
+  // the engine lays them out: padded to shards of equal size across the ranks.
   std::vector<offload::ParameterSpec> specs;
   for (const auto& p : examples::ByteLmParameters(model)) specs.push_back({p.name, p.shape, {}});
-  STRATA_ASSIGN_OR_RETURN(offload::ChunkLayout layout,
-                          offload::ChunkLayout::Build(specs, o.precision.working_dtype,
-                                                      o.placement.chunk_bytes, ranks));
-  const uint64_t slot =
-      offload::ChunkDeviceBytes(layout.max_chunk_numel(), o.precision.working_dtype);
-  if (f.device_memory > 0) {
-    o.device.host_device_memory_bytes = f.device_memory;
-    o.device.cuda_memory_bytes = f.device_memory;
-  } else if (o.placement.params != Tier::kDevice) {
-    o.device.host_device_memory_bytes = 3 * slot;
-  } else {
-    o.device.host_device_memory_bytes =
-        2 * layout.total_numel() * (DTypeSize(o.precision.working_dtype) + 12) + 16 * kMiB;
-  }
+  STRATA_ASSIGN_OR_RETURN(
+      const uint64_t fitted,
+      offload::DeviceBytesToFit(o, specs, offload::DeviceFit::kPlacement, ranks));
+  o.device.host_device_memory_bytes = f.device_memory > 0 ? f.device_memory : fitted;
+  if (f.device_memory > 0) o.device.cuda_memory_bytes = f.device_memory;
   return o;
 }
 

@@ -198,42 +198,12 @@ TierUsage Engine::tier_usage(Tier tier) const {
 }
 
 EngineCounters& EngineCounters::operator+=(const EngineCounters& o) {
-  device_to_host_bytes += o.device_to_host_bytes;
-  host_to_device_bytes += o.host_to_device_bytes;
-  nvme_read_bytes += o.nvme_read_bytes;
-  nvme_write_bytes += o.nvme_write_bytes;
-  optimizer_seconds += o.optimizer_seconds;
-  optimizer_params += o.optimizer_params;
-  device_optimizer_params += o.device_optimizer_params;
-  evictions += o.evictions;
-  fetches += o.fetches;
-  fetched_from_host_bytes += o.fetched_from_host_bytes;
-  fetched_from_nvme_bytes += o.fetched_from_nvme_bytes;
-  fetch_stall_seconds += o.fetch_stall_seconds;
-  speculative_updates += o.speculative_updates;
-  rolled_back_updates += o.rolled_back_updates;
-  reduce_scatter_bytes += o.reduce_scatter_bytes;
-  all_gather_bytes += o.all_gather_bytes;
+  ForEachField([&](const char*, auto member) { this->*member += o.*member; });
   return *this;
 }
 
 EngineCounters& EngineCounters::operator-=(const EngineCounters& o) {
-  device_to_host_bytes -= o.device_to_host_bytes;
-  host_to_device_bytes -= o.host_to_device_bytes;
-  nvme_read_bytes -= o.nvme_read_bytes;
-  nvme_write_bytes -= o.nvme_write_bytes;
-  optimizer_seconds -= o.optimizer_seconds;
-  optimizer_params -= o.optimizer_params;
-  device_optimizer_params -= o.device_optimizer_params;
-  evictions -= o.evictions;
-  fetches -= o.fetches;
-  fetched_from_host_bytes -= o.fetched_from_host_bytes;
-  fetched_from_nvme_bytes -= o.fetched_from_nvme_bytes;
-  fetch_stall_seconds -= o.fetch_stall_seconds;
-  speculative_updates -= o.speculative_updates;
-  rolled_back_updates -= o.rolled_back_updates;
-  reduce_scatter_bytes -= o.reduce_scatter_bytes;
-  all_gather_bytes -= o.all_gather_bytes;
+  ForEachField([&](const char*, auto member) { this->*member -= o.*member; });
   return *this;
 }
 

@@ -120,6 +120,22 @@ struct StepReport {
   double grad_norm = 0.0;
   double loss_scale = 1.0;  ///< The scale the next backward should use.
   double seconds = 0.0;     ///< From Step() to completion.
+
+  /// Calls `visit(name, member)` for every field, in declaration order: `member` points to it,
+  /// `name` is its name as reports spell it (strata.torch's last_step keys). The one list that
+  /// code enumerating the fields walks, so a new field is one line here; tests/offload/
+  /// report_fields_test.cpp fails when a field is left out of it.
+  template <typename Visit>
+  static constexpr void ForEachField(Visit&& visit) {
+    visit("step", &StepReport::step);
+    visit("iteration", &StepReport::iteration);
+    visit("skipped", &StepReport::skipped);
+    visit("rolled_back", &StepReport::rolled_back);
+    visit("changed_chunks", &StepReport::changed_chunks);
+    visit("grad_norm", &StepReport::grad_norm);
+    visit("loss_scale", &StepReport::loss_scale);
+    visit("seconds", &StepReport::seconds);
+  }
 };
 
 /// Bytes moved between tiers and time spent per resource since the engine started.
@@ -152,9 +168,32 @@ struct EngineCounters {
   uint64_t reduce_scatter_bytes = 0;
   uint64_t all_gather_bytes = 0;
 
-  /// Field by field, for totals over steps and traffic between two readings.
+  /// Field by field (ForEachField), for totals over steps and traffic between two readings.
   EngineCounters& operator+=(const EngineCounters& other);
   EngineCounters& operator-=(const EngineCounters& other);
+
+  /// Every field, as StepReport::ForEachField lists its own (names: strata.torch's metrics()
+  /// keys). The sums above and the Python dict walk it: a new counter is its member, one line
+  /// here and its reading in Engine::counters().
+  template <typename Visit>
+  static constexpr void ForEachField(Visit&& visit) {
+    visit("device_to_host_bytes", &EngineCounters::device_to_host_bytes);
+    visit("host_to_device_bytes", &EngineCounters::host_to_device_bytes);
+    visit("nvme_read_bytes", &EngineCounters::nvme_read_bytes);
+    visit("nvme_write_bytes", &EngineCounters::nvme_write_bytes);
+    visit("optimizer_seconds", &EngineCounters::optimizer_seconds);
+    visit("optimizer_params", &EngineCounters::optimizer_params);
+    visit("device_optimizer_params", &EngineCounters::device_optimizer_params);
+    visit("evictions", &EngineCounters::evictions);
+    visit("fetches", &EngineCounters::fetches);
+    visit("fetched_from_host_bytes", &EngineCounters::fetched_from_host_bytes);
+    visit("fetched_from_nvme_bytes", &EngineCounters::fetched_from_nvme_bytes);
+    visit("fetch_stall_seconds", &EngineCounters::fetch_stall_seconds);
+    visit("speculative_updates", &EngineCounters::speculative_updates);
+    visit("rolled_back_updates", &EngineCounters::rolled_back_updates);
+    visit("reduce_scatter_bytes", &EngineCounters::reduce_scatter_bytes);
+    visit("all_gather_bytes", &EngineCounters::all_gather_bytes);
+  }
 };
 
 inline EngineCounters operator-(EngineCounters a, const EngineCounters& b) { return a -= b; }
