@@ -4,8 +4,9 @@
 Against the live endpoint: many idle and trickling connections (a slowloris) while a scraper
 still gets its answers and the number of open connections stays bounded; oversized request
 lines, headers and bodies (4xx, connection closed); a small body on GET and pipelined requests
-(answered, in order). Then load from wrk, alternating with none in equal phases, and the median
-training step with the load on against the median with it off, from the same run.
+(answered, in order). Then load from wrk, alternating with none in equal phases: wrk gets no
+more answers than the server's pace allows, and the median training step with the load on is
+held against the median with it off, from the same run.
 
 wrk runs at nice 19: on a machine of two cores a load generator at normal priority would take a
 core from training, and the ratio would measure wrk. A real scraper runs elsewhere; what is
@@ -27,6 +28,8 @@ import urllib.request
 
 MAX_CONNECTIONS = 64          # MetricsServerOptions::max_connections
 HEADER_LIMIT = 8 * 1024       # kMaxRequestHeaderBytes
+MAX_RATE = 100                # MetricsServerOptions::max_requests_per_second
+BURST = 100                   # MetricsServerOptions::request_burst
 STEP_RATIO_BOUND = 1.25       # median step with load on / off
 PHASE_SECONDS = 3.0
 
@@ -116,6 +119,10 @@ def run_wrk(port, seconds):
     requests_per_second = float(out.split("Requests/sec:")[1].split()[0])
     errors = out.split("Socket errors:")[1].split("\n")[0] if "Socket errors:" in out else ""
     assert "timeout 0" in errors or not errors, f"wrk saw errors: {errors}"
+    # A phase may begin with a whole burst; past it, the server answers at its pace.
+    paced = MAX_RATE + BURST / seconds
+    assert requests_per_second <= 1.1 * paced, \
+        f"wrk got {requests_per_second:.0f} answers/s; the server's pace allows {paced:.0f}"
     return requests_per_second
 
 

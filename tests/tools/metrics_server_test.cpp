@@ -108,11 +108,14 @@ struct Served {
   std::shared_ptr<std::atomic<int>> renders = std::make_shared<std::atomic<int>>(0);
 };
 
-Served Serve(size_t max_connections, std::chrono::milliseconds request_timeout) {
+Served Serve(size_t max_connections, std::chrono::milliseconds request_timeout,
+             double max_requests_per_second = 1000, size_t request_burst = 1000) {
   Served served;
   MetricsServerOptions options;
   options.max_connections = max_connections;
   options.request_timeout = request_timeout;
+  options.max_requests_per_second = max_requests_per_second;
+  options.request_burst = request_burst;
   options.handlers.render_metrics = [renders = served.renders] {
     ++*renders;
     return std::string("strata_up 1\n");
@@ -267,6 +270,41 @@ TEST(MetricsServerTest, PipelinedAndOversizedRequestsOverASocket) {
   Client after(s.server->port());
   ASSERT_TRUE(after.Send(kGet));
   EXPECT_EQ(after.ReceiveResponses(1, 2s).rfind("HTTP/1.1 200", 0), 0u);
+}
+
+TEST(MetricsServerTest, AFloodIsAnsweredInOrderAtTheRateAfterItsBurst) {
+  // 5 at once, then 20 a second: 25 requests cannot all be answered in under a second.
+  Served s = Serve(8, 5s, /*max_requests_per_second=*/20, /*request_burst=*/5);
+  ASSERT_TRUE(s.server);
+  Client client(s.server->port());
+  std::string burst;
+  for (int i = 0; i < 24; ++i) burst += kGet;
+  burst += "GET /status HTTP/1.1\r\nHost: t\r\n\r\n";
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(client.Send(burst));
+  const std::string wire = client.ReceiveResponses(25, 30s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  size_t answers = 0;
+  for (size_t at = wire.find("HTTP/1.1 200"); at != std::string::npos;
+       at = wire.find("HTTP/1.1 200", at + 1)) {
+    ++answers;
+  }
+  EXPECT_EQ(answers, 25u);
+  EXPECT_EQ(wire.substr(wire.size() - 3), "{}\n") << "the last answer is not /status";
+  EXPECT_GE(took, 950ms);
+  EXPECT_EQ(s.renders->load(), 24);
+}
+
+TEST(MetricsServerTest, PacingMustAllowSomeRequests) {
+  for (const auto& [rate, burst] : {std::pair{0.0, size_t{1}}, std::pair{-1.0, size_t{1}},
+                                    std::pair{10.0, size_t{0}}}) {
+    MetricsServerOptions options;
+    options.max_requests_per_second = rate;
+    options.request_burst = burst;
+    const auto started = MetricsServer::Start(std::move(options));
+    ASSERT_FALSE(started.ok());
+    EXPECT_NE(started.status().message().find("max_requests_per_second"), std::string::npos);
+  }
 }
 
 }  // namespace

@@ -60,6 +60,12 @@ class MetricsServer::Impl {
     if (options_.request_timeout <= std::chrono::milliseconds(0)) {
       return InvalidArgument("metrics: request_timeout must be positive");
     }
+    if (!(options_.max_requests_per_second > 0) || options_.request_burst == 0) {
+      return InvalidArgument("metrics: max_requests_per_second must be positive and "
+                             "request_burst at least 1");
+    }
+    answer_interval_ = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(1.0 / options_.max_requests_per_second));
     boost::system::error_code ec;
     asio::ip::address address = asio::ip::make_address(options_.address, ec);
     if (ec) {
@@ -132,6 +138,18 @@ class MetricsServer::Impl {
     connection.stream.expires_after(options_.request_timeout);
   }
 
+  /// When the request read now may be answered: at once while the burst lasts, then one
+  /// answer_interval_ after the previous turn. Turns are handed out in the order requests
+  /// arrive, so pipelined and competing requests are answered in order.
+  std::chrono::steady_clock::time_point TakeTurn() {
+    const auto now = std::chrono::steady_clock::now();
+    const auto earliest =
+        now - answer_interval_ * static_cast<int64_t>(options_.request_burst - 1);
+    const auto turn = std::max(next_turn_, earliest);
+    next_turn_ = turn + answer_interval_;
+    return std::max(turn, now);
+  }
+
   asio::awaitable<void> Serve(tcp::socket socket) {
     Connection connection(std::move(socket));
     connection.place = waiting_.insert(waiting_.end(), &connection);
@@ -156,6 +174,13 @@ class MetricsServer::Impl {
           ec == asio::error::operation_aborted || ec == asio::error::eof ||
           ec == asio::error::connection_reset) {
         break;
+      }
+      if (const auto turn = TakeTurn(); turn > std::chrono::steady_clock::now()) {
+        // Its own error code: ec still says how the read ended.
+        boost::system::error_code waited;
+        asio::steady_timer pace(context_, turn);
+        co_await pace.async_wait(asio::redirect_error(asio::use_awaitable, waited));
+        if (connection.evicted || waited) break;
       }
       const auto unparsed = buffer.cdata();
       HttpResponse response =
@@ -201,6 +226,9 @@ class MetricsServer::Impl {
   tcp::acceptor acceptor_;
   std::thread thread_;
   uint16_t port_ = 0;
+  /// Pacing (TakeTurn); only the server's thread touches next_turn_.
+  std::chrono::steady_clock::duration answer_interval_{};
+  std::chrono::steady_clock::time_point next_turn_{};
 };
 
 Result<std::unique_ptr<MetricsServer>> MetricsServer::Start(MetricsServerOptions options) {
