@@ -265,6 +265,22 @@ def test_a_collected_optimizer_gives_the_parameters_back_with_their_values():
     assert max_difference(dict(model.named_parameters()), trained) == 0.0
 
 
+def test_an_optimizer_collected_in_a_cycle_gives_the_parameters_back_with_their_values():
+    """A trainer keeping its optimizer in a reference cycle (a callback holding the trainer):
+    the cycle's collector clears the optimizer's parts in any order before the finalizer runs,
+    so the finalizer must read the masters without them."""
+    import gc
+    model = models.make("mlp")
+    st.offload_parameters(model, "cpu")
+    opt = st.OffloadAdamW(model.parameters(), lr=1e-2)
+    models.train("mlp", model, opt, range(2))
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.cycle = {"optimizer": opt}
+    del opt
+    gc.collect()
+    assert max_difference(dict(model.named_parameters()), trained) == 0.0
+
+
 def test_a_new_optimizer_takes_over_an_offloaded_model():
     model, opt, ref, ref_opt = beside_torch(lambda: models.make("mlp"))
     models.train("mlp", model, opt, range(2))

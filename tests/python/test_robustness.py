@@ -531,3 +531,92 @@ def test_a_backward_after_gradients_set_to_none_restarts_an_explicit_count():
             opt.zero_grad()
         runs.append(model)
     assert training.relative_difference(*runs) < 1e-6
+
+
+class FailsToPutStatesBack:
+    """Wraps an engine so that writing states fails (as a full NVMe write would) once the
+    engine's step has completed: what step() does after the engine's step then raises."""
+
+    def __init__(self, engine):
+        self.engine, self.stepped = engine, False
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        report = self.engine.step()
+        self.stepped = True
+        return report
+
+    def write_states(self, batch):
+        if self.stepped:
+            raise OSError("simulated write error")
+        return self.engine.write_states(batch)
+
+
+def test_a_step_that_raises_after_the_engine_stepped_still_reports_it():
+    # a and u share a chunk; u gets no gradient, so its states are put back after the step:
+    # that write fails, after the engine completed the step.
+    a, u = nn.Linear(8, 8), nn.Linear(8, 8)
+    opt = st.OffloadAdamW([*a.parameters(), *u.parameters()], lr=0.1)
+    assert opt._table.chunk_of(0) == opt._table.chunk_of(2)
+    a(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    first = opt.last_step
+    opt._native.raw = FailsToPutStatesBack(opt._native.raw)
+    a(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(OSError, match="simulated"):
+        opt.step()
+    assert opt.last_step is not first and opt.last_step["step"] == 2
+    assert opt.metrics()["steps"] == 2
+
+
+def test_settings_fixed_at_construction_refuse_a_change():
+    opt = st.OffloadAdamW(mlp().parameters(), lr=0.1, max_grad_norm=1.0,
+                          gradient_accumulation_steps=2, overlap=False)
+    assert (opt.max_grad_norm, opt.gradient_accumulation_steps, opt.overlap) == (1.0, 2, False)
+    for name, value in (("max_grad_norm", 0.5), ("gradient_accumulation_steps", 4),
+                        ("overlap", True)):
+        with pytest.raises(AttributeError, match=f"{name} is fixed at construction"):
+            setattr(opt, name, value)
+    assert (opt.max_grad_norm, opt.gradient_accumulation_steps, opt.overlap) == (1.0, 2, False)
+
+
+def test_param_groups_replaced_by_the_same_groups_keep_following_the_scheduler():
+    # accelerate's AcceleratedOptimizer sets the wrapped optimizer's param_groups: the new list
+    # is the one a scheduler then changes, and the engine must read it.
+    model, reference = mlp(), mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    ropt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for o in (opt, ropt):
+        o.param_groups = [dict(g) for g in o.param_groups]
+        o.param_groups[0]["lr"] = 0.01
+    for step in range(2):
+        for m, o in ((model, opt), (reference, ropt)):
+            backward(m, step)
+            o.step()
+            o.zero_grad()
+    assert training.relative_difference(model, reference) < 1e-6
+
+
+def test_param_groups_replaced_by_other_parameters_are_refused():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="the parameters it was built with"):
+        opt.param_groups = [{**opt.param_groups[0], "params": [nn.Parameter(torch.ones(2))]}]
+    with pytest.raises(ValueError, match="the parameters it was built with"):
+        opt.param_groups = opt.param_groups + opt.param_groups
+
+
+def test_a_state_view_of_a_collected_optimizer_says_so():
+    model = mlp()
+    opt = st.OffloadAdamW(model.parameters(), lr=0.1)
+    view, weight = opt.state, next(model.parameters())
+    assert weight in view
+    del opt
+    gc.collect()
+    with pytest.raises(RuntimeError, match="the optimizer of this state view is gone"):
+        weight in view  # noqa: B015 (the membership test is what is tested)
+    with pytest.raises(RuntimeError, match="the optimizer of this state view is gone"):
+        len(view)

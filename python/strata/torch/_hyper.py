@@ -32,6 +32,24 @@ class GroupSettings:
         self.fixed = [fixed_hyperparameters(g) for g in groups]
         self.lr_scales = self._learning_rate_scales()
 
+    def rebind(self, groups: list[dict[str, Any]], params: list[Any]) -> None:
+        """The optimizer's param_groups became `groups` (a wrapper set the attribute): they
+        must hold `params`, the parameters the engine was built with, in the same groups; their
+        fixed settings are checked at the next step as any change is."""
+        def members(gs: list[dict[str, Any]]) -> list[list[int]]:
+            return [[id(p) for p in g["params"]] for g in gs]
+        if not isinstance(groups, list) or not all(
+                isinstance(g, dict) and "params" in g for g in groups):
+            raise ValueError("param_groups must be a list of dicts with 'params'")
+        if members(groups) != members(self._groups) or len(params) != sum(
+                len(g["params"]) for g in groups):
+            raise ValueError(
+                f"param_groups replaced by groups of {[len(g['params']) for g in groups]} "
+                "parameters that are not the parameters it was built with (in the same groups, "
+                f"{[len(g['params']) for g in self._groups]}): the engine packs its parameters "
+                "at construction; build a new optimizer for other parameters")
+        self._groups = groups
+
     def largest_lr(self) -> float:
         return max(float(g["lr"]) for g in self._groups)
 

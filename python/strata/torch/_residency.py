@@ -122,7 +122,10 @@ class ParameterResidency:
         return self._records[i].chunk
 
     def read_masters(self, indices: list[int]) -> list[torch.Tensor]:
-        return self._layout.read_states([(i, MASTER) for i in indices])
+        # Through the engine, which this residency holds: remove() runs as the optimizer's
+        # finalizer, and when the optimizer was in a reference cycle the collector may have
+        # cleared the layout and the body (held here weakly) first.
+        return self.native.read_states([(i, MASTER, self._records[i].numel) for i in indices])
 
     def write_masters(self, indices: list[int], values: list[torch.Tensor]) -> None:
         self._layout.write_states([(i, MASTER, v, "the loaded value")

@@ -156,6 +156,7 @@ class StateView(Mapping):
         return self._access().read([i], "optimizer.state")[i]
 
     def __contains__(self, p: Any) -> bool:
+        self._access()
         return self._index(p) is not None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -163,6 +164,7 @@ class StateView(Mapping):
         return iter([self._params[i]() for i in sorted(self._indices.values())])
 
     def __len__(self) -> int:
+        self._access()
         return len(self._indices)
 
     def items(self) -> ItemsView:

@@ -123,17 +123,18 @@ class StepBody:
         self.native.abandon_step()
         self.state.took_back()
 
-    def step(self) -> tuple[bool, str | None]:
+    def step(self) -> str | None:
         """step()'s body, after the closure: hands over what is left, runs the engine's step
-        and lets the layout publish it. Returns whether a step was taken, and an error to raise
-        about it (the gradients changed after the engine took them)."""
+        and lets the layout publish it. Returns an error to raise about the step (the
+        gradients changed after the engine took them). Once the engine's step completed, its
+        report is the last one even if what follows raises."""
         layout = self.layout
         prepared = Prepared()
         if not self.retry_pending:
             prepared = layout.prepare_step(self.state)
             if not prepared.proceed:
                 self.reset()
-                return False, None
+                return None
         grad_norm = self.state.grad_norm
 
         def finished() -> None:
@@ -147,12 +148,12 @@ class StepBody:
             self.retry_pending = self.native.iteration_count == before
             if not self.retry_pending:
                 finished()
-        self.restore_untouched()
-        layout.finish_step(report, grad_norm)
         self.last_report = report
         if report["skipped"]:
             self.skipped_steps += 1
-        return True, prepared.deferred_error
+        self.restore_untouched()
+        layout.finish_step(report, grad_norm)
+        return prepared.deferred_error
 
     def zero_grad(self) -> bool:
         """zero_grad(): whether torch's zero_grad should follow (the layout decides)."""

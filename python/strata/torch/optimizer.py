@@ -85,15 +85,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"max_grad_norm must be finite and >= 0 (0 = off), got {max_grad_norm!r}")
         self._constructed = False
         super().__init__(params, defaults)
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.max_grad_norm = float(max_grad_norm)
-        self.overlap = overlap
+        self._fixed = {"gradient_accumulation_steps": gradient_accumulation_steps,
+                       "max_grad_norm": float(max_grad_norm), "overlap": overlap}
         owner = type(self).__name__
 
         table = ParamTable(self.param_groups)
         layout = _layouts.choose(table.params, shard_states=shard_states,
                                  gradient_accumulation_steps=gradient_accumulation_steps,
-                                 overlap=overlap, max_grad_norm=self.max_grad_norm)
+                                 overlap=overlap, max_grad_norm=float(max_grad_norm))
         # Rechecking, torch.amp.GradScaler unscales the gradients itself (an edit like any
         # other) and skips step() on overflow.
         self._step_supports_amp_scaling = not layout.rechecks
@@ -108,7 +107,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             offload_ratio=offload_ratio, chunk_size=chunk_size, host_memory=host_memory,
             cpu_threads=cpu_threads, loss_scale=loss_scale,
             speculative_updates=speculative_updates,
-            max_grad_norm=self.max_grad_norm if layout.engine_clips else 0.0, config=config)
+            max_grad_norm=float(max_grad_norm) if layout.engine_clips else 0.0, config=config)
         layout.configure(options)
         # A live optimizer on these parameters gives them up to this one (`opt = ...` again),
         # before their values are read: offloaded ones get theirs back only then.
@@ -137,6 +136,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._constructed = True
 
     # ----------------------------------------------------------------- torch.optim interface
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """torch.optim's attribute, which wrappers (accelerate's AcceleratedOptimizer) set: once
+        built, the new list must hold the same parameters in the same groups, and it is the one
+        the engine reads the learning rate from (a scheduler changes it) from then on."""
+        if getattr(self, "_constructed", False):
+            self._body.settings.rebind(groups, self._table.params)
+        self._param_groups = groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_constructed", False):
@@ -176,9 +188,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped, error = body.step()
-        if stepped:
-            self._consolidated = None
+        # Gathered before this step: stale once it changes the states, even if step() raises
+        # after the engine's step completed.
+        self._consolidated = None
+        error = body.step()
         if error:
             raise RuntimeError(error)
         return loss
@@ -208,6 +221,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._states.unpack(self.param_groups, state_dict)
 
     # ------------------------------------------------------------------------- extras
+
+    # Settings the engine and the layout are built with. They cannot change later, so a
+    # change raises instead of being ignored.
+    def _fixed_setting(name: str, doc: str) -> property:  # noqa: N805 (a class-body helper)
+        def get(self: OffloadOptimizer) -> Any:
+            return self._fixed[name]
+
+        def refuse(self: OffloadOptimizer, value: Any) -> None:
+            raise AttributeError(
+                f"{name} is fixed at construction ({type(self).__name__} was built with "
+                f"{name}={self._fixed[name]!r}): the engine and the gradient hooks are laid out "
+                f"for it; build a new optimizer with {name}={value!r}")
+        return property(get, refuse, doc=doc)
+
+    max_grad_norm = _fixed_setting(
+        "max_grad_norm", "The global gradient norm the step clips to (0: no clipping).")
+    gradient_accumulation_steps = _fixed_setting(
+        "gradient_accumulation_steps", "Backward passes per step, or 'auto'.")
+    overlap = _fixed_setting(
+        "overlap", "Whether chunks are updated during backward, as their gradients complete.")
+    del _fixed_setting
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """shard_states=True: gathers every rank's slices of the states so that state_dict() on
