@@ -74,9 +74,9 @@ inline EngineOptions MakeOptions(const Placement& p, const std::string& nvme_pat
 /// How gtest shows it (in test names and failures).
 inline void PrintTo(const Placement& p, std::ostream* out) { *out << p.name; }
 
-/// Whether `p` runs on `kind`. Optimizer steps on a CUDA device are not built yet, so placements
-/// that keep optimizer states on the device run on the host device only (a CUDA device refuses
-/// them: EngineContractTest.ACudaDeviceIsTreatedAsOneWhateverTheOptionsSay).
+/// Whether `p` runs on `kind`. No updater steps states in a GPU's memory yet (update/updaters.cpp),
+/// so placements that keep optimizer states on the device run on the host device only (a CUDA
+/// device refuses them: EngineContractTest.ACudaDeviceIsTreatedAsOneWhateverTheOptionsSay).
 inline bool RunsOn(const Placement& p, DeviceUnderTest kind) {
   return kind == DeviceUnderTest::kHost || (p.states != Tier::kDevice && p.ratio == 1.0);
 }

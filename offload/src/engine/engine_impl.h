@@ -3,17 +3,18 @@
 // Parts, each with one owner of its state (docs/architecture.md draws them):
 // - Impl lays every chunk's storage out at Create (engine_placement.cpp, and what the host
 //   budget decides: engine_host_placement.cpp) and owns the resources the parts use: the
-//   device, budgets, chunk storage, NVMe swap space, parameter staging, the optimizer, the
-//   metrics and the event loop. engine.cpp is the facade and Impl's own life; parameter-state
+//   device, budgets, chunk storage, NVMe swap space, parameter staging, the CPU kernels and the
+//   updaters (update/updater.h), the metrics and the event loop. engine.cpp is the facade and Impl's own life; parameter-state
 //   access is engine_state_access.cpp (several ranks: sharded_state_access.cpp). Its state is
-//   private: a part is handed what it uses, or is a friend named below with why.
+//   private: a part is handed what it uses.
 // - Chunk (chunk.h) is one chunk's storage in every tier and its layout; the transition that
 //   changes several of its fields at once is its method (FlipNvmeShadows).
 // - Residency (residency.h) owns the device copies of offloaded parameters, pins, eviction and
 //   prefetch, and after the placement is the only writer of the device budget.
 // - StepPipeline (step_pipeline.h) owns each chunk's part in the step (its phase, micro-step
 //   count, landing, collectives' signals and update flags: ChunkStep, step/chunk_step.h, which
-//   only the step's files see; others ask through narrow accessors), the gradient landing
+//   only the step's files see; others ask through narrow accessors; it reaches the engine
+//   through StepEngine, step/step_engine.h, which Impl implements), the gradient landing
 //   (step_landing.cpp), the per-chunk update journeys (step_update.cpp), the delayed update
 //   (step_delayed.cpp), the collectives of several ranks (step_sharded.cpp) and the commit
 //   (step_commit.cpp).
@@ -46,7 +47,9 @@
 #include "residency/residency.h"
 #include "sharding/param_gather.h"
 #include "sharding/reduce_ring.h"
+#include "step/step_engine.h"
 #include "step/step_pipeline.h"
+#include "update/updater.h"
 #include "strata/core/aligned_buffer.h"
 #include "strata/core/bytes.h"
 #include "strata/core/event_loop.h"
@@ -59,7 +62,7 @@
 
 namespace strata::offload {
 
-class Engine::Impl {
+class Engine::Impl final : public StepEngine {
  public:
   Impl(const EngineOptions& options, Device& device, ChunkLayout layout,
        EngineEnvironment environment);
@@ -86,17 +89,17 @@ class Engine::Impl {
   // What the parts ask of the engine's configuration.
   /// This rank and the ranks the chunks are sharded across (1: not sharded). Fixed by the
   /// layout (the communicator goes before the engine's last coroutines do).
-  int rank() const { return rank_; }
-  int ranks() const { return layout_.world_size(); }
-  bool sharded() const { return ranks() > 1; }
+  int rank() const override { return rank_; }
+  int ranks() const override { return layout_.world_size(); }
+  bool sharded() const override { return ranks() > 1; }
   /// ZeRO stage 3 across several ranks: Acquire gathers trained chunks' parameters
   /// (ParamGather), so every rank's Acquire calls are collectives.
-  bool gathers_params() const { return sharded() && options_.placement.zero_stage == 3; }
+  bool gathers_params() const override { return sharded() && options_.placement.zero_stage == 3; }
   /// Several ranks reduce through the ReduceRing: without accumulating micro-steps (a chunk's
   /// fp32 gradients need to exist only until they are reduced, not all step long), when every
   /// micro-step is reduced, and with quantized gradients (what the all-to-all sends and
   /// receives).
-  bool reduces_from_ring() const {
+  bool reduces_from_ring() const override {
     return sharded() && (options_.optimizer.gradient_accumulation_steps == 1 ||
                          reduces_each_micro_step() || quantizes_gradients());
   }
@@ -104,7 +107,7 @@ class Engine::Impl {
   /// reduce-scattered as they land and summed into this rank's shard, so no rank keeps a whole
   /// chunk's fp32 sum (DeepSpeed's stage 2; stage 1 keeps the sum and reduces once a step,
   /// moving 1/gas of the gradient bytes).
-  bool reduces_each_micro_step() const {
+  bool reduces_each_micro_step() const override {
     return sharded() && options_.placement.zero_stage >= 2 &&
            options_.optimizer.gradient_accumulation_steps > 1;
   }
@@ -114,20 +117,20 @@ class Engine::Impl {
   /// device's (StepPipeline::ClaimParamsInPlace). For device-home parameters, whose buffers stay
   /// put, and states the host updates; one rank (the ReduceRing widens what landed when its turn
   /// comes), and no delayed update (the next forward's Acquire does not wait for the step).
-  bool ZeroCopy(const Chunk& c) const {
+  bool ZeroCopy(const Chunk& c) const override {
     return device_.properties().host_accessible && !sharded() &&
            !options_.optimizer.delayed_update && c.placement.params == Tier::kDevice &&
            !c.frozen() && c.placement.optimizer_states != Tier::kDevice;
   }
   /// Host-kept chunks sum their micro-steps' gradients in grads_sum (fp32, the whole chunk).
-  bool sums_micro_steps() const {
+  bool sums_micro_steps() const override {
     return options_.optimizer.gradient_accumulation_steps > 1 && !reduces_each_micro_step();
   }
   /// ZeRO++'s quantized gradients: reduced by an all-to-all of blockwise int8 or int4
   /// partitions.
-  bool quantizes_gradients() const { return sharded() && options_.placement.quantized_gradients; }
+  bool quantizes_gradients() const override { return sharded() && options_.placement.quantized_gradients; }
   /// Their width, 8 or 4 (cpu_adam::IsQuantBits).
-  int gradient_quant_bits() const { return options_.placement.quantized_gradient_bits; }
+  int gradient_quant_bits() const override { return options_.placement.quantized_gradient_bits; }
   /// Elements of this rank's shard of the largest trained chunk (every rank's is as large):
   /// what a quantized collective's per-rank buffers hold.
   size_t max_trained_shard_numel() const;
@@ -142,37 +145,55 @@ class Engine::Impl {
   /// a shard; what parameter staging holds); 0 when none are on NVMe.
   size_t max_nvme_param_bytes() const;
 
-  size_t working_size() const { return DTypeSize(options_.precision.working_dtype); }
+  size_t working_size() const override { return DTypeSize(options_.precision.working_dtype); }
   /// The largest of the chunks' state_bytes (a frozen chunk's are just its values).
   size_t max_state_bytes() const;
   /// Elements of the largest chunk that has optimizer states: what staging for states and zero
   /// gradients must hold (a frozen embedding may be far larger). 0 when every chunk is frozen.
   size_t max_trained_numel() const;
-  DType working_dtype() const { return options_.precision.working_dtype; }
+  DType working_dtype() const override { return options_.precision.working_dtype; }
   /// Gated steps update ahead of their verdict (OptimizerOptions::speculative_updates).
-  bool Speculates() const;
+  bool Speculates() const override;
 
   /// Starts `work` on the event loop, counted until it finishes (WaitIdle).
-  void Spawn(Awaitable<void> work);
+  void Spawn(Awaitable<void> work) override;
   /// Blocks until no coroutine started by Spawn is running.
   void WaitIdle();
   /// Copies the tier budgets' usage into their gauges.
   void UpdateTierGauges();
 
+  // What the step pipeline drives (StepEngine, step/step_engine.h): the parts and resources
+  // above and below stay this class's.
+  bool transactional() const override { return transactional_; }
+  std::vector<Chunk>& chunks() override { return chunks_; }
+  Device& device() override { return device_; }
+  Residency& residency() override { return residency_; }
+  ReduceRing& reduce_ring() override { return reduce_ring_; }
+  Communicator& communicator() override { return *environment_.communicator; }
+  nvme::SwapSpace* swap() override { return swap_.get(); }
+  LoopStagingPool* param_staging() override {
+    return param_staging_ ? &*param_staging_ : nullptr;
+  }
+  DeviceEvent& compute_marker() override { return compute_marker_; }
+  cpu_adam::CpuOptimizer& cpu() override { return *optimizer_; }
+  Updaters& updaters() override { return *updaters_; }
+  EngineMetrics& metrics() override { return m_; }
+  EventLoop& loop() override { return loop_; }
+  JobThreads& jobs() override { return jobs_; }
+  JobCounter& jobs_in_flight() override { return jobs_in_flight_; }
+
  private:
-  // The parts that still reach into the state below rather than being handed what they use
-  // (Residency, ParamGather and the StatePreloader are handed theirs):
-  // - Engine is the facade this is the implementation of.
-  // - StepPipeline runs the step over the chunks, the device, the jobs, the loop, the swap space,
-  //   the optimizer, Residency, ParamGather and the ReduceRing: nearly all of it.
+  // Engine is the facade this is the implementation of. Every part is handed what it uses:
+  // Residency, ParamGather and the StatePreloader their references, StepPipeline the StepEngine
+  // interface above.
   friend class Engine;
-  friend class StepPipeline;
 
   // engine_placement.cpp: the placement's steps, which Initialize runs in this order.
   /// The communicator (one rank's own, when none was given) and this rank; refuses what is not
   /// built for several ranks (CheckShardable).
   Status JoinRanks();
-  /// Unavailable for optimizer states kept on a CUDA device (not built yet).
+  /// Unavailable for optimizer states kept in device memory where no updater serves the device
+  /// (a GPU's: not built yet).
   Status CheckDeviceStatesBuilt() const;
   /// Creates chunks_ from the layout: each chunk's size, shard and the tiers the options ask
   /// for (parameters within placement.max_params_in_host cached in host memory).
@@ -326,7 +347,11 @@ class Engine::Impl {
   // to undo them by, are updated at the commit.
   bool transactional_ = false;
 
+  // The CPU's vectorized kernels on their own oneTBB arena: gradient sums, norms, checksums and
+  // quantization on host memory, and what the CPU updater steps with.
   std::optional<cpu_adam::CpuOptimizer> optimizer_;
+  // What steps each chunk's states (update/updater.h), chosen by the device (StartParts).
+  std::optional<Updaters> updaters_;
   std::unique_ptr<nvme::IoEngine> io_;
   std::unique_ptr<nvme::SwapSpace> swap_;
   // Offloaded parameters' NVMe staging (Residency's fetches, the updates' writes). The states'

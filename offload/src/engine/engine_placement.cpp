@@ -57,12 +57,7 @@ Status Engine::Impl::CheckDeviceStatesBuilt() const {
       place.optimizer_states == Tier::kDevice || place.offload_ratio < 1.0;
   // The device passed decides, whatever options.device says: the CPU must not touch a GPU's
   // memory.
-  if (wants_device_states && device_.properties().kind == DeviceKind::kCuda) {
-    return Unavailable(
-        "optimizer steps on a CUDA device are not built yet (they come with the GPU kernels); "
-        "place optimizer states on host or nvme with offload_ratio 1");
-  }
-  return Status();
+  return wants_device_states ? Updaters::CheckDeviceStatesServed(device_) : Status();
 }
 
 void Engine::Impl::LayOutChunks() {
@@ -399,6 +394,9 @@ Status Engine::Impl::StartParts() {
                           cpu_adam::CpuOptimizer::Create(
                               {.threads = OptimizerThreads(options_, environment_.ranks_on_node)}));
   optimizer_.emplace(std::move(optimizer));
+  STRATA_ASSIGN_OR_RETURN(Updaters updaters,
+                          Updaters::Create({.device = device_, .cpu = *optimizer_}));
+  updaters_.emplace(std::move(updaters));
   param_gather_.Connect(*environment_.communicator, swap_.get(), *optimizer_);
   m_.Register(metrics_);
   m_.loss_scale->Set(pipeline_.loss_scale());

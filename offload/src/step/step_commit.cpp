@@ -5,8 +5,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/engine_impl.h"
 #include "step/chunk_step.h"
+#include "step/step_engine.h"
+#include "step/step_pipeline.h"
 
 namespace strata::offload {
 namespace {
@@ -16,7 +17,7 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 void StepPipeline::MaybeFinish() {
-  if (!step_.requested || step_.committing || step_.finishing || step_.updates_running > 0) {
+  if (!Requested(step_.progress) || CommitBegun(step_.progress) || step_.updates_running > 0) {
     return;
   }
   if (step_.speculations_open > 0) return;  // Updated ahead of the verdict, not yet resolved.
@@ -45,19 +46,22 @@ void StepPipeline::MaybeFinish() {
       if (s.phase_now() != ChunkPhase::kUpdated && !deferred) return;  // A journey is on its way.
     }
   }
-  step_.committing = true;
+  // A retry after a failure past the flip commits again without flipping (Commit).
+  Advance(step_.progress, step_.progress == StepProgress::kRetryingUploads
+                              ? StepProgress::kCommitted
+                              : StepProgress::kCommitting);
   engine_.Spawn(Commit());
 }
 
 Awaitable<void> StepPipeline::Commit() {
-  Engine::Impl& e = engine_;
-  std::vector<Chunk>& chunks = e.chunks_;
+  StepEngine& e = engine_;
+  std::vector<Chunk>& chunks = e.chunks();
   const bool skipped = step_.skip;
   Status status;
-  if (!skipped && !step_.committed) {
+  if (!skipped && step_.progress == StepProgress::kCommitting) {
     // Device-kept chunks left for the commit (every one, in a transactional step; those the
     // trainer still held, otherwise) are updated now, after the trainer's use of them.
-    status = e.residency_.OrderAfterTrainerUse(Stream::kCompute);
+    status = e.residency().OrderAfterTrainerUse(Stream::kCompute);
     for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
       ChunkStep& s = steps_[i];
       if (!s.update_at_commit || s.phase_now() != ChunkPhase::kArrived) continue;
@@ -79,7 +83,7 @@ Awaitable<void> StepPipeline::Commit() {
       if (steps_[i].micro_steps == 0) continue;  // Not updated: its current state stays.
       steps_[i].MakeUpdateCurrent(chunks[i]);
     }
-    step_.committed = true;
+    Advance(step_.progress, StepProgress::kCommitted);
   }
   // Device-home parameters not uploaded yet go up behind the trainer's last use of every chunk;
   // one wait covers them, and that use, before stale device copies are dropped. A delayed step
@@ -87,7 +91,7 @@ Awaitable<void> StepPipeline::Commit() {
   const bool delay = hyper_.delayed && !skipped;
   // (Not for a delayed step, which uploads nothing here: the next forward may be running, and
   // its releases must not hold the commit back.)
-  if (!delay) status = e.residency_.OrderAfterTrainerUse(Stream::kHostToDevice);
+  if (!delay) status = e.residency().OrderAfterTrainerUse(Stream::kHostToDevice);
   for (size_t i = 0; i < chunks.size() && status.ok() && !delay; ++i) {
     Chunk& c = chunks[i];
     const ChunkStep& s = steps_[i];
@@ -99,10 +103,10 @@ Awaitable<void> StepPipeline::Commit() {
     }
     if (s.params_uploaded) continue;
     const size_t wbytes = c.working_bytes(e.working_size());
-    status = e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
-    if (status.ok()) e.m_.h2d_bytes->Increment(double(wbytes));
+    status = e.device().CopyToDevice(c.params.data(), c.param_copy.data(), wbytes);
+    if (status.ok()) e.metrics().h2d_bytes->Increment(double(wbytes));
   }
-  const Status landed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  const Status landed = co_await AwaitStream(e.device(), Stream::kHostToDevice);
   if (status.ok()) status = landed;
   if (!status.ok()) {
     // The step is committed on the host side; a retry uploads again.
@@ -126,7 +130,7 @@ Awaitable<void> StepPipeline::Commit() {
     for (size_t i = 0; i < chunks.size(); ++i) {
       if (steps_[i].micro_steps > 0) updated.push_back(i);
     }
-    e.residency_.Drop(updated);
+    e.residency().Drop(updated);
   }
 
   double norm = step_.grad_norm;
@@ -155,14 +159,14 @@ Awaitable<void> StepPipeline::Commit() {
     }
     step_open_ = false;
   }
-  e.m_.steps->Increment(skipped ? 0.0 : 1.0);
-  e.m_.skipped_steps->Increment(skipped && counted ? 1.0 : 0.0);
-  e.m_.rolled_back_steps->Increment(step_.rolled_back ? 1.0 : 0.0);
-  e.m_.loss_scale->Set(loss_scale());
-  e.residency_.StepCommitted();
+  e.metrics().steps->Increment(skipped ? 0.0 : 1.0);
+  e.metrics().skipped_steps->Increment(skipped && counted ? 1.0 : 0.0);
+  e.metrics().rolled_back_steps->Increment(step_.rolled_back ? 1.0 : 0.0);
+  e.metrics().loss_scale->Set(loss_scale());
+  e.residency().StepCommitted();
   ReadAhead();  // The next step's first states, read while its forward runs.
   const double seconds = std::chrono::duration<double>(Clock::now() - step_.started).count();
-  e.m_.step_seconds->Set(seconds);
+  e.metrics().step_seconds->Set(seconds);
   if (stuck) {
     FinishStep(FailedPrecondition(
                    "fp16 gradients overflowed with the loss scale already at its minimum (" +
@@ -191,7 +195,8 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
     return;
   }
   // Several ranks report a step only once every rank's outcome is in (AgreeOnStep).
-  step_.finishing = true;
+  Advance(step_.progress, Flipped(step_.progress) ? StepProgress::kFinishingCommitted
+                                                  : StepProgress::kFinishing);
   const Status local = result.status();
   step_.outcome.emplace(std::move(result));
   step_.outcome_completed = completed;
@@ -201,9 +206,9 @@ void StepPipeline::FinishStep(Result<StepReport> result, bool completed) {
 
 void StepPipeline::SetGradientsAside() {
   if (gas_ > 1) return;  // The updates read grads_sum.
-  Engine::Impl& e = engine_;
-  for (size_t i = 0; i < e.chunks_.size(); ++i) {
-    const Chunk& c = e.chunks_[i];
+  StepEngine& e = engine_;
+  for (size_t i = 0; i < e.chunks().size(); ++i) {
+    const Chunk& c = e.chunks()[i];
     ChunkStep& s = steps_[i];
     // Landed in place (zero copy) and still to update: once the failure is delivered the
     // trainer may Acquire the chunk and write its gradient buffer, and the retry needs these.
@@ -221,21 +226,22 @@ void StepPipeline::DeliverStep(Result<StepReport> result, bool completed) {
   // The trainer cannot start the next forward before the step completes: all of it is a stall.
   // (A delayed step's next forward runs beside it: its stall is the next GradsReady's wait.)
   if (!hyper_.delayed) {
-    engine_.m_.stall_of(TrainerWait::kStep)
+    engine_.metrics().stall_of(TrainerWait::kStep)
         .Increment(std::chrono::duration<double>(Clock::now() - step_.started).count());
   }
   if (!completed) SetGradientsAside();
   if (completed) {
-    if (result.ok()) engine_.m_.UpdateRates();
+    if (result.ok()) engine_.metrics().UpdateRates();
+    Advance(step_.progress, StepProgress::kCollecting);  // Checked, then everything starts over.
     step_ = FreshStepState();
     gate_.Reset();
     std::lock_guard lock(mutex_);
     abandoning_ = false;
   } else {
     step_.promise.reset();
-    step_.requested = false;
-    step_.committing = false;
-    step_.finishing = false;
+    // What the retry redoes: everything left, or only the uploads once the shadows flipped.
+    Advance(step_.progress, Flipped(step_.progress) ? StepProgress::kFailedCommitted
+                                                    : StepProgress::kFailed);
   }
   {
     std::lock_guard lock(mutex_);

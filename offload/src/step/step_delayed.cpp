@@ -2,22 +2,23 @@
 // delayed step's new parameters wait in Chunk::delayed_params until the next step is done with the
 // device's, and go up at the chunk's Release, at the next Step(), or before a checkpoint or a
 // state write (FlushDelayedParameters).
-#include "engine/engine_impl.h"
 #include "step/chunk_step.h"
+#include "step/step_engine.h"
+#include "step/step_pipeline.h"
 
 namespace strata::offload {
 
 Status StepPipeline::UploadDelayedLocked(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   if (!s.params_delayed) return Status();
   STRATA_ASSIGN_OR_RETURN(const bool released,
-                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+                          e.residency().OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
   if (!released) return Status();  // Its Release, or the next Step(), sends them.
   const size_t wbytes = c.working_bytes(e.working_size());
-  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
-  e.m_.h2d_bytes->Increment(double(wbytes));
+  STRATA_RETURN_IF_ERROR(e.device().CopyToDevice(c.params.data(), c.delayed_params.data(), wbytes));
+  e.metrics().h2d_bytes->Increment(double(wbytes));
   s.params_delayed = false;
   return Status();
 }
@@ -35,7 +36,7 @@ void StepPipeline::Released(size_t chunk) {
 Status StepPipeline::FlushDelayedParameters() {
   {
     std::lock_guard lock(mutex_);
-    for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    for (size_t i = 0; i < engine_.chunks().size(); ++i) {
       STRATA_RETURN_IF_ERROR(UploadDelayedLocked(i));
       if (steps_[i].params_delayed) {
         return FailedPrecondition("chunk " + std::to_string(i) +
@@ -43,7 +44,7 @@ Status StepPipeline::FlushDelayedParameters() {
       }
     }
   }
-  return engine_.device_.SynchronizeStream(Stream::kHostToDevice);
+  return engine_.device().SynchronizeStream(Stream::kHostToDevice);
 }
 
 }  // namespace strata::offload

@@ -7,8 +7,9 @@
 #include <chrono>
 #include <cstring>
 
-#include "engine/engine_impl.h"
 #include "step/chunk_step.h"
+#include "step/step_engine.h"
+#include "step/step_pipeline.h"
 
 namespace strata::offload {
 namespace {
@@ -43,7 +44,7 @@ void AccumulateGrads(cpu_adam::CpuOptimizer& optimizer, float* sum, const void* 
 }  // namespace
 
 Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
-  Engine::Impl& e = engine_;
+  StepEngine& e = engine_;
   std::unique_lock lock(mutex_);
   ChunkStep& s = steps_[chunk];
   if (hyper_.delayed && !StepDone()) {
@@ -52,7 +53,7 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
     // refused below: Step() again retries it).
     const auto start = std::chrono::steady_clock::now();
     step_done_.wait(lock, [this] { return StepDone(); });
-    e.m_.stall_of(TrainerWait::kStep)
+    e.metrics().stall_of(TrainerWait::kStep)
         .Increment(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   if (step_running_) {
@@ -75,11 +76,11 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
   if (e.reduces_each_micro_step() && micro_step > 1) {
     STRATA_RETURN_IF_ERROR(WaitForLandingLocked(chunk, micro_step, lock));
   }
-  STRATA_ASSIGN_OR_RETURN(ChunkView view, e.residency_.PinGrads(chunk));
+  STRATA_ASSIGN_OR_RETURN(ChunkView view, e.residency().PinGrads(chunk));
   if (Status queued = QueueLanding(chunk, view, stream, micro_step, last); !queued.ok()) {
     // A copy queued before the refusal may still be reading the gradient buffer.
-    e.device_.SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
-    e.residency_.UnpinGrads(chunk);
+    e.device().SynchronizeStream(Stream::kDeviceToHost).IgnoreError();
+    e.residency().UnpinGrads(chunk);
     return queued.WithContext("queueing the gradients of chunk " + std::to_string(chunk));
   }
   if (!step_open_) {
@@ -104,21 +105,21 @@ Status StepPipeline::GradsReady(size_t chunk, TrainerStream stream) {
 
 Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerStream stream,
                                   int micro_step, bool last) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   // Posted to the loop by a stream thread when the gradients are where the landing reads them.
   auto landed = [&e, &s] {
-    boost::asio::post(e.loop_.executor(), [&s] { s.grads_copied->Release(); });
+    boost::asio::post(e.loop().executor(), [&s] { s.grads_copied->Release(); });
   };
   // Everything below runs after the trainer's work so far on its stream: backward.
-  STRATA_RETURN_IF_ERROR(RecordTrainerEvent(e.device_, e.compute_marker_, stream));
+  STRATA_RETURN_IF_ERROR(RecordTrainerEvent(e.device(), e.compute_marker(), stream));
   if (c.placement.optimizer_states == Tier::kDevice) {
     if (stream.native != nullptr) {
-      STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kCompute, e.compute_marker_));
+      STRATA_RETURN_IF_ERROR(e.device().StreamWaitEvent(Stream::kCompute, e.compute_marker()));
     }
     // The device keeps and updates this chunk: it sums and measures in stream order.
-    return e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, &s, view, micro_step, last,
+    return e.device().LaunchHostFunction(Stream::kCompute, [this, &c, &s, view, micro_step, last,
                                                            landed] {
       Result<cpu_adam::GradientStats> stats = SumAndMeasure(
           static_cast<float*>(c.device_grads_sum.data()), view.grads, c.numel, micro_step, last);
@@ -129,21 +130,21 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
       landed();
     });
   }
-  STRATA_RETURN_IF_ERROR(e.device_.StreamWaitEvent(Stream::kDeviceToHost, e.compute_marker_));
+  STRATA_RETURN_IF_ERROR(e.device().StreamWaitEvent(Stream::kDeviceToHost, e.compute_marker()));
   if (e.ZeroCopy(c)) {
     // The landing reads them where backward wrote them, once backward is done (the host
     // function below): the trainer cannot write them again before the step completes, since
     // Acquire refuses the chunk until then.
     s.landed_grads = static_cast<const std::byte*>(view.grads);
-    return e.device_.LaunchHostFunction(Stream::kDeviceToHost, landed);
+    return e.device().LaunchHostFunction(Stream::kDeviceToHost, landed);
   }
-  STRATA_RETURN_IF_ERROR(e.device_.CopyToHost(c.grads_landing.data(), view.grads,
+  STRATA_RETURN_IF_ERROR(e.device().CopyToHost(c.grads_landing.data(), view.grads,
                                               c.working_bytes(e.working_size()),
                                               Stream::kDeviceToHost));
   s.landed_grads = c.grads_landing.data();
-  Gauge& copying = e.m_.in_flight_of(InFlightKind::kDeviceToHost);
+  Gauge& copying = e.metrics().in_flight_of(InFlightKind::kDeviceToHost);
   copying.Add(1.0);  // Before the copy can land and take it back.
-  Status queued = e.device_.LaunchHostFunction(Stream::kDeviceToHost, [&copying, landed] {
+  Status queued = e.device().LaunchHostFunction(Stream::kDeviceToHost, [&copying, landed] {
     copying.Add(-1.0);
     landed();
   });
@@ -154,7 +155,7 @@ Status StepPipeline::QueueLanding(size_t chunk, const ChunkView& view, TrainerSt
 Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const void* grads,
                                                             size_t numel, int micro_step,
                                                             bool last) {
-  cpu_adam::CpuOptimizer& optimizer = *engine_.optimizer_;
+  cpu_adam::CpuOptimizer& optimizer = engine_.cpu();
   const DType dtype = engine_.working_dtype();
   if (gas_ > 1) AccumulateGrads(optimizer, sum, grads, dtype, numel, micro_step == 1);
   // Several ranks measure this rank's shard of the sum over ranks, once reduced (ReduceGrads);
@@ -167,17 +168,17 @@ Result<cpu_adam::GradientStats> StepPipeline::SumAndMeasure(float* sum, const vo
 }
 
 void StepPipeline::SumGrads(float* sum, const void* grads, DType dtype, size_t numel, bool first) {
-  AccumulateGrads(*engine_.optimizer_, sum, grads, dtype, numel, first);
+  AccumulateGrads(engine_.cpu(), sum, grads, dtype, numel, first);
 }
 
 Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool last) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   co_await s.grads_copied->Acquire();
   const bool read_on_host = c.placement.optimizer_states != Tier::kDevice;
   if (read_on_host && !e.ZeroCopy(c)) {
-    e.m_.d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
+    e.metrics().d2h_bytes->Increment(double(c.working_bytes(e.working_size())));
   }
   // Reducing every micro-step, the landed gradients go to the reduce-scatter as they are
   // (ReduceGrads); nothing to sum or measure here.
@@ -187,14 +188,14 @@ Awaitable<Status> StepPipeline::LandGrads(size_t chunk, int micro_step, bool las
                            micro_step, last);
     };
     Result<cpu_adam::GradientStats> stats =
-        co_await AwaitJob(e.jobs_, sum_and_measure, &e.jobs_in_flight_);
+        co_await AwaitJob(e.jobs(), sum_and_measure, &e.jobs_in_flight());
     if (last) {
       s.land_status = stats.status();
       if (stats.ok()) s.stats = *stats;
     }
   }
   // The gradient buffer has been read: backward may write the next micro-step's.
-  e.residency_.UnpinGrads(chunk);
+  e.residency().UnpinGrads(chunk);
   co_return last ? s.land_status : Status();
 }
 

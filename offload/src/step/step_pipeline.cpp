@@ -5,8 +5,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/engine_impl.h"
 #include "step/chunk_step.h"
+#include "step/step_engine.h"
+#include "step/step_pipeline.h"
 
 namespace strata::offload {
 namespace {
@@ -15,34 +16,34 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-StepPipeline::StepPipeline(Engine::Impl& engine, const EngineOptions& options)
+StepPipeline::StepPipeline(StepEngine& engine, const EngineOptions& options)
     : engine_(engine),
       options_(options),
       gas_(options.optimizer.gradient_accumulation_steps),
       next_lr_(options.optimizer.lr),
       loss_scaler_(options.precision),
-      preloader_(engine.chunks_, steps_, engine.m_,
+      preloader_(engine.chunks(), steps_, engine.metrics(),
                  [&engine](Awaitable<void> work) { engine.Spawn(std::move(work)); }) {}
 
 StepPipeline::~StepPipeline() = default;
 
 void StepPipeline::Initialize() {
-  steps_ = std::vector<ChunkStep>(engine_.chunks_.size());
-  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+  steps_ = std::vector<ChunkStep>(engine_.chunks().size());
+  for (size_t i = 0; i < engine_.chunks().size(); ++i) {
     ChunkStep& s = steps_[i];
     s.grads_copied.emplace(0);
     s.grads_reduced.emplace(0);
     s.reduce_queued.emplace(0);
     s.shard_sum_turn.emplace(1);
     s.params_gathered.emplace(0);
-    if (!engine_.chunks_[i].frozen()) ++trained_chunks_;
+    if (!engine_.chunks()[i].frozen()) ++trained_chunks_;
   }
   failed_ranks_.assign(size_t(engine_.ranks()), 0.0);
-  for (size_t i = engine_.chunks_.size(); i-- > 0;) {
-    if (!engine_.chunks_[i].frozen()) reduce_sequence_.push_back(i);
+  for (size_t i = engine_.chunks().size(); i-- > 0;) {
+    if (!engine_.chunks()[i].frozen()) reduce_sequence_.push_back(i);
   }
   step_ = FreshStepState();
-  boost::asio::post(engine_.loop_.executor(), [this] { ReadAhead(); });
+  boost::asio::post(engine_.loop().executor(), [this] { ReadAhead(); });
 }
 
 StepPipeline::StepState StepPipeline::FreshStepState() const {
@@ -78,10 +79,10 @@ void StepPipeline::Restore(const LossScalerState& scaler, int64_t step_count,
   std::lock_guard lock(mutex_);
   loss_scaler_.Restore(scaler);
   step_count_.store(step_count);
-  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+  for (size_t i = 0; i < engine_.chunks().size(); ++i) {
     steps_[i].steps_taken = chunk_steps[i];
   }
-  engine_.m_.loss_scale->Set(loss_scaler_.scale());
+  engine_.metrics().loss_scale->Set(loss_scaler_.scale());
 }
 
 int64_t StepPipeline::ChunkStepsTaken(size_t chunk) const {
@@ -118,7 +119,7 @@ Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, b
   if (step_running_) {
     return FailedPrecondition(operation + " while a step is running; wait for Step() to complete");
   }
-  const Chunk& c = engine_.chunks_[chunk];
+  const Chunk& c = engine_.chunks()[chunk];
   const ChunkStep& s = steps_[chunk];
   const ChunkPhase phase = s.phase_now();
   if (acquire && attempt_failed_ && phase == ChunkPhase::kArrived && gas_ == 1 &&
@@ -142,7 +143,7 @@ Status StepPipeline::CheckReadable(size_t chunk, const std::string& operation, b
 Status StepPipeline::CheckBetweenSteps(const std::string& operation) const {
   std::lock_guard lock(mutex_);
   if (step_running_) return FailedPrecondition(operation + " while a step is running");
-  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+  for (size_t i = 0; i < engine_.chunks().size(); ++i) {
     if (steps_[i].micro_steps > 0) {
       return FailedPrecondition(operation + " while chunk " + std::to_string(i) +
                                 " holds gradients of an unfinished step; call Step() first");
@@ -184,7 +185,7 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
     Status refused;
     if (step_running_) refused = FailedPrecondition(call + " while the previous step is running");
     // A chunk gets gradients in every micro-step or in none (it is not updated this step).
-    const std::vector<Chunk>& chunks = engine_.chunks_;
+    const std::vector<Chunk>& chunks = engine_.chunks();
     for (size_t i = 0; i < chunks.size() && refused.ok() && !abandon; ++i) {
       if (steps_[i].micro_steps != gas_ && steps_[i].micro_steps != 0) {
         refused = FailedPrecondition(
@@ -203,7 +204,7 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
                              std::to_string(chunks.size() - 1) + ") received gradients this step");
     }
     if (refused.ok()) {
-      if (std::optional<size_t> held = engine_.residency_.FirstAcquired()) {
+      if (std::optional<size_t> held = engine_.residency().FirstAcquired()) {
         refused = FailedPrecondition(
             call + " while chunk " + std::to_string(*held) +
             " is acquired; Release every chunk first (the step replaces its parameters)");
@@ -233,8 +234,8 @@ std::future<Result<StepReport>> StepPipeline::RequestStep(bool abandon) {
     // complete (a failure shows again in the commit's own wait). The trainer waits here: a
     // stall. (Gradient buffers need nothing: Acquire waits for a chunk's gradient copy.)
     const auto start = Clock::now();
-    engine_.device_.SynchronizeStream(Stream::kHostToDevice).IgnoreError();
-    engine_.m_.stall_of(TrainerWait::kStep)
+    engine_.device().SynchronizeStream(Stream::kHostToDevice).IgnoreError();
+    engine_.metrics().stall_of(TrainerWait::kStep)
         .Increment(std::chrono::duration<double>(Clock::now() - start).count());
   }
   // Counted like every coroutine, so that an engine destroyed right after Step() finishes the
@@ -251,14 +252,16 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
     // updates.
     step_.abandon = abandoning_;
   }
-  step_.requested = true;
+  Advance(step_.progress, step_.progress == StepProgress::kFailedCommitted
+                              ? StepProgress::kRetryingUploads
+                              : StepProgress::kRequested);
   step_.promise.emplace(std::move(promise));
   step_.started = Clock::now();
   step_.used = 0;
-  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+  for (size_t i = 0; i < engine_.chunks().size(); ++i) {
     if (steps_[i].micro_steps > 0) {
       ++step_.used;
-    } else if (!engine_.chunks_[i].frozen()) {
+    } else if (!engine_.chunks()[i].frozen()) {
       // Sits this step out: the states it read ahead would hold a staging buffer that the
       // journeys of this step need.
       engine_.Spawn(preloader_.Drop(i));
@@ -271,7 +274,7 @@ Awaitable<void> StepPipeline::StartStep(std::promise<Result<StepReport>> promise
   // and retry"). (Several ranks do not retry, and their journeys update and gather each chunk
   // themselves.)
   if (!sharded() && !step_.skip && (!gated() || step_.decided)) {
-    for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+    for (size_t i = 0; i < engine_.chunks().size(); ++i) {
       const ChunkPhase phase = steps_[i].phase_now();
       if (steps_[i].update_at_commit) continue;  // The commit's to update.
       if (phase == ChunkPhase::kArrived || phase == ChunkPhase::kStepped) {
@@ -313,7 +316,7 @@ void StepPipeline::Arrive(size_t chunk) {
 
 bool StepPipeline::AllArrived() const {
   // Before Step() only every trained chunk arriving says so; frozen chunks never arrive.
-  return step_.arrived == trained_chunks_ || (step_.requested && step_.arrived == step_.used);
+  return step_.arrived == trained_chunks_ || (Requested(step_.progress) && step_.arrived == step_.used);
 }
 
 StepPipeline::VerdictTotals StepPipeline::LocalTotals() const {
@@ -333,7 +336,7 @@ StepPipeline::VerdictTotals StepPipeline::LocalTotals() const {
 void StepPipeline::Decide() { ApplyVerdict(LocalTotals()); }
 
 void StepPipeline::MaybeDecide() {
-  if (step_.decided || step_.rechecking || !AllArrived()) return;
+  if (step_.decided || step_.progress == StepProgress::kRechecking || !AllArrived()) return;
   if (step_.abandon) {
     // Nothing of this step stays: updates made ahead roll back, and no chunk updates.
     step_.decided = true;
@@ -345,13 +348,13 @@ void StepPipeline::MaybeDecide() {
     Decide();
     return;
   }
-  if (!step_.requested) return;  // The trainer may still change the gradients.
-  step_.rechecking = true;
+  if (!Requested(step_.progress)) return;  // The trainer may still change the gradients.
+  Advance(step_.progress, StepProgress::kRechecking);
   engine_.Spawn(RecheckGradients());
 }
 
 Awaitable<void> StepPipeline::RecheckGradients() {
-  Engine::Impl& e = engine_;
+  StepEngine& e = engine_;
   std::vector<size_t> used;
   for (size_t i = 0; i < steps_.size(); ++i) {
     if (steps_[i].micro_steps > 0 && steps_[i].land_status.ok()) used.push_back(i);
@@ -361,12 +364,12 @@ Awaitable<void> StepPipeline::RecheckGradients() {
   std::vector<Result<cpu_adam::GradientStats>> now(used.size(), cpu_adam::GradientStats{});
   auto measure = [&] {
     for (size_t k = 0; k < used.size(); ++k) {
-      const Chunk& c = e.chunks_[used[k]];
-      now[k] = e.optimizer_->ComputeGradientStats(c.grads.data(), e.working_dtype(), c.numel,
+      const Chunk& c = e.chunks()[used[k]];
+      now[k] = e.cpu().ComputeGradientStats(c.grads.data(), e.working_dtype(), c.numel,
                                                   /*checksum=*/true);
     }
   };
-  co_await AwaitJob(e.jobs_, measure, &e.jobs_in_flight_);
+  co_await AwaitJob(e.jobs(), measure, &e.jobs_in_flight());
   for (size_t k = 0; k < used.size(); ++k) {
     ChunkStep& s = steps_[used[k]];
     if (!now[k].ok()) {
@@ -381,9 +384,9 @@ Awaitable<void> StepPipeline::RecheckGradients() {
     if (!changed) continue;
     s.grads_changed = true;
     ++step_.changed_chunks;
-    e.m_.changed_gradients->Increment(1.0);
+    e.metrics().changed_gradients->Increment(1.0);
   }
-  step_.rechecking = false;
+  Advance(step_.progress, StepProgress::kRequested);
   Decide();
   MaybeFinish();
 }
@@ -418,15 +421,15 @@ double StepPipeline::ClipCoefficient(double norm) const {
 void StepPipeline::Cancel() {
   // A step asked for finishes (all its chunks will arrive and be decided); only journeys of a
   // step the trainer abandoned mid-backward wait for a verdict that will never come.
-  if (step_.requested) return;
-  step_.cancelled = true;
+  if (Requested(step_.progress)) return;
+  Advance(step_.progress, StepProgress::kCancelled);
   gate_.Open();
   // Several ranks: without Step() no all-gather was enqueued, nor the reduce-scatter of a chunk
   // declared before its turn came; journeys that wait for one end.
   if (!sharded()) return;
   std::lock_guard lock(mutex_);
   const bool each_micro_step = engine_.reduces_each_micro_step();
-  for (size_t i = 0; i < engine_.chunks_.size(); ++i) {
+  for (size_t i = 0; i < engine_.chunks().size(); ++i) {
     ChunkStep& s = steps_[i];
     const Status cancelled = Cancelled("the engine was destroyed before Step()");
     // The journeys that reduce: one per micro-step declared, or the last micro-step's.

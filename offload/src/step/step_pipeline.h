@@ -27,9 +27,11 @@
 #include "engine/loop_sync.h"
 #include "engine/thread_signal.h"
 #include "step/state_preloader.h"
+#include "step/step_progress.h"
 #include "strata/cpu_adam/cpu_optimizer.h"
 #include "strata/offload/engine.h"
 #include "strata/offload/loss_scaler.h"
+#include "update/updater.h"
 
 namespace strata::offload {
 
@@ -44,10 +46,11 @@ struct StepHyperParams {
 };
 
 struct ChunkStep;  // chunk_step.h: private to the step's files.
+class StepEngine;  // step_engine.h.
 
 class StepPipeline {
  public:
-  StepPipeline(Engine::Impl& engine, const EngineOptions& options);
+  StepPipeline(StepEngine& engine, const EngineOptions& options);
   ~StepPipeline();  // Out of line: ChunkStep is complete only in the step's files.
 
   /// Makes each chunk's step state (its signals with it) and starts the first preloads. Once,
@@ -112,12 +115,11 @@ class StepPipeline {
  private:
   /// The step in progress (loop thread only).
   struct StepState {
-    bool requested = false;  // Step() was called and waits for its future.
+    // Where the step stands (step_progress.h): Step() called, rechecking, committing, ...
+    StepProgress progress = StepProgress::kCollecting;
     // AbandonStep asked for it: the verdict drops every update, and the commit counts nothing.
     bool abandon = false;
-    // optimizer.recheck_gradients: Step() is reading the gradients again (RecheckGradients),
-    // and how many chunks' had changed.
-    bool rechecking = false;
+    // optimizer.recheck_gradients: how many chunks' gradients had changed at Step().
     size_t changed_chunks = 0;
     std::optional<std::promise<Result<StepReport>>> promise;
     std::chrono::steady_clock::time_point started;
@@ -139,11 +141,7 @@ class StepPipeline {
     double grad_norm = 0.0;
     size_t updates_running = 0;
     Status error;  // First failure of this attempt.
-    bool committing = false;
-    bool committed = false;  // The commit flipped the shadows: a retry only uploads again.
-    bool cancelled = false;
     // Several ranks: this rank's outcome, held until every rank's is in (AgreeOnStep).
-    bool finishing = false;
     std::optional<Result<StepReport>> outcome;
     bool outcome_completed = false;
     // The outcome all-reduce's status and count of failed ranks, once done.
@@ -228,11 +226,11 @@ class StepPipeline {
   /// it. Under mutex_.
   Status UploadDelayedLocked(size_t chunk);
   Awaitable<Status> UpdateOnDevice(size_t chunk);
-  /// One optimizer step over chunk's states (master | exp_avg | exp_avg_sq at `states`, the
-  /// updated ones to `states_out`, which is `states` for an update in place), with this step's
-  /// hyper-parameters and each parameter group's settings (any thread but the loop's).
-  Status RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
-                      DType grad_dtype, void* param_copy, double grad_scale) const;
+  /// The optimizer step of chunk's states (master | exp_avg | exp_avg_sq at `states`, the
+  /// updated ones to `states_out`, which is `states` for an update in place) with this step's
+  /// hyper-parameters and each parameter group's settings, for an Updater to run.
+  ChunkUpdate UpdateOf(size_t chunk, float* states, float* states_out, const void* grads,
+                       DType grad_dtype, void* param_copy, double grad_scale) const;
   /// Reads ahead the states of the chunks whose gradients come next in backward (the last
   /// chunks, at a commit: NVMe works while the next forward runs), as the preloader's policy
   /// allows; called again whenever an update returns its buffer.
@@ -280,7 +278,7 @@ class StepPipeline {
   /// Completes Step()'s future with `result`.
   void DeliverStep(Result<StepReport> result, bool completed);
 
-  Engine::Impl& engine_;
+  StepEngine& engine_;  // What it uses of the engine (step_engine.h).
   const EngineOptions& options_;
   const int gas_;              // gradient_accumulation_steps
   size_t trained_chunks_ = 0;  // Chunks that are not frozen (set by Initialize).

@@ -7,8 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine_impl.h"
 #include "step/chunk_step.h"
+#include "step/step_engine.h"
+#include "step/step_pipeline.h"
 
 namespace strata::offload {
 
@@ -26,7 +27,7 @@ Status StepPipeline::CheckShardedStepLocked() const {
         std::to_string(engine_.ranks()) +
         " ranks: the ranks' states may differ; restart the ranks");
   }
-  const std::vector<Chunk>& chunks = engine_.chunks_;
+  const std::vector<Chunk>& chunks = engine_.chunks();
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (!chunks[i].frozen() && steps_[i].micro_steps == 0) {
       return FailedPrecondition(
@@ -77,7 +78,7 @@ Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
   // thread: the wait ends. It is a stall only when the link is a micro-step behind.
   lock.unlock();
   {
-    WaitTimer stalled(engine_.m_.stall_of(TrainerWait::kCollective));
+    WaitTimer stalled(engine_.metrics().stall_of(TrainerWait::kCollective));
     s.landing_taken.Wait().IgnoreError();
   }
   lock.lock();
@@ -85,57 +86,57 @@ Status StepPipeline::WaitForLandingLocked(size_t chunk, int micro_step,
 }
 
 void StepPipeline::EnqueueReduceLocked(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   ++reduces_enqueued_;
   ++s.reduces_enqueued;
   const bool ring = e.reduces_from_ring();
   const bool quantized = e.quantizes_gradients();
   const bool journey_reads = JourneyReadsReduceSlot();
-  const uint64_t number = ring ? e.reduce_ring_.Next() : ChunkStep::kNeverQueued;
+  const uint64_t number = ring ? e.reduce_ring().Next() : ChunkStep::kNeverQueued;
   if (ring) {
     // The journey fills the slot when its turn comes (FillReduceSlot).
-    boost::asio::post(e.loop_.executor(), [&s, number] {
+    boost::asio::post(e.loop().executor(), [&s, number] {
       s.reduce_numbers.push_back(number);
       s.reduce_queued->Release();
     });
   }
   auto ready = [&e, &s, ring, number] {
-    return ring ? e.reduce_ring_.WaitFilled(number) : s.grads_summed.Wait();
+    return ring ? e.reduce_ring().WaitFilled(number) : s.grads_summed.Wait();
   };
   auto done = [&e, &s, ring, journey_reads, number](Status status) {
-    boost::asio::post(e.loop_.executor(),
+    boost::asio::post(e.loop().executor(),
                       [&e, &s, ring, journey_reads, number, status = std::move(status)] {
                         // Done reading the slot, whatever its outcome (unless the journey reads
                         // what the collective wrote: it releases the slot then).
-                        if (ring && !journey_reads) e.reduce_ring_.Release(number);
+                        if (ring && !journey_reads) e.reduce_ring().Release(number);
                         s.reduce_results.push_back(status);
                         s.grads_reduced->Release();
                       });
   };
-  Communicator& comm = *e.environment_.communicator;
+  Communicator& comm = e.communicator();
   if (quantized) {
     // Each rank's partition of this rank's gradients, quantized, to that rank.
     const size_t bytes = cpu_adam::QuantizedBytes(c.shard.numel(), e.gradient_quant_bits());
-    e.m_.collective_of(CollectiveKind::kReduceScatter).Increment(double(bytes * size_t(e.ranks())));
-    comm.AllToAll(e.reduce_ring_.Sent(number), e.reduce_ring_.Received(number),
+    e.metrics().collective_of(CollectiveKind::kReduceScatter).Increment(double(bytes * size_t(e.ranks())));
+    comm.AllToAll(e.reduce_ring().Sent(number), e.reduce_ring().Received(number),
                   bytes / sizeof(float), DType::kFp32, std::move(ready), std::move(done));
     return;
   }
-  e.m_.collective_of(CollectiveKind::kReduceScatter)
+  e.metrics().collective_of(CollectiveKind::kReduceScatter)
       .Increment(double(c.numel * DTypeSize(DType::kFp32)));
   const void* input =
-      ring ? static_cast<const void*>(e.reduce_ring_.Input(number)) : c.grads_sum.data();
-  void* output = journey_reads ? static_cast<void*>(e.reduce_ring_.Output(number))
+      ring ? static_cast<const void*>(e.reduce_ring().Input(number)) : c.grads_sum.data();
+  void* output = journey_reads ? static_cast<void*>(e.reduce_ring().Output(number))
                                : static_cast<void*>(c.grads_shard.data());
   comm.ReduceScatter(input, output, c.shard.numel(), DType::kFp32, ReduceOp::kSum, std::move(ready),
                      std::move(done));
 }
 
 void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
-  Engine::Impl& e = engine_;
-  Communicator& comm = *e.environment_.communicator;
+  StepEngine& e = engine_;
+  Communicator& comm = e.communicator();
   // Every step's report has the global norm; a gated step's updates wait for it.
   comm.AllReduceScalars(
       verdict_totals_, ReduceOp::kSum,
@@ -146,7 +147,7 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
         return arrived;
       },
       [this, &e](Status status) {
-        boost::asio::post(e.loop_.executor(), [this, status = std::move(status)] {
+        boost::asio::post(e.loop().executor(), [this, status = std::move(status)] {
           if (!status.ok()) {
             KeepFirstError(status.WithContext("reducing the gradient norm across ranks"));
           }
@@ -157,16 +158,16 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
   const size_t wsize = e.working_size();
   step_outcome_.Reset();  // The last step's was delivered before this Step() was accepted.
   for (size_t chunk : order) {
-    Chunk& c = e.chunks_[chunk];
+    Chunk& c = e.chunks()[chunk];
     ChunkStep& s = steps_[chunk];
     // Stage 3 gathers parameters when the trainer acquires them (ParamGather), not here.
     if (c.params_sharded) continue;
-    e.m_.collective_of(CollectiveKind::kAllGather).Increment(double(c.working_bytes(wsize)));
+    e.metrics().collective_of(CollectiveKind::kAllGather).Increment(double(c.working_bytes(wsize)));
     comm.AllGather(
         c.param_copy.data() + c.shard.begin * wsize, c.param_copy.data(), c.shard.numel(),
         e.working_dtype(), [&s] { return s.shard_updated.Wait(); },
         [&e, &s](Status status) {
-          boost::asio::post(e.loop_.executor(), [&s, status = std::move(status)] {
+          boost::asio::post(e.loop().executor(), [&s, status = std::move(status)] {
             s.gather_status = status;
             s.params_gathered->Release();
           });
@@ -182,7 +183,7 @@ void StepPipeline::EnqueueStepCollectives(const std::vector<size_t>& order) {
         return Status();
       },
       [this, &e](Status status) {
-        boost::asio::post(e.loop_.executor(), [this, status = std::move(status)] {
+        boost::asio::post(e.loop().executor(), [this, status = std::move(status)] {
           std::vector<int> failed;
           for (size_t r = 0; r < failed_ranks_.size(); ++r) {
             if (failed_ranks_[r] > 0) failed.push_back(int(r));
@@ -260,8 +261,8 @@ Status SumReceivedPartitions(cpu_adam::CpuOptimizer& optimizer, const std::byte*
 }  // namespace
 
 Awaitable<uint64_t> StepPipeline::FillReduceSlot(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   co_await s.reduce_queued->Acquire();
   const uint64_t number = s.reduce_numbers.front();
@@ -271,9 +272,9 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(size_t chunk) {
     s.landing_taken.Open(Status());
     co_return number;
   }
-  co_await e.reduce_ring_.WaitTurn(number);
+  co_await e.reduce_ring().WaitTurn(number);
   auto fill = [&]() -> Status {
-    float* widened = e.reduce_ring_.Input(number);
+    float* widened = e.reduce_ring().Input(number);
     const float* gradients = widened;
     if (e.sums_micro_steps()) {
       gradients = reinterpret_cast<const float*>(c.grads_sum.data());
@@ -281,21 +282,21 @@ Awaitable<uint64_t> StepPipeline::FillReduceSlot(size_t chunk) {
       SumGrads(widened, s.landed_grads, e.working_dtype(), c.numel, /*first=*/true);
     }
     if (!e.quantizes_gradients()) return Status();
-    return QuantizePartitions(*e.optimizer_, gradients, c.shard.numel(), e.ranks(),
-                              e.gradient_quant_bits(), e.reduce_ring_.Sent(number));
+    return QuantizePartitions(e.cpu(), gradients, c.shard.numel(), e.ranks(),
+                              e.gradient_quant_bits(), e.reduce_ring().Sent(number));
   };
-  Status filled = co_await AwaitJob(e.jobs_, fill, &e.jobs_in_flight_);
+  Status filled = co_await AwaitJob(e.jobs(), fill, &e.jobs_in_flight());
   // The collective runs whatever happened here (see ReduceGrads); this rank's step fails.
   if (!filled.ok() && s.land_status.ok()) s.land_status = filled;
-  e.reduce_ring_.MarkFilled(number);
+  e.reduce_ring().MarkFilled(number);
   s.landing_taken.Open(Status());  // The next micro-step may land.
-  e.reduce_ring_.Release(number);  // Written: the slot is the next number's once read.
+  e.reduce_ring().Release(number);  // Written: the slot is the next number's once read.
   co_return number;
 }
 
 Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   const bool each_micro_step = e.reduces_each_micro_step();
   // The reduce-scatter runs whatever this rank's landing did: a failed landing fails this
@@ -327,34 +328,34 @@ Awaitable<void> StepPipeline::ReduceGrads(size_t chunk, int micro_step) {
       auto sum = [&]() -> Status {
         float* shard = reinterpret_cast<float*>(c.grads_shard.data());
         if (!e.quantizes_gradients()) {
-          SumGrads(shard, e.reduce_ring_.Output(number), DType::kFp32, c.shard.numel(), first);
+          SumGrads(shard, e.reduce_ring().Output(number), DType::kFp32, c.shard.numel(), first);
           return Status();
         }
-        return SumReceivedPartitions(*e.optimizer_, e.reduce_ring_.Received(number),
+        return SumReceivedPartitions(e.cpu(), e.reduce_ring().Received(number),
                                      c.shard.numel(), e.ranks(), e.gradient_quant_bits(),
-                                     e.reduce_ring_.Input(number), shard, first);
+                                     e.reduce_ring().Input(number), shard, first);
       };
-      Status summed = co_await AwaitJob(e.jobs_, sum, &e.jobs_in_flight_);
+      Status summed = co_await AwaitJob(e.jobs(), sum, &e.jobs_in_flight());
       if (!summed.ok() && s.land_status.ok()) s.land_status = summed;
     }
-    e.reduce_ring_.Release(number);  // Read: the slot is the next number's.
+    e.reduce_ring().Release(number);  // Read: the slot is the next number's.
   }
   if (each_micro_step) s.shard_sum_turn->Release();
   if (!reduced.ok()) s.land_status = reduced.WithContext("reducing the gradients across ranks");
   // The shard is complete at the last micro-step, and measured then.
   if (!s.land_status.ok() || micro_step != gas_) co_return;
   auto measure = [&] {
-    return e.optimizer_->ComputeGradientStats(c.grads_shard.data(), DType::kFp32, c.shard.numel());
+    return e.cpu().ComputeGradientStats(c.grads_shard.data(), DType::kFp32, c.shard.numel());
   };
-  Result<cpu_adam::GradientStats> stats = co_await AwaitJob(e.jobs_, measure, &e.jobs_in_flight_);
+  Result<cpu_adam::GradientStats> stats = co_await AwaitJob(e.jobs(), measure, &e.jobs_in_flight());
   s.land_status = stats.status();
   if (stats.ok()) s.stats = *stats;
 }
 
 Awaitable<void> StepPipeline::GatherParams(size_t chunk) {
-  Chunk& c = engine_.chunks_[chunk];
+  Chunk& c = engine_.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
-  if (step_.cancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
+  if (step_.progress == StepProgress::kCancelled) co_return;  // No Step(): no all-gather to wait for (Cancel).
   const bool updated = s.phase_now() == ChunkPhase::kUpdated;
   // The all-gather runs whatever this rank's update did (as the reduce-scatter, see
   // ReduceGrads). A skipped step gathers and uploads nothing; a chunk not updated otherwise

@@ -5,56 +5,15 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/engine_impl.h"
 #include "step/chunk_step.h"
+#include "step/step_engine.h"
+#include "step/step_pipeline.h"
+#include "strata/nvme/async_io.h"
 
 namespace strata::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-/// AdamW's and Adam's hyper-parameters, which have the same fields, from the options.
-template <typename HyperParams>
-HyperParams AdamFamily(const OptimizerOptions& o, double lr, double weight_decay, int64_t step,
-                       double grad_scale) {
-  return {.lr = lr,
-          .beta1 = o.beta1,
-          .beta2 = o.beta2,
-          .eps = o.eps,
-          .weight_decay = weight_decay,
-          .bias_correction = o.bias_correction,
-          .step = step,
-          .grad_scale = grad_scale};
-}
-
-/// One optimizer step of `o.type` over `buffers`.
-Status StepOnce(cpu_adam::CpuOptimizer& optimizer, const OptimizerOptions& o, double lr,
-                double weight_decay, int64_t step, double grad_scale,
-                const cpu_adam::StepBuffers& buffers) {
-  switch (o.type) {
-    case OptimizerType::kAdamW:
-      return optimizer.Step(
-          AdamFamily<cpu_adam::AdamWHyperParams>(o, lr, weight_decay, step, grad_scale), buffers);
-    case OptimizerType::kAdam:
-      return optimizer.Step(
-          AdamFamily<cpu_adam::AdamHyperParams>(o, lr, weight_decay, step, grad_scale), buffers);
-    case OptimizerType::kAdagrad:
-      return optimizer.Step(cpu_adam::AdagradHyperParams{.lr = lr,
-                                                         .weight_decay = weight_decay,
-                                                         .eps = o.eps,
-                                                         .step = step,
-                                                         .grad_scale = grad_scale},
-                            buffers);
-    case OptimizerType::kLion:
-      return optimizer.Step(cpu_adam::LionHyperParams{.lr = lr,
-                                                      .beta1 = o.beta1,
-                                                      .beta2 = o.beta2,
-                                                      .weight_decay = weight_decay,
-                                                      .grad_scale = grad_scale},
-                            buffers);
-  }
-  return Internal("unknown optimizer type");
-}
 
 }  // namespace
 
@@ -67,34 +26,36 @@ Awaitable<void> StepPipeline::Journey(size_t chunk, int micro_step) {
     co_await gate_.Wait();
     if (steps_[chunk].speculated) co_await ResolveSpeculation(chunk);
   }
-  if (!step_.skip && !step_.cancelled) co_await Update(chunk);
+  if (!step_.skip && step_.progress != StepProgress::kCancelled) co_await Update(chunk);
   if (sharded()) co_await GatherParams(chunk);
   MaybeFinish();
 }
 
 bool StepPipeline::CanSpeculate(size_t chunk) const {
-  if (!engine_.Speculates() || step_.decided || step_.cancelled) return false;
+  if (!engine_.Speculates() || step_.decided || step_.progress == StepProgress::kCancelled) {
+    return false;
+  }
   // Rechecking, a chunk that arrives after Step() was called has its verdict a moment away.
-  if (rechecks() && step_.requested) return false;
+  if (rechecks() && Requested(step_.progress)) return false;
   // A speculation the verdict is sure to roll back is work thrown away: the step overflows, or
   // the norm of the gradients arrived so far (it only grows) already needs clipping.
   if (loss_scaler_.checks_overflow() && step_.arrived_non_finite) return false;
   if (ClipCoefficient(std::sqrt(step_.arrived_sum_of_squares) / loss_scale()) < 1.0) return false;
-  const Chunk& c = engine_.chunks_[chunk];
+  const Chunk& c = engine_.chunks()[chunk];
   const Tier states = *c.placement.optimizer_states;
   return states == Tier::kNvme || (states == Tier::kHost && !c.host_state_shadow.empty());
 }
 
 Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   const ChunkPhase from = s.phase_now();
   // Only one update per chunk at a time, and only where one is left to do (a retry may race
   // the journey resumed by the gate: whoever comes first updates).
   if (from != ChunkPhase::kArrived && from != ChunkPhase::kStepped) co_return;
   // Left to the commit, or the commit has begun: it updates what is left, not a late journey.
-  if (s.update_at_commit || step_.committing) co_return;
+  if (s.update_at_commit || CommitBegun(step_.progress)) co_return;
   // This attempt failed already, or failed and ended: Step() again retries.
   if (!step_.error.ok() || attempt_failed_) co_return;
   const bool on_device = c.placement.optimizer_states == Tier::kDevice;
@@ -104,9 +65,9 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
     // once everything else has succeeded.
     // Otherwise the device's optimizer rewrites the chunk's parameters in place now, after the
     // trainer's last use of them, or at the commit while the trainer still holds the chunk.
-    bool now = !e.transactional_;
+    bool now = !e.transactional();
     if (now) {
-      Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kCompute);
+      Result<bool> released = e.residency().OrderAfterTrainerUse(chunk, Stream::kCompute);
       if (!released.ok()) {
         KeepFirstError(released.status());
         co_return;
@@ -126,7 +87,7 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
   if (speculative) {
     s.speculated = true;
     ++step_.speculations_open;
-    e.m_.speculative_updates->Increment(1.0);
+    e.metrics().speculative_updates->Increment(1.0);
   }
   Status status;
   bool stepped = false;
@@ -147,11 +108,12 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
 }
 
 Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
-  Engine::Impl& e = engine_;
+  StepEngine& e = engine_;
   ChunkStep& s = steps_[chunk];
   s.speculated = false;
   const bool updated = s.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
-  const bool kept = !step_.skip && !step_.clipped && !step_.cancelled && !s.grads_changed;
+  const bool kept = !step_.skip && !step_.clipped && step_.progress != StepProgress::kCancelled &&
+                    !s.grads_changed;
   if (updated && kept) {
     // The update stands; parameters that waited for the verdict go up now.
     if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
@@ -164,7 +126,7 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
     // takes.
     s.states_in_shadow = false;
     step_.rolled_back = true;
-    e.m_.rolled_back_updates->Increment(1.0);
+    e.metrics().rolled_back_updates->Increment(1.0);
     if (s.params_uploaded) {
       // The device has the speculative parameters (they go up early). Put back what the
       // current master rounds to, which is what it held before, so that however this attempt
@@ -184,11 +146,11 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
 }
 
 Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   // The speculative upload has read param_copy once the stream is through it.
-  Status status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  Status status = co_await AwaitStream(e.device(), Stream::kHostToDevice);
   // The current master, rounded: from host memory, or kept in params_before by the update of
   // NVMe-kept states (only those with it upload speculatively).
   auto round = [&e, &c] {
@@ -199,65 +161,40 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
                   e.working_dtype(), c.param_copy.data());
     }
   };
-  co_await AwaitJob(e.jobs_, round, &e.jobs_in_flight_);  // What any later upload must send.
+  co_await AwaitJob(e.jobs(), round, &e.jobs_in_flight());  // What any later upload must send.
   s.params_uploaded = false;
   if (status.ok()) status = UploadEarly(chunk);
   // Read before a redo rewrites param_copy.
-  if (status.ok()) status = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  if (status.ok()) status = co_await AwaitStream(e.device(), Stream::kHostToDevice);
   s.params_uploaded = false;  // Not this step's parameters: a redo or the commit sends those.
   s.restore_params = !status.ok();
   co_return status;
 }
 
-Status StepPipeline::RunOptimizer(size_t chunk, float* states, float* states_out, const void* grads,
-                                  DType grad_dtype, void* param_copy, double grad_scale) const {
-  const OptimizerOptions& o = options_.optimizer;
-  const Chunk& c = engine_.chunks_[chunk];
-  const ChunkStep& s = steps_[chunk];
-  const size_t numel = c.shard.numel();  // The elements this rank updates.
-  const DType wdtype = engine_.working_dtype();
-  const bool copy_out = wdtype != DType::kFp32 && param_copy != nullptr;
-  // Out of place, the states the optimizer has go to states_out; one it lacks (Lion's second,
-  // Adagrad's first) is left alone there as in place (WriteMemoryHome keeps both buffers' equal).
-  const bool out_of_place = states_out != states;
-  // One call per run of parameters that share their group settings (one run in most models).
-  for (const ChunkSegment& segment : c.segments) {
-    const size_t begin = segment.begin;
-    const cpu_adam::StepBuffers buffers{
-        .numel = segment.end - begin,
-        .params = states + begin,
-        .grads = static_cast<const std::byte*>(grads) + begin * DTypeSize(grad_dtype),
-        .grad_dtype = grad_dtype,
-        .exp_avg = states + numel + begin,
-        .exp_avg_sq = states + 2 * numel + begin,
-        .param_copy =
-            copy_out ? static_cast<std::byte*>(param_copy) + begin * DTypeSize(wdtype) : nullptr,
-        .param_copy_dtype = copy_out ? wdtype : DType::kBf16,
-        .params_out = out_of_place ? states_out + begin : nullptr,
-        .exp_avg_out = out_of_place && UsesExpAvg(o.type) ? states_out + numel + begin : nullptr,
-        .exp_avg_sq_out =
-            out_of_place && UsesExpAvgSq(o.type) ? states_out + 2 * numel + begin : nullptr};
-    STRATA_RETURN_IF_ERROR(StepOnce(*engine_.optimizer_, o, hyper_.lr * segment.lr_scale,
-                                    segment.weight_decay.value_or(o.weight_decay),
-                                    s.steps_taken + 1, grad_scale, buffers));
-  }
-  if (wdtype == DType::kFp32 && param_copy != nullptr) {
-    // On the optimizer's threads, as the kernel wrote them: one thread's memcpy is a fraction
-    // of the memory bandwidth.
-    engine_.optimizer_->ParallelFor(numel, [&](size_t begin, size_t end) {
-      std::memcpy(static_cast<float*>(param_copy) + begin, states_out + begin,
-                  (end - begin) * sizeof(float));
-    });
-  }
-  return Status();
+ChunkUpdate StepPipeline::UpdateOf(size_t chunk, float* states, float* states_out,
+                                   const void* grads, DType grad_dtype, void* param_copy,
+                                   double grad_scale) const {
+  const Chunk& c = engine_.chunks()[chunk];
+  return {.optimizer = &options_.optimizer,
+          .segments = c.segments,
+          .numel = c.shard.numel(),  // The elements this rank updates.
+          .states = states,
+          .states_out = states_out,
+          .grads = grads,
+          .grad_dtype = grad_dtype,
+          .param_copy = param_copy,
+          .working_dtype = engine_.working_dtype(),
+          .lr = hyper_.lr,
+          .step = steps_[chunk].steps_taken + 1,
+          .grad_scale = grad_scale};
 }
 
 Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool speculative,
                                              bool& stepped) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& step = steps_[chunk];
-  EngineMetrics& m = e.m_;
+  EngineMetrics& m = e.metrics();
   const size_t home_bytes = c.param_home_bytes(e.working_size());  // Stage 3: the shard.
   const bool nvme_states = c.placement.optimizer_states == Tier::kNvme;
   const bool nvme_params = c.placement.params == Tier::kNvme;
@@ -298,7 +235,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   if (status.ok() && nvme_params) {
     {
       WaitTimer waiting(m.wait_of(UpdateWait::kStagingBuffer));
-      param_buffer = co_await e.param_staging_->Acquire();
+      param_buffer = co_await e.param_staging()->Acquire();
     }
     param_copy = param_buffer.data();
   }
@@ -320,20 +257,21 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
           Fp32ToDType({states, c.numel}, e.working_dtype(), c.params_before.data());
         }
         const auto start = Clock::now();
-        s = RunOptimizer(chunk, states, states_out, grads, grad_dtype, param_copy, grad_scale);
+        s = e.updaters().host().Update(
+            UpdateOf(chunk, states, states_out, grads, grad_dtype, param_copy, grad_scale));
         m.optimizer_seconds->Increment(std::chrono::duration<double>(Clock::now() - start).count());
       }
       if (s.ok() && nvme_states) {
-        state_checksum = e.swap_->Checksum(state_buffer.data(), c.state_bytes());
+        state_checksum = e.swap()->Checksum(state_buffer.data(), c.state_bytes());
       }
       if (s.ok() && nvme_params)
-        param_checksum = e.swap_->Checksum(param_buffer.data(), home_bytes);
+        param_checksum = e.swap()->Checksum(param_buffer.data(), home_bytes);
       return s;
     };
     {
       OptimizerBusyGuard updating(m);
       WaitTimer waiting(m.wait_of(UpdateWait::kCpuOptimizer));
-      status = co_await AwaitJob(e.jobs_, update, &e.jobs_in_flight_);
+      status = co_await AwaitJob(e.jobs(), update, &e.jobs_in_flight());
     }
     if (status.ok() && !republish) m.optimizer_params->Increment(double(c.shard.numel()));
     // Host-home states stepped in place: from here on a failure must not step them again.
@@ -350,12 +288,12 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
   }
   if (status.ok() && nvme_states) {
     status = co_await nvme::AwaitSwapWrite(
-        *e.swap_, c.state_shadow(), state_buffer.data(), c.state_bytes(),
+        *e.swap(), c.state_shadow(), state_buffer.data(), c.state_bytes(),
         preloader_.FixedBufferIndex(state_buffer), state_checksum);
     if (status.ok()) m.nvme_write_bytes->Increment(double(c.state_bytes()));
   }
   if (status.ok() && nvme_params) {
-    status = co_await nvme::AwaitSwapWrite(*e.swap_, c.param_shadow(), param_buffer.data(),
+    status = co_await nvme::AwaitSwapWrite(*e.swap(), c.param_shadow(), param_buffer.data(),
                                            home_bytes, -1, param_checksum);
     if (status.ok()) m.nvme_write_bytes->Increment(double(home_bytes));
   }
@@ -365,7 +303,7 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
     preloader_.Return(state_buffer);
     ReadAhead();  // The buffer reads ahead for a chunk to come.
   }
-  if (e.param_staging_) e.param_staging_->Release(param_buffer);
+  if (e.param_staging()) e.param_staging()->Release(param_buffer);
   // Speculative parameters go up early too: ResolveSpeculation puts back what the device held
   // if the verdict rolls the update back (the master in host memory, rounded, or the NVMe-kept
   // chunk's params_before; one without waits for the verdict, as reading the states back would
@@ -388,8 +326,8 @@ Awaitable<Status> StepPipeline::UpdateOnHost(size_t chunk, bool republish, bool 
 }
 
 Awaitable<bool> StepPipeline::ClaimParamsInPlace(size_t chunk, bool speculative) {
-  Engine::Impl& e = engine_;
-  const Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  const Chunk& c = e.chunks()[chunk];
   // Only an update that nothing after it can undo: host-kept states stepped in place (a failed
   // NVMe write would leave the device with parameters whose states did not commit), not ahead
   // of the verdict.
@@ -399,15 +337,15 @@ Awaitable<bool> StepPipeline::ClaimParamsInPlace(size_t chunk, bool speculative)
   // the stream passes once it has (on a host-accessible device, at once or nearly: the
   // trainer's work is what its own thread did). Acquire refuses the chunk from its last
   // GradsReady until the step completes.
-  Result<bool> released = e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice);
+  Result<bool> released = e.residency().OrderAfterTrainerUse(chunk, Stream::kHostToDevice);
   if (!released.ok() || !*released) co_return false;
-  const Status passed = co_await AwaitStream(e.device_, Stream::kHostToDevice);
+  const Status passed = co_await AwaitStream(e.device(), Stream::kHostToDevice);
   co_return passed.ok();
 }
 
 Status StepPipeline::UploadEarly(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   // Device-home parameters go up as soon as their chunk's update is complete, behind the
   // trainer's last use of them; the commit uploads those the trainer still holds. A step that
@@ -422,41 +360,48 @@ Status StepPipeline::UploadEarly(size_t chunk) {
     if (s.params_delayed) return Status();
   }
   STRATA_ASSIGN_OR_RETURN(const bool released,
-                          e.residency_.OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+                          e.residency().OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
   if (!released) return Status();
   const size_t wbytes = c.working_bytes(e.working_size());
-  STRATA_RETURN_IF_ERROR(e.device_.CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
-  e.m_.h2d_bytes->Increment(double(wbytes));
+  STRATA_RETURN_IF_ERROR(e.device().CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
+  e.metrics().h2d_bytes->Increment(double(wbytes));
   s.params_uploaded = true;
   s.restore_params = false;
   return Status();
 }
 
 Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
-  Engine::Impl& e = engine_;
-  Chunk& c = e.chunks_[chunk];
+  StepEngine& e = engine_;
+  Chunk& c = e.chunks()[chunk];
   ChunkStep& s = steps_[chunk];
   const void* grads = gas_ > 1 ? c.device_grads_sum.data() : c.grads.data();
   const DType grad_dtype = gas_ > 1 ? DType::kFp32 : e.working_dtype();
-  const double grad_scale = step_.grad_scale;
+  auto* states = static_cast<float*>(c.device_states.data());
+  const ChunkUpdate update =
+      UpdateOf(chunk, states, states, grads, grad_dtype, c.params.data(), step_.grad_scale);
+  // The placement put states here only where an updater serves the device's memory.
+  Updater& updater = *e.updaters().device();
   auto result = std::make_shared<Status>();
-  Status queued = e.device_.LaunchHostFunction(Stream::kCompute, [this, &c, chunk, grads,
-                                                                  grad_dtype, grad_scale, result] {
-    auto* states = static_cast<float*>(c.device_states.data());
-    *result = RunOptimizer(chunk, states, states, grads, grad_dtype, c.params.data(), grad_scale);
-  });
+  // Behind the trainer's work on the compute stream (the gradients it wrote): queued there by
+  // an updater of the device's own, or run from it on the CPU.
+  Status queued = updater.queues_on_device()
+                      ? updater.Update(update)
+                      : e.device().LaunchHostFunction(Stream::kCompute, [&updater, update, result] {
+                          *result = updater.Update(update);
+                        });
   if (!queued.ok()) co_return queued;
-  Status done = co_await AwaitStream(e.device_, Stream::kCompute);
+  Status done = co_await AwaitStream(e.device(), Stream::kCompute);
   if (!done.ok()) co_return done;
   if (result->ok()) {
-    e.m_.device_optimizer_params->Increment(double(c.numel));
+    e.metrics().device_optimizer_params->Increment(double(c.numel));
     s.params_uploaded = true;  // The kernel wrote the device's parameters itself.
   }
   co_return *result;
 }
 
 void StepPipeline::ReadAhead() {
-  preloader_.Start(/*participants_known=*/step_.requested && !step_.committing);
+  preloader_.Start(/*participants_known=*/Requested(step_.progress) &&
+                   !CommitBegun(step_.progress));
 }
 
 }  // namespace strata::offload
