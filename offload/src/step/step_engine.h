@@ -68,8 +68,7 @@ class StepEngine {
   /// Starts `work` on the event loop, counted until it finishes.
   virtual void Spawn(Awaitable<void> work) = 0;
 
- protected:
-  ~StepEngine() = default;  // Not owned through this interface.
+  virtual ~StepEngine() = default;
 };
 
 }  // namespace strata::offload

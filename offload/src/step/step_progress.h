@@ -4,9 +4,9 @@
 // aborts on a move the step does not make (as ChunkStep::MoveTo does for a chunk's phase).
 //
 //   kCollecting --Step()--> kRequested <--> kRechecking (optimizer.recheck_gradients)
-//        |                     |  \
-//      Cancel              commit  fails -------------------------------> kFailed
-//        v                     v                                            | Step() again
+//        |                     |   |
+//      Cancel              commit  fails ------------------------------> kFailed
+//        v                     v                                           | Step() again
 //   kCancelled            kCommitting --flip--> kCommitted --done--> kCollecting
 //                              | fails              | fails
 //                              v                    v
@@ -14,8 +14,10 @@
 //                                                                           | the commit again
 //                                                                           v (no second flip)
 //                                                                        kCommitted
-// Several ranks wait for every rank's outcome in kFinishing (before the flip) or
-// kFinishingCommitted (after it), then go on as one rank does.
+// Not drawn: a skipped fp16 step completes from kCommitting (nothing to flip); kFailed and
+// kFailedCommitted may be cancelled at shutdown. Several ranks wait for every rank's outcome in
+// kFinishing (before the flip) or kFinishingCommitted (after it), then complete or fail from
+// there as one rank does. StepProgressAllows is the whole list.
 #pragma once
 
 #include <cstdint>

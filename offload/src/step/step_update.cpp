@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "step/chunk_step.h"
 #include "step/step_engine.h"
@@ -55,6 +56,8 @@ Awaitable<void> StepPipeline::Update(size_t chunk, bool speculative) {
   // the journey resumed by the gate: whoever comes first updates).
   if (from != ChunkPhase::kArrived && from != ChunkPhase::kStepped) co_return;
   // Left to the commit, or the commit has begun: it updates what is left, not a late journey.
+  // (CommitBegun counts several ranks' wait for each other's outcome too, which comes after
+  // every chunk's journey, so no late journey meets it.)
   if (s.update_at_commit || CommitBegun(step_.progress)) co_return;
   // This attempt failed already, or failed and ended: Step() again retries.
   if (!step_.error.ok() || attempt_failed_) co_return;
@@ -380,7 +383,12 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
   const ChunkUpdate update =
       UpdateOf(chunk, states, states, grads, grad_dtype, c.params.data(), step_.grad_scale);
   // The placement put states here only where an updater serves the device's memory.
-  Updater& updater = *e.updaters().device();
+  Updater* const device_updater = e.updaters().device();
+  if (device_updater == nullptr) {
+    co_return Internal("chunk " + std::to_string(chunk) +
+                       " keeps its states on the device, which no updater serves");
+  }
+  Updater& updater = *device_updater;
   auto result = std::make_shared<Status>();
   // Behind the trainer's work on the compute stream (the gradients it wrote): queued there by
   // an updater of the device's own, or run from it on the CPU.
@@ -389,8 +397,10 @@ Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
                       : e.device().LaunchHostFunction(Stream::kCompute, [&updater, update, result] {
                           *result = updater.Update(update);
                         });
-  if (!queued.ok()) co_return queued;
+  // Even when queuing failed: what was queued before the failure is done before anything
+  // touches the chunk's states again (a retry).
   Status done = co_await AwaitStream(e.device(), Stream::kCompute);
+  if (!queued.ok()) co_return queued;
   if (!done.ok()) co_return done;
   if (result->ok()) {
     e.metrics().device_optimizer_params->Increment(double(c.numel));

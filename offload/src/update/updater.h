@@ -49,7 +49,8 @@ class Updater {
   virtual std::string name() const = 0;
   /// Whether Update queues its work on the device's compute stream (states in device memory,
   /// kernels on the device), which the pipeline then waits for; false: Update computes on the
-  /// calling thread, one of the engine's job threads, and returns when done.
+  /// calling thread and returns when done (for host-kept states one of the engine's job
+  /// threads; for device-kept ones the compute stream's host-function thread, in stream order).
   virtual bool queues_on_device() const = 0;
   virtual Status Update(const ChunkUpdate& update) = 0;
 };
