@@ -138,29 +138,29 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options, Dev
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
-const ChunkLayout& Engine::layout() const { return impl_->layout_; }
+const ChunkLayout& Engine::layout() const { return impl_->layout(); }
 const ChunkPlacement& Engine::placement(size_t chunk) const {
-  return impl_->chunks_[chunk].placement;
+  return impl_->chunks()[chunk].placement;
 }
 DType Engine::working_dtype() const { return impl_->working_dtype(); }
-Device& Engine::device() const { return impl_->device_; }
+Device& Engine::device() const { return impl_->device(); }
 Result<ChunkView> Engine::Acquire(size_t chunk) { return impl_->Acquire(chunk); }
 void Engine::Release(size_t chunk, TrainerStream stream) { impl_->Release(chunk, stream); }
 Status Engine::GradsReady(size_t chunk, TrainerStream stream) {
   return impl_->GradsReady(chunk, stream);
 }
 std::future<Result<StepReport>> Engine::Step() {
-  impl_->param_gather_.Discard();  // Stage 3: gathers made ahead hold this step's parameters.
-  return impl_->pipeline_.Step();
+  impl_->param_gather().Discard();  // Stage 3: gathers made ahead hold this step's parameters.
+  return impl_->pipeline().Step();
 }
 Status Engine::AbandonStep() {
-  impl_->param_gather_.Discard();
-  return impl_->pipeline_.AbandonStep();
+  impl_->param_gather().Discard();
+  return impl_->pipeline().AbandonStep();
 }
-double Engine::loss_scale() const { return impl_->pipeline_.loss_scale(); }
-int64_t Engine::step_count() const { return impl_->pipeline_.step_count(); }
-int64_t Engine::iteration_count() const { return impl_->pipeline_.iteration_count(); }
-void Engine::SetLearningRate(double lr) { impl_->pipeline_.SetLearningRate(lr); }
+double Engine::loss_scale() const { return impl_->pipeline().loss_scale(); }
+int64_t Engine::step_count() const { return impl_->pipeline().step_count(); }
+int64_t Engine::iteration_count() const { return impl_->pipeline().iteration_count(); }
+void Engine::SetLearningRate(double lr) { impl_->pipeline().SetLearningRate(lr); }
 Status Engine::SetStepCount(int64_t steps) { return impl_->SetStepCount(steps); }
 Status Engine::Save(const std::filesystem::path& dir, const SaveOptions& save_options) {
   return impl_->Save(dir, save_options);
@@ -189,12 +189,7 @@ Status Engine::WriteParameterStates(std::span<const ParameterStateWrite> writes)
 }
 
 TierUsage Engine::tier_usage(Tier tier) const {
-  switch (tier) {
-    case Tier::kDevice: return impl_->device_budget_.usage();
-    case Tier::kHost: return impl_->host_budget_.usage();
-    case Tier::kNvme: return impl_->nvme_budget_.usage();
-  }
-  return {};
+  return impl_->tier_usage(tier);
 }
 
 EngineCounters& EngineCounters::operator+=(const EngineCounters& o) {
@@ -208,7 +203,7 @@ EngineCounters& EngineCounters::operator-=(const EngineCounters& o) {
 }
 
 EngineCounters Engine::counters() const {
-  const auto& m = impl_->m_;
+  const auto& m = impl_->metrics();
   auto count = [](const Counter* c) { return static_cast<uint64_t>(c->Value()); };
   return {.device_to_host_bytes = count(m.d2h_bytes),
           .host_to_device_bytes = count(m.h2d_bytes),
@@ -237,7 +232,16 @@ EngineCounters Engine::counters() const {
 
 MetricsRegistry& Engine::metrics() {
   impl_->UpdateTierGauges();
-  return impl_->metrics_;
+  return impl_->metrics_registry();
+}
+
+TierUsage Engine::Impl::tier_usage(Tier tier) const {
+  switch (tier) {
+    case Tier::kDevice: return device_budget_.usage();
+    case Tier::kHost: return host_budget_.usage();
+    case Tier::kNvme: return nvme_budget_.usage();
+  }
+  return {};
 }
 
 void Engine::Impl::UpdateTierGauges() {

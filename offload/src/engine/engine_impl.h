@@ -162,6 +162,13 @@ class Engine::Impl final : public StepEngine {
   /// Copies the tier budgets' usage into their gauges.
   void UpdateTierGauges();
 
+  // What the facade (engine.cpp) answers from.
+  const ChunkLayout& layout() const { return layout_; }
+  StepPipeline& pipeline() { return pipeline_; }
+  ParamGather& param_gather() { return param_gather_; }
+  TierUsage tier_usage(Tier tier) const;
+  MetricsRegistry& metrics_registry() { return metrics_; }
+
   // What the step pipeline drives (StepEngine, step/step_engine.h): the parts and resources
   // above and below stay this class's.
   bool transactional() const override { return transactional_; }
@@ -183,10 +190,9 @@ class Engine::Impl final : public StepEngine {
   JobCounter& jobs_in_flight() override { return jobs_in_flight_; }
 
  private:
-  // Engine is the facade this is the implementation of. Every part is handed what it uses:
-  // Residency, ParamGather and the StatePreloader their references, StepPipeline the StepEngine
-  // interface above.
-  friend class Engine;
+  // No friends: every part is handed what it uses (Residency, ParamGather and the
+  // StatePreloader their references, StepPipeline the StepEngine interface above), and the
+  // facade asks through the public accessors.
 
   // engine_placement.cpp: the placement's steps, which Initialize runs in this order.
   /// The communicator (one rank's own, when none was given) and this rank; refuses what is not
