@@ -541,6 +541,11 @@ TEST(SpeculationTest, AFailedClippedStepLeavesNoRolledBackParametersOnTheDevice)
   // (a clip) rolls chunk 5 back without redoing it. Chunk 0 lands once both were tried (10 s at
   // most), so that the verdict (and any non-speculative upload) comes after them.
   device.FailCopiesToDevice(/*skip=*/1);
+  // An update's parameters go up ahead of the verdict only if the trainer has released the
+  // chunk by the time the update is done. Gradients written behind a wait on the compute stream
+  // land (and update) only after it, by when the trainer, which does not wait for them, has
+  // released the chunk even on a loaded machine.
+  trainer.DelayComputeStream(20ms);
   bool failed_ahead = false;  // Whether the injected failure hit an upload made ahead.
   trainer.SetLateChunk(0, WithinAtMost(10s, [&device, &failed_ahead] {
                          return failed_ahead = device.failed_copies() >= 1;
