@@ -32,17 +32,16 @@ class GroupSettings:
         self.fixed = [fixed_hyperparameters(g) for g in groups]
         self.lr_scales = self._learning_rate_scales()
 
-    def rebind(self, groups: list[dict[str, Any]], params: list[Any]) -> None:
+    def rebind(self, groups: list[dict[str, Any]]) -> None:
         """The optimizer's param_groups became `groups` (a wrapper set the attribute): they
-        must hold `params`, the parameters the engine was built with, in the same groups; their
-        fixed settings are checked at the next step as any change is."""
+        must hold the parameters of the groups before, which are the engine's, in the same
+        groups; their fixed settings are checked at the next step as any change is."""
         def members(gs: list[dict[str, Any]]) -> list[list[int]]:
             return [[id(p) for p in g["params"]] for g in gs]
         if not isinstance(groups, list) or not all(
                 isinstance(g, dict) and "params" in g for g in groups):
             raise ValueError("param_groups must be a list of dicts with 'params'")
-        if members(groups) != members(self._groups) or len(params) != sum(
-                len(g["params"]) for g in groups):
+        if members(groups) != members(self._groups):
             raise ValueError(
                 f"param_groups replaced by groups of {[len(g['params']) for g in groups]} "
                 "parameters that are not the parameters it was built with (in the same groups, "

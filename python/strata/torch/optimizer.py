@@ -83,16 +83,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if max_grad_norm is None or max_grad_norm < 0 or not math.isfinite(max_grad_norm):
             raise ValueError(
                 f"max_grad_norm must be finite and >= 0 (0 = off), got {max_grad_norm!r}")
+        max_grad_norm = float(max_grad_norm)
         self._constructed = False
         super().__init__(params, defaults)
         self._fixed = {"gradient_accumulation_steps": gradient_accumulation_steps,
-                       "max_grad_norm": float(max_grad_norm), "overlap": overlap}
+                       "max_grad_norm": max_grad_norm, "overlap": overlap}
         owner = type(self).__name__
 
         table = ParamTable(self.param_groups)
         layout = _layouts.choose(table.params, shard_states=shard_states,
                                  gradient_accumulation_steps=gradient_accumulation_steps,
-                                 overlap=overlap, max_grad_norm=float(max_grad_norm))
+                                 overlap=overlap, max_grad_norm=max_grad_norm)
         # Rechecking, torch.amp.GradScaler unscales the gradients itself (an edit like any
         # other) and skips step() on overflow.
         self._step_supports_amp_scaling = not layout.rechecks
@@ -107,7 +108,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             offload_ratio=offload_ratio, chunk_size=chunk_size, host_memory=host_memory,
             cpu_threads=cpu_threads, loss_scale=loss_scale,
             speculative_updates=speculative_updates,
-            max_grad_norm=float(max_grad_norm) if layout.engine_clips else 0.0, config=config)
+            max_grad_norm=max_grad_norm if layout.engine_clips else 0.0, config=config)
         layout.configure(options)
         # A live optimizer on these parameters gives them up to this one (`opt = ...` again),
         # before their values are read: offloaded ones get theirs back only then.
@@ -147,7 +148,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         built, the new list must hold the same parameters in the same groups, and it is the one
         the engine reads the learning rate from (a scheduler changes it) from then on."""
         if getattr(self, "_constructed", False):
-            self._body.settings.rebind(groups, self._table.params)
+            self._body.settings.rebind(groups)
         self._param_groups = groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
