@@ -82,6 +82,54 @@ TEST_P(TrainerOnDeviceTest, CopiesWaitForWorkOnTheTrainersOwnStream) {
   }
 }
 
+// An update that finishes while the trainer still holds its chunk (preempted between
+// GradsReady and Release) sends its parameters to the device at the Release, not at the commit:
+// they are there before Step() is called, as when the Release comes first.
+TEST(EngineTrainerTest, AnUpdateDoneBeforeItsChunksReleaseUploadsAtTheRelease) {
+  ScratchDir dir;
+  const TinyModel model(kLayers, kWidth, kBatch);
+  const Placement& placement = kPlacements[0];  // Host-kept states, device-home parameters.
+  const EngineOptions options = MakeOptions(placement, dir.path());
+  auto device = MakeDevice(placement.device_budget);
+  ASSERT_NE(device, nullptr);
+  auto engine = MakeEngine(options, *device, model);
+  ASSERT_NE(engine, nullptr);
+  const ChunkLayout& layout = engine->layout();
+  const size_t last = layout.chunk_count() - 1;  // The first to get its gradients.
+  ASSERT_GE(last, 1u);
+  // Every chunk's new parameters but chunk 0's, which lands last.
+  uint64_t uploads = 0;
+  for (size_t c = 1; c <= last; ++c) {
+    uploads += layout.chunk(c).numel * DTypeSize(engine->working_dtype());
+  }
+  EngineTrainer trainer(*engine, model);
+  ReferenceTrainer reference(model, options);
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const EngineCounters before = engine->counters();
+    // The last chunk is held until its update is done, and a moment more, by when its journey
+    // has found the chunk still held (without this fix, its parameters waited for the commit).
+    trainer.SetHeldChunk(last, [&] {
+      if (engine->counters().optimizer_params == before.optimizer_params) return false;
+      std::this_thread::sleep_for(100ms);
+      return true;
+    });
+    // Chunk 0 lands (and the step can commit) only once the others' parameters are up.
+    bool uploaded = false;
+    trainer.SetLateChunk(0, [&] {
+      const EngineCounters now = engine->counters();
+      return uploaded = now.host_to_device_bytes - before.host_to_device_bytes >= uploads;
+    });
+    double loss = 0.0;
+    Result<StepReport> report = trainer.TrainStep(step, &loss);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    ASSERT_TRUE(uploaded) << "the parameters of chunks 1.." << last
+                          << " were not all on the device before Step()";
+    EXPECT_EQ(loss, reference.TrainStep(step));
+  }
+  EXPECT_TRUE(BitEqual(trainer.MasterParameters(), reference.master()));
+}
+
 // Per-parameter weight decay and learning-rate scale (biases without decay, weights at half the
 // rate), in every placement and through a schedule.
 TEST(EngineTrainerTest, ParameterGroupsMatchTheReferenceBitForBit) {

@@ -204,6 +204,13 @@ class EngineTrainer {
     late_ready_ = std::move(ready);
   }
   static constexpr std::chrono::seconds kLateChunkPatience{60};
+  /// Backward holds `chunk` after its GradsReady, and releases it only once `ready()` holds
+  /// (polled as SetLateChunk's, with the same patience): a trainer preempted between the two,
+  /// or one that releases late.
+  void SetHeldChunk(size_t chunk, std::function<bool()> ready) {
+    held_chunk_ = chunk;
+    held_ready_ = std::move(ready);
+  }
   /// Backward multiplies chunk `c`'s gradients of step `step` by factor(step, c) before writing
   /// them (after the loss scale): what a trainer that edits gradients in place after
   /// GradsReady should end up with. Empty: by 1.
@@ -273,8 +280,9 @@ class EngineTrainer {
         });
         STRATA_RETURN_IF_ERROR(written);
         const TrainerStream on{stream_ != nullptr ? stream_->native() : nullptr};
-        if (c == late_chunk_ && late_ready_) WaitUntilLateChunkReady();
+        if (c == late_chunk_ && late_ready_) WaitPatiently(late_ready_);
         STRATA_RETURN_IF_ERROR(engine_.GradsReady(c, on));
+        if (c == held_chunk_ && held_ready_) WaitPatiently(held_ready_);
         engine_.Release(c, on);
       }
       if (compute_delay_.count() > 0) {
@@ -296,9 +304,9 @@ class EngineTrainer {
   }
 
  private:
-  void WaitUntilLateChunkReady() const {
+  static void WaitPatiently(const std::function<bool()>& ready) {
     const auto deadline = std::chrono::steady_clock::now() + kLateChunkPatience;
-    while (!late_ready_() && std::chrono::steady_clock::now() < deadline) {
+    while (!ready() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
@@ -337,6 +345,8 @@ class EngineTrainer {
   std::vector<bool> unused_;
   size_t late_chunk_ = 0;
   std::function<bool()> late_ready_;
+  size_t held_chunk_ = 0;
+  std::function<bool()> held_ready_;
   std::function<float(int, size_t)> factor_;
 };
 

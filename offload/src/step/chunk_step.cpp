@@ -62,6 +62,7 @@ void ChunkStep::EndStep(bool updated) {
   grads_changed = false;
   land_status = Status();
   params_uploaded = false;
+  upload_at_release = false;
   restore_params = false;
   update_at_commit = false;
   gathered = false;

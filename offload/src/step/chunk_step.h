@@ -67,6 +67,9 @@ struct ChunkStep {
   bool grads_changed = false;
   Status land_status;            // Failure while summing or measuring them (loop thread).
   bool params_uploaded = false;  // Device-home parameters already carry this step's update.
+  // The update is done and its parameters may go up (UploadEarly), but the trainer still held
+  // the chunk: its Release sends them (StepPipeline::UploadReleased; loop thread).
+  bool upload_at_release = false;
   // Chunk::delayed_params holds parameters the device is still to get (pipeline mutex;
   // WriteMemoryHome clears it between steps through StepPipeline::DropDelayedParameters, when
   // no other thread looks).

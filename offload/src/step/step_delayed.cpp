@@ -23,16 +23,6 @@ Status StepPipeline::UploadDelayedLocked(size_t chunk) {
   return Status();
 }
 
-void StepPipeline::Released(size_t chunk) {
-  std::lock_guard lock(mutex_);
-  const ChunkStep& s = steps_[chunk];
-  // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
-  // still use the parameters. A failure leaves them held back: the next Step() tries again
-  // and reports it.
-  if (!s.params_delayed || s.micro_steps != gas_ || step_running_) return;
-  UploadDelayedLocked(chunk).IgnoreError();
-}
-
 Status StepPipeline::FlushDelayedParameters() {
   {
     std::lock_guard lock(mutex_);

@@ -3,10 +3,10 @@
 // docs/architecture.md, "A step", tells it once: each chunk's journey (land, gate, read ahead,
 // update, write back, upload), speculation, the delayed update, several ranks' collectives and
 // what a failed step leaves for its retry. Where each part is: GradsReady and the landing in
-// step_landing.cpp, the journey in step_update.cpp, Step() and the verdict of a gated step in
-// step_pipeline.cpp, the commit in step_commit.cpp, the delayed update in step_delayed.cpp and
-// the collectives of several ranks in step_sharded.cpp. Each chunk's part in the step is its
-// ChunkStep (chunk_step.h), which only this pipeline writes.
+// step_landing.cpp, the journey (and Released) in step_update.cpp, Step() and the verdict of a
+// gated step in step_pipeline.cpp, the commit in step_commit.cpp, the delayed update in
+// step_delayed.cpp and the collectives of several ranks in step_sharded.cpp. Each chunk's part in
+// the step is its ChunkStep (chunk_step.h), which only this pipeline writes.
 //
 // Threads: GradsReady, Step and the accessors run on the trainer thread (or any thread, for the
 // accessors) and take `mutex_`; everything else runs on the loop thread. `mutex_` guards the
@@ -71,7 +71,8 @@ class StepPipeline {
   /// update from the trainer's gradient buffer.
   Status CheckReadable(size_t chunk, const std::string& operation, bool acquire = false) const;
   /// After each Release: once the chunk has had this step's last GradsReady, the trainer is done
-  /// with its device parameters, and the parameters a delayed step held back go up.
+  /// with its device parameters, and the parameters a delayed step held back go up, or those
+  /// of an update that finished while the trainer held the chunk.
   void Released(size_t chunk);
   /// Between steps, before Save or a state write: every chunk's parameters a delayed step held
   /// back go to the device now, and are there when it returns. Checkpoints hold masters, so
@@ -219,8 +220,12 @@ class StepPipeline {
   /// parameters straight into the device's instead of param_copy; once the trainer has released
   /// the chunk, waits for its work queued on them.
   Awaitable<bool> ClaimParamsInPlace(size_t chunk, bool speculative);
-  /// Queues the upload of a device-home chunk's new parameters now, where the step allows it.
+  /// Queues the upload of a device-home chunk's new parameters now, where the step allows it;
+  /// while the trainer holds the chunk, leaves them for its Release (UploadReleased).
   Status UploadEarly(size_t chunk);
+  /// Posted by Released: sends what UploadEarly left for the Release, if the update is still
+  /// staged and the commit has not begun.
+  void UploadReleased(size_t chunk);
   /// Queues the upload of the parameters a delayed step held back for `chunk` (delayed_params)
   /// behind the trainer's last use of the chunk, if it has them and the trainer has released
   /// it. Under mutex_.

@@ -114,6 +114,9 @@ Awaitable<void> StepPipeline::ResolveSpeculation(size_t chunk) {
   StepEngine& e = engine_;
   ChunkStep& s = steps_[chunk];
   s.speculated = false;
+  // The verdict decides what goes up from here: the kept update's parameters (below), or what
+  // the master rounds to; a Release meanwhile sends neither.
+  s.upload_at_release = false;
   const bool updated = s.phase_now() == ChunkPhase::kUpdated;  // Not if the update failed.
   const bool kept = !step_.skip && !step_.clipped && step_.progress != StepProgress::kCancelled &&
                     !s.grads_changed;
@@ -170,6 +173,7 @@ Awaitable<Status> StepPipeline::RestoreParameters(size_t chunk) {
   // Read before a redo rewrites param_copy.
   if (status.ok()) status = co_await AwaitStream(e.device(), Stream::kHostToDevice);
   s.params_uploaded = false;  // Not this step's parameters: a redo or the commit sends those.
+  s.upload_at_release = false;
   s.restore_params = !status.ok();
   co_return status;
 }
@@ -364,6 +368,8 @@ Status StepPipeline::UploadEarly(size_t chunk) {
   }
   STRATA_ASSIGN_OR_RETURN(const bool released,
                           e.residency().OrderAfterTrainerUse(chunk, Stream::kHostToDevice));
+  // Still the trainer's: its Release sends them (UploadReleased), as early as they can go.
+  s.upload_at_release = !released;
   if (!released) return Status();
   const size_t wbytes = c.working_bytes(e.working_size());
   STRATA_RETURN_IF_ERROR(e.device().CopyToDevice(c.params.data(), c.param_copy.data(), wbytes));
@@ -371,6 +377,37 @@ Status StepPipeline::UploadEarly(size_t chunk) {
   s.params_uploaded = true;
   s.restore_params = false;
   return Status();
+}
+
+void StepPipeline::Released(size_t chunk) {
+  std::lock_guard lock(mutex_);
+  const ChunkStep& s = steps_[chunk];
+  // Not before this step's last GradsReady of the chunk: forward and the earlier micro-steps
+  // still use the parameters.
+  if (s.micro_steps != gas_) return;
+  if (s.params_delayed) {
+    // A failure leaves them held back: the next Step() tries again and reports it.
+    if (!step_running_) UploadDelayedLocked(chunk).IgnoreError();
+    return;
+  }
+  // An update done while the trainer held the chunk left its parameters for this Release
+  // (ChunkStep::upload_at_release: the loop owns it, and only device-home parameters set it).
+  boost::asio::post(engine_.loop().executor(), [this, chunk] { UploadReleased(chunk); });
+}
+
+void StepPipeline::UploadReleased(size_t chunk) {
+  ChunkStep& s = steps_[chunk];
+  // Only what UploadEarly would have sent had the Release come first: an update still staged
+  // (not rolled back, not committed: the commit uploads what is left, and a step that ended
+  // cleared the flag).
+  if (!s.upload_at_release || s.phase_now() != ChunkPhase::kUpdated ||
+      CommitBegun(step_.progress)) {
+    return;
+  }
+  if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
+    KeepFirstError(
+        uploaded.WithContext("uploading the parameters of chunk " + std::to_string(chunk)));
+  }
 }
 
 Awaitable<Status> StepPipeline::UpdateOnDevice(size_t chunk) {
