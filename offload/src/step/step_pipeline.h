@@ -223,9 +223,9 @@ class StepPipeline {
   /// Queues the upload of a device-home chunk's new parameters now, where the step allows it;
   /// while the trainer holds the chunk, leaves them for its Release (UploadReleased).
   Status UploadEarly(size_t chunk);
-  /// Posted by Released: sends what UploadEarly left for the Release, if the update is still
+  /// Spawned by Released: sends what UploadEarly left for the Release, if the update is still
   /// staged and the commit has not begun.
-  void UploadReleased(size_t chunk);
+  Awaitable<void> UploadReleased(size_t chunk);
   /// Queues the upload of the parameters a delayed step held back for `chunk` (delayed_params)
   /// behind the trainer's last use of the chunk, if it has them and the trainer has released
   /// it. Under mutex_.

@@ -392,17 +392,19 @@ void StepPipeline::Released(size_t chunk) {
   }
   // An update done while the trainer held the chunk left its parameters for this Release
   // (ChunkStep::upload_at_release: the loop owns it, and only device-home parameters set it).
-  boost::asio::post(engine_.loop().executor(), [this, chunk] { UploadReleased(chunk); });
+  // Spawned, not posted: the engine's destructor waits for spawned work before it synchronizes
+  // the device and frees the buffers, so the upload cannot be queued after that.
+  engine_.Spawn(UploadReleased(chunk));
 }
 
-void StepPipeline::UploadReleased(size_t chunk) {
+Awaitable<void> StepPipeline::UploadReleased(size_t chunk) {
   ChunkStep& s = steps_[chunk];
   // Only what UploadEarly would have sent had the Release come first: an update still staged
   // (not rolled back, not committed: the commit uploads what is left, and a step that ended
   // cleared the flag).
   if (!s.upload_at_release || s.phase_now() != ChunkPhase::kUpdated ||
       CommitBegun(step_.progress)) {
-    return;
+    co_return;
   }
   if (Status uploaded = UploadEarly(chunk); !uploaded.ok()) {
     KeepFirstError(
