@@ -8,6 +8,9 @@ the ranks split between them, so that a run's losses do not depend on the number
                         DCP load (--load); then steps 10 to 19. Rank 0 prints their losses.
   save-on-rank-0        shard_states' state_dict() as a trainer that saves on rank 0 only
                         calls it; rank 0 prints what happened.
+  initialize SCENARIO...  strata.torch.initialize with a DeepSpeed config, started without a
+                        process group: what it refuses, then DeepSpeed's loop against DDP +
+                        torch AdamW per scenario (zero<stage>-<states>[-gas<n>]).
 """
 
 from __future__ import annotations
@@ -209,6 +212,119 @@ def save_on_rank_0() -> dict:
     return out
 
 
+def ds_config(stage: int, states: str | None, nvme: str, *, gas: int, clip: float,
+              train_batch_size: int | None = None) -> dict:
+    """A DeepSpeed config for this world (torchrun's WORLD_SIZE: the process group may not
+    exist yet): every rank its share of GLOBAL_BATCH per micro-step."""
+    micro = GLOBAL_BATCH // int(os.environ["WORLD_SIZE"])
+    zero: dict = {"stage": stage}
+    if states is not None:
+        zero["offload_optimizer"] = {"device": states, "pin_memory": True,
+                                     **({"nvme_path": nvme} if states == "nvme" else {})}
+    return {"train_batch_size": train_batch_size or GLOBAL_BATCH * gas,
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip, "zero_optimization": zero}
+
+
+def initialize_engine(config: dict | str, **kwargs):
+    model = training.make_model(KIND)
+    return model, st.initialize(
+        model=model, config=config,
+        optimizer=lambda params, **settings: st.OffloadAdamW(
+            training.param_groups(model, LR), lr=LR, chunk_size="16KiB", **settings),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
+        **kwargs)
+
+
+def initialize_refusals(nvme: str) -> dict:
+    """Called before any process group exists: initialize creates it (it refuses stage 3
+    across ranks after that, before touching the model); then what it refuses."""
+    out = {"group_before": dist.is_initialized()}
+    model = training.make_model(KIND)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        st.initialize(model=model, config=ds_config(3, "cpu", nvme, gas=1, clip=1.0),
+                      optimizer=lambda params, **settings: st.OffloadAdamW(params, **settings))
+    except NotImplementedError as e:
+        out["stage3"] = str(e)
+    out["group_after"] = dist.is_initialized()
+    out["model_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # A one-rank config's batch (micro x accumulation = train_batch_size) on several ranks.
+    one_rank_batch = GLOBAL_BATCH // dist.get_world_size() * 2
+    try:
+        initialize_engine(ds_config(1, "cpu", nvme, gas=2, clip=1.0,
+                                    train_batch_size=one_rank_batch))
+    except ValueError as e:
+        out["batch"] = str(e)
+    # The last rank alone with another clip, another model, a config it cannot read: every rank
+    # raises (none waits in a collective), naming the rank.
+    last = dist.get_rank() == dist.get_world_size() - 1
+    odd_model = training.make_model(KIND)
+    if last:
+        odd_model.head = nn.Linear(odd_model.head.in_features, training.VOCAB, bias=False)
+    mismatches = {
+        "config": lambda: initialize_engine(ds_config(1, "cpu", nvme, gas=1,
+                                                      clip=2.0 if last else 1.0)),
+        "model": lambda: st.initialize(
+            model=odd_model, config=ds_config(1, "cpu", nvme, gas=1, clip=1.0),
+            optimizer=lambda params, **settings: st.OffloadAdamW(params, **settings)),
+        "unreadable": lambda: initialize_engine(
+            f"{nvme}/missing.json" if last else ds_config(1, "cpu", nvme, gas=1, clip=1.0)),
+    }
+    for name, attempt in mismatches.items():
+        try:
+            attempt()
+        except Exception as e:  # The last rank's own error, whatever its kind.
+            out[name] = str(e)
+    return out
+
+
+def initialize_scenario(name: str, nvme: str) -> dict:
+    """DeepSpeed's loop on initialize's engine against DDP + torch AdamW with the user's clip,
+    on the same global batches: `zero<stage>-<states>[-gas<n>]`."""
+    parts = name.split("-")
+    stage, states = int(parts[0][len("zero"):]), None if parts[1] == "device" else parts[1]
+    gas = int(parts[2][len("gas"):]) if len(parts) > 2 else 1
+    calibration = Trainer("ddp", torch_adamw)
+    calibration.train(range(STEPS), gas=gas, user_clip=math.inf)
+    max_norm = statistics.median(calibration.clip_norms)
+    reference = Trainer("ddp", torch_adamw)
+    reference_losses = reference.train(range(STEPS), gas=gas, user_clip=max_norm)
+
+    model, (engine, opt, _, _) = initialize_engine(
+        ds_config(stage, states, nvme, gas=gas, clip=max_norm))
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for micro in range(gas):
+            x, y = rank_batch(step, micro)
+            loss = training.loss_of(KIND, engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / gas
+        norms.append(engine.get_global_grad_norm())
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    held = sum(opt._table.engine_numel()) / sum(p.numel() for p in opt._table.params)
+    # engine.module is the user's model, whole on every rank.
+    whole = all(v.shape == r.shape for v, r in zip(engine.module.state_dict().values(),
+                                                   reference.model.module.state_dict().values()))
+    return {
+        "scenario": name,
+        "world": engine.world_size,
+        "ranks_agree": engine.global_rank == dist.get_rank()
+        and engine.local_rank == int(os.environ["LOCAL_RANK"]),
+        "global_steps": engine.global_steps,
+        "loss_difference": max(abs(a - b) for a, b in zip(losses, reference_losses)),
+        "parameter_difference": max((a - b).abs().max().item() for a, b in
+                                    zip(model.parameters(), reference.parameters())),
+        "norm_difference": max(abs(a - b) / b for a, b in zip(norms, reference.clip_norms)),
+        "clipped_steps": sum(n > max_norm for n in reference.clip_norms),
+        "held_fraction": held,
+        "whole_state_dict": whole,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command", required=True)
@@ -217,6 +333,9 @@ def main() -> None:
     compare_parser.add_argument("--die", type=int, default=-1, help="this rank kills itself")
     compare_parser.add_argument("scenarios", nargs="+")
     commands.add_parser("save-on-rank-0")
+    initialize_parser = commands.add_parser("initialize")
+    initialize_parser.add_argument("--nvme", required=True, help="one directory for every rank")
+    initialize_parser.add_argument("scenarios", nargs="+")
     checkpoint_parser = commands.add_parser("checkpoint")
     checkpoint_parser.add_argument("--optimizer", choices=["strata", "torch"], required=True)
     checkpoint_parser.add_argument("--offload", default="cpu")
@@ -226,8 +345,13 @@ def main() -> None:
     where.add_argument("--load")
     args = parser.parse_args()
 
-    # torchrun's or mpirun's ranks alike (test_ranks.py runs both).
-    st.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if args.command == "initialize":
+        # No process group yet: initialize creates it, as DeepSpeed's does.
+        results = [initialize_refusals(args.nvme)]
+        results += [initialize_scenario(name, args.nvme) for name in args.scenarios]
+    else:
+        # torchrun's or mpirun's ranks alike (test_ranks.py runs both).
+        st.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     if args.command == "compare":
         global DYING_RANK
         DYING_RANK = args.die
@@ -253,7 +377,7 @@ def main() -> None:
         results = [scenarios[name]() for name in args.scenarios]
     elif args.command == "save-on-rank-0":
         results = [save_on_rank_0()]
-    else:
+    elif args.command == "checkpoint":
         results = [checkpoint(args)]
     if dist.get_rank() == 0:
         for result in results:

@@ -278,3 +278,17 @@ def test_a_refused_initialize_leaves_the_model_as_it_was(tmp_path):
                       optimizer=lambda params, **s: st.OffloadAdamW(params, **s))
     assert next(model.parameters()).dtype == torch.float32
     assert next(model.parameters()).sum().isfinite()  # Not offloaded: readable.
+
+
+def test_a_launcher_without_a_process_group_and_dist_init_required_false_is_refused(
+        tmp_path, monkeypatch):
+    """torchrun's variables for rank 0 of 2, no process group: initialize would create it;
+    dist_init_required=False asks it not to, which leaves nothing to train with."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    model = models.make("gpt")
+    with pytest.raises(ValueError, match=r"torchrun started 2 ranks.*dist_init_required=False"):
+        st.initialize(model=model, config=zero3_config(tmp_path, "cpu", "cpu"),
+                      dist_init_required=False)
+    assert next(model.parameters()).sum().isfinite()  # Not offloaded: readable.

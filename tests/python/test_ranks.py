@@ -3,7 +3,8 @@ sharded parameters and under DDP trains as torch.optim.AdamW does, with 2 and 3 
 (ranks_worker.py runs both and compares); its torch.distributed.checkpoint checkpoints reshard
 to other world sizes and load into torch AdamW and back; the same script runs as two torchrun
 "nodes" meeting at a rendezvous and under mpirun (strata.torch.init_process_group); a rank that
-dies takes the job down, named."""
+dies takes the job down, named; strata.torch.initialize with DeepSpeed configs creates the
+process group and trains ZeRO stages 0-2 as DDP with torch AdamW does."""
 
 import json
 import os
@@ -59,6 +60,48 @@ def test_offload_adamw_across_ranks_matches_torch_adamw(ranks, tmp_path):
         else:
             assert r["held_fraction"] < 1 / ranks + 0.02, name
     # Every rank updates its shards on NVMe, in the one directory they share, and leaves it clean.
+    assert list(tmp_path.iterdir()) == []
+
+
+INITIALIZE = ["zero0-device", "zero1-cpu", "zero2-nvme-gas2"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_initialize_across_ranks_trains_as_ddp_with_torch_adamw(ranks, tmp_path):
+    """DeepSpeed's initialize under torchrun with no process group: it creates one; stages 0,
+    1 and 2 train as DDP + torch AdamW on the same global batches, stages 1 and 2 holding 1/N
+    of the states on each rank; stage 3 and a one-rank batch are refused."""
+    run = torchrun(ranks, "initialize", "--nvme", str(tmp_path), *INITIALIZE)
+    assert run.returncode == 0, run.stdout + run.stderr
+    refusals, *results = map(json.loads, run.stdout.splitlines())
+    assert not refusals["group_before"] and refusals["group_after"]
+    assert f"ZeRO stage 3 across {ranks} ranks" in refusals["stage3"]
+    assert refusals["model_unchanged"]
+    # micro x accumulation x world size.
+    assert f"x {ranks});" in refusals["batch"], refusals["batch"]
+    # Rank 0's view of a last rank that differs (the last rank raised too: none hung).
+    last = ranks - 1
+    assert refusals["config"].startswith(
+        f"initialize: rank {last}'s config differs from rank 0's at optimizer.gradient_clipping: "
+        "2.0 on"), refusals["config"]
+    assert f"rank {last}'s model's parameters differ from rank 0's at head.bias" in \
+        refusals["model"], refusals["model"]
+    assert f"rank {last} could not read its config" in refusals["unreadable"], \
+        refusals["unreadable"]
+    assert [r["scenario"] for r in results] == INITIALIZE
+    for r in results:
+        name = r["scenario"]
+        assert r["world"] == ranks and r["ranks_agree"], name
+        assert r["global_steps"] == 20, name
+        assert r["loss_difference"] < 1e-5, name
+        assert r["parameter_difference"] < 1e-4, name
+        assert r["norm_difference"] < 1e-5, name
+        assert 0 < r["clipped_steps"] < 20, name
+        assert r["whole_state_dict"], name
+        if name.startswith("zero0"):
+            assert r["held_fraction"] == 1.0
+        else:
+            assert r["held_fraction"] < 1 / ranks + 0.02, name
     assert list(tmp_path.iterdir()) == []
 
 

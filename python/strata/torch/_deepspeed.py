@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from strata import _log
+from strata.torch import _deepspeed_ranks as _ranks
 from strata.torch import _native
 from strata.torch import rules
 from strata.torch._offload_plan import offload_parameters
@@ -159,7 +159,7 @@ def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dic
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None,
                lr_scheduler: Any = None, config: Any = None, config_params: Any = None,
-               **unsupported: Any) -> tuple["ModelEngine", Any, None, Any]:
+               dist_init_required: bool | None = None, **unsupported: Any) -> tuple["ModelEngine", Any, None, Any]:
     """``deepspeed.initialize`` on Strata: returns ``(model_engine, optimizer, None,
     lr_scheduler)``. ``config`` is a DeepSpeed (or Strata) config file or dict
     (``config_params`` is DeepSpeed's other name for it; ``args.deepspeed_config``, or the HF
@@ -168,8 +168,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     settings as keywords and returning a strata optimizer (``lambda params, **settings:
     st.OffloadLion(params, lr=1e-4, **settings)``). ``lr_scheduler``: a scheduler, or a
     callable taking the optimizer; it steps after each optimizer step that fp16 did not skip.
-    The model goes to this process's GPU when there is one, in the config's dtype. The loop is
-    DeepSpeed's::
+    The model goes to this process's GPU when there is one, in the config's dtype. Started by
+    torchrun, mpirun or srun, it creates the process group if there is none (as DeepSpeed;
+    ``dist_init_required=False`` refuses to) and trains across the ranks: each rank its own
+    micro-batches, gradients averaged, ZeRO stages 1 and 2 sharding the optimizer states. The
+    loop is DeepSpeed's::
 
         engine, opt, _, _ = strata.torch.initialize(model=model, config="ds_config.json")
         for batch in loader:
@@ -178,8 +181,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             engine.step()           # steps at the end of each accumulation window
     """
     # deepspeed.initialize's other arguments: accepted when they ask for nothing.
-    unsupported = {k: v for k, v in unsupported.items()
-                   if v is not None and k != "dist_init_required"}
+    unsupported = {k: v for k, v in unsupported.items() if v is not None}
     if unsupported:
         raise TypeError(f"initialize() does not take {sorted(unsupported)} (deepspeed's "
                         "mpu, collate_fn, mesh_param, ... are not used by Strata)")
@@ -200,14 +202,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         config = from_args
     if config is None:
         raise ValueError("initialize() needs config= (a DeepSpeed config file or dict)")
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world_size > 1:
-        raise NotImplementedError(
-            "strata.torch.initialize across several ranks is not built yet; on several ranks "
-            "use OffloadAdamW with FSDP2 or DDP (docs/python.md, \"Several GPUs\")")
-    loaded, document = load_config(config, args, world_size)
+    place = _ranks.join(dist_init_required)
+    loaded, document = _ranks.read_config_alike(
+        place, lambda: load_config(config, args, place.world_size), model)
     _report(loaded)
     options = json.loads(loaded["options"])
+    stage = options["placement"]["zero_stage"]
+    _ranks.check_stage(place, stage)
     if "scheduler" in document and lr_scheduler is None:
         raise NotImplementedError(
             "the config's \"scheduler\" section is not built into Strata: build the schedule "
@@ -223,10 +224,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise TypeError("optimizer= must be a callable taking the parameters (the optimizer "
                         "is built after the parameters are offloaded)")
 
-    # What DeepSpeed does to the model: onto this process's GPU if there is one, in the
-    # config's dtype.
-    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-              else next(model.parameters()).device)
+    # What DeepSpeed does to the model: onto this rank's GPU if there is one, in the config's
+    # dtype.
+    device = _ranks.device_of(place, model)
     model.to(device, _DTYPES[options["precision"]["working_dtype"]])
     placement = options["placement"]
     nvme = options["nvme"]
@@ -234,7 +234,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         param_path = _nvme_path(document, "offload_param", nvme["paths"])
         offload_parameters(model, _PARAM_TIERS[placement["params"]], nvme_path=param_path)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    forward = _ranks.wrap(model, place)
     settings = _offload_options(options, document, device)
+    if forward is not model:
+        # DDP averages the gradients after backward: the engine takes them at step(), since
+        # what it would take during backward is each rank's own and every update would be
+        # redone.
+        settings["overlap"] = False
+        settings["shard_states"] = _ranks.shards_states(place, stage)
     if optimizer is None:
         optimizer = _build_optimizer(options, params, settings)
     else:
@@ -243,7 +250,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         lr_scheduler = lr_scheduler(optimizer)
     engine = ModelEngine(model, optimizer, lr_scheduler,
                          options["optimizer"]["gradient_accumulation_steps"],
-                         loaded["micro_batch_size"], loaded["train_batch_size"], device)
+                         loaded["micro_batch_size"], loaded["train_batch_size"], device,
+                         place=place, forward=forward)
     return engine, optimizer, None, lr_scheduler
 
 
@@ -337,11 +345,16 @@ class ModelEngine(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: Any, lr_scheduler: Any,
                  gradient_accumulation_steps: int, micro_batch_size: int | None,
-                 train_batch_size: int | None, device: torch.device) -> None:
+                 train_batch_size: int | None, device: torch.device, *,
+                 place: _ranks.Place, forward: torch.nn.Module) -> None:
         super().__init__()
         self.module = module
+        # DDP's wrapper across ranks (not a submodule: the engine's state_dict is the model's).
+        object.__setattr__(self, "_forward_module", forward)
         self.device = device
-        self.local_rank = 0  # One rank (initialize refuses several).
+        self.global_rank = place.global_rank
+        self.local_rank = place.local_rank
+        self.world_size = place.world_size
         self.skipped_steps = 0
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -352,7 +365,7 @@ class ModelEngine(torch.nn.Module):
         self.global_steps = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._forward_module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
