@@ -30,6 +30,9 @@ STRATA = sys.argv[1]
 SEED = int(sys.argv[2]) if len(sys.argv) > 2 else int(time.time())
 TRAIN = ["train", "--model", "tiny", "--batch", "8", "--seq", "128", "--eval-every", "0"]
 PAGE = 4096
+# The runs a fault lands in the middle of: long enough (about 5 s in release, a minute under
+# ASan) that the disk fills before they end, short enough for the sanitized stage's time.
+LONG_RUN = 100
 
 
 def train(*args, check=True):
@@ -113,8 +116,9 @@ def checkpoint_full(reference, extra_bytes):
 def disk_fills_while_training(reference):
     with Tmpfs(64 << 20) as nvme:
         with tempfile.TemporaryFile("w+") as out:
-            run = subprocess.Popen([STRATA, *TRAIN, "--steps", "200", "--nvme-path", nvme,
-                                    "--json"], stdout=out, stderr=subprocess.PIPE, text=True)
+            run = subprocess.Popen(
+                [STRATA, *TRAIN, "--steps", str(LONG_RUN), "--nvme-path", nvme, "--json"],
+                stdout=out, stderr=subprocess.PIPE, text=True)
             deadline = time.time() + 60
             while not glob.glob(f"{nvme}/strata-swap-*") and time.time() < deadline:
                 time.sleep(0.05)
@@ -135,8 +139,8 @@ def disk_fills_while_training(reference):
             out.seek(0)
             got = losses(out.read())
     assert free < (1 << 20), f"the disk was not full: {free} bytes free"
-    assert got == {k: v for k, v in reference.items() if k <= 200}, "losses differ"
-    return f"filled with {filler >> 20} MiB mid-run; 200 steps, losses identical"
+    assert got == {k: v for k, v in reference.items() if k <= LONG_RUN}, "losses differ"
+    return f"filled with {filler >> 20} MiB mid-run; {LONG_RUN} steps, losses identical"
 
 
 def kill_at_random_moments(reference, runs=12):
@@ -239,7 +243,7 @@ def bench_all_on_a_full_disk():
 
 
 def main():
-    reference = losses(train("--steps", "200", "--json").stdout)
+    reference = losses(train("--steps", str(LONG_RUN), "--json").stdout)
     results = []
     mount_problem = can_mount()
     if mount_problem:
