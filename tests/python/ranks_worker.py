@@ -213,7 +213,7 @@ def save_on_rank_0() -> dict:
 
 
 def ds_config(stage: int, states: str | None, nvme: str, *, gas: int, clip: float,
-              train_batch_size: int | None = None) -> dict:
+              train_batch_size: int | None = None, **extra) -> dict:
     """A DeepSpeed config for this world (torchrun's WORLD_SIZE: the process group may not
     exist yet): every rank its share of GLOBAL_BATCH per micro-step."""
     micro = GLOBAL_BATCH // int(os.environ["WORLD_SIZE"])
@@ -223,11 +223,15 @@ def ds_config(stage: int, states: str | None, nvme: str, *, gas: int, clip: floa
                                      **({"nvme_path": nvme} if states == "nvme" else {})}
     return {"train_batch_size": train_batch_size or GLOBAL_BATCH * gas,
             "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-            "gradient_clipping": clip, "zero_optimization": zero}
+            "gradient_clipping": clip, "zero_optimization": zero, **extra}
 
 
-def initialize_engine(config: dict | str, **kwargs):
-    model = training.make_model(KIND)
+def initialize_engine(config: dict | str, model: nn.Module | None = None, **kwargs):
+    if model is None:
+        model = training.make_model(KIND)
+        # A buffer, as HF models have: DDP must not broadcast it before each forward (an
+        # evaluation on rank 0 alone would hang).
+        model.register_buffer("calls", torch.zeros(1))
     return model, st.initialize(
         model=model, config=config,
         optimizer=lambda params, **settings: st.OffloadAdamW(
@@ -241,14 +245,30 @@ def initialize_refusals(nvme: str) -> dict:
     across ranks after that, before touching the model); then what it refuses."""
     out = {"group_before": dist.is_initialized()}
     model = training.make_model(KIND)
-    before = [p.detach().clone() for p in model.parameters()]
-    try:
-        st.initialize(model=model, config=ds_config(3, "cpu", nvme, gas=1, clip=1.0),
+    before = [(p.data_ptr(), p.dtype, p.detach().clone()) for p in model.parameters()]
+    try:  # bf16: a refusal after the model was cast would show.
+        st.initialize(model=model, config=ds_config(3, "cpu", nvme, gas=1, clip=1.0,
+                                                    bf16={"enabled": True}),
                       optimizer=lambda params, **settings: st.OffloadAdamW(params, **settings))
     except NotImplementedError as e:
         out["stage3"] = str(e)
     out["group_after"] = dist.is_initialized()
-    out["model_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    out["model_unchanged"] = all(
+        (p.data_ptr(), p.dtype) == (ptr, dtype) and torch.equal(value, p)
+        for (ptr, dtype, value), p in zip(before, model.parameters()))
+    try:
+        initialize_engine(ds_config(1, "cpu", nvme, gas=1, clip=1.0, fp16={"enabled": True}))
+    except NotImplementedError as e:
+        out["fp16"] = str(e)
+    # A trained parameter no step reaches (DeepSpeed's stages 0-2 allow it): two steps.
+    model = training.make_model(KIND)
+    model.unused = nn.Linear(2, 2)
+    _, (engine, _, _, _) = initialize_engine(ds_config(1, "cpu", nvme, gas=1, clip=1.0), model)
+    for step in range(2):
+        x, y = rank_batch(step, 0)
+        engine.backward(training.loss_of(KIND, engine, x, y))
+        engine.step()
+    out["unused_parameter_steps"] = engine.global_steps
     # A one-rank config's batch (micro x accumulation = train_batch_size) on several ranks.
     one_rank_batch = GLOBAL_BATCH // dist.get_world_size() * 2
     try:
@@ -270,6 +290,9 @@ def initialize_refusals(nvme: str) -> dict:
             optimizer=lambda params, **settings: st.OffloadAdamW(params, **settings)),
         "unreadable": lambda: initialize_engine(
             f"{nvme}/missing.json" if last else ds_config(1, "cpu", nvme, gas=1, clip=1.0)),
+        # Each node checks its own NVMe path (they may differ): the last rank's is missing.
+        "nvme_path": lambda: initialize_engine(
+            ds_config(1, "nvme", f"{nvme}/missing" if last else nvme, gas=1, clip=1.0)),
     }
     for name, attempt in mismatches.items():
         try:
@@ -306,9 +329,16 @@ def initialize_scenario(name: str, nvme: str) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
     held = sum(opt._table.engine_numel()) / sum(p.numel() for p in opt._table.params)
-    # engine.module is the user's model, whole on every rank.
-    whole = all(v.shape == r.shape for v, r in zip(engine.module.state_dict().values(),
-                                                   reference.model.module.state_dict().values()))
+    # engine.module is the user's model, whole on every rank (its own buffer aside).
+    mine = {k: v for k, v in engine.module.state_dict().items() if k != "calls"}
+    theirs = reference.model.module.state_dict()
+    whole = sorted(mine) == sorted(theirs) and all(
+        (mine[k] - theirs[k]).abs().max().item() < 1e-4 for k in theirs)
+    # An evaluation forward on rank 0 alone (DeepSpeed scripts do): no collective in it.
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            engine(rank_batch(0, 0)[0])
+    dist.barrier()
     return {
         "scenario": name,
         "world": engine.world_size,

@@ -292,3 +292,18 @@ def test_a_launcher_without_a_process_group_and_dist_init_required_false_is_refu
         st.initialize(model=model, config=zero3_config(tmp_path, "cpu", "cpu"),
                       dist_init_required=False)
     assert next(model.parameters()).sum().isfinite()  # Not offloaded: readable.
+
+
+def test_several_ranks_on_gpus_are_refused_before_a_process_group_is_made(tmp_path, monkeypatch):
+    """Across ranks on CUDA tensors is not built: refused on every rank alike, before the
+    process group (or anything else) is made."""
+    import torch.distributed as dist
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = models.make("gpt")
+    with pytest.raises(NotImplementedError, match="across 2 ranks on GPUs"):
+        st.initialize(model=model, config=zero3_config(tmp_path, "cpu", "cpu"))
+    assert not dist.is_initialized()
+    assert next(model.parameters()).device.type == "cpu"

@@ -77,6 +77,8 @@ def test_initialize_across_ranks_trains_as_ddp_with_torch_adamw(ranks, tmp_path)
     assert not refusals["group_before"] and refusals["group_after"]
     assert f"ZeRO stage 3 across {ranks} ranks" in refusals["stage3"]
     assert refusals["model_unchanged"]
+    assert f"fp16 across {ranks} ranks" in refusals["fp16"]
+    assert refusals["unused_parameter_steps"] == 2
     # micro x accumulation x world size.
     assert f"x {ranks});" in refusals["batch"], refusals["batch"]
     # Rank 0's view of a last rank that differs (the last rank raised too: none hung).
@@ -88,6 +90,8 @@ def test_initialize_across_ranks_trains_as_ddp_with_torch_adamw(ranks, tmp_path)
         refusals["model"], refusals["model"]
     assert f"rank {last} could not read its config" in refusals["unreadable"], \
         refusals["unreadable"]
+    assert f"rank {last} could not read its config: FileNotFoundError: nvme_path" in \
+        refusals["nvme_path"], refusals["nvme_path"]
     assert [r["scenario"] for r in results] == INITIALIZE
     for r in results:
         name = r["scenario"]

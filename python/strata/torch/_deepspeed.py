@@ -33,6 +33,7 @@ from strata.torch import _deepspeed_ranks as _ranks
 from strata.torch import _native
 from strata.torch import rules
 from strata.torch._offload_plan import offload_parameters
+from strata.torch._options import nvme_directory
 from strata.torch.optimizer import OffloadOptimizer
 
 _OPTIMIZERS = {"adamw": rules.OffloadAdamW, "adam": rules.OffloadAdam,
@@ -171,8 +172,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     The model goes to this process's GPU when there is one, in the config's dtype. Started by
     torchrun, mpirun or srun, it creates the process group if there is none (as DeepSpeed;
     ``dist_init_required=False`` refuses to) and trains across the ranks: each rank its own
-    micro-batches, gradients averaged, ZeRO stages 1 and 2 sharding the optimizer states. The
-    loop is DeepSpeed's::
+    micro-batches, gradients averaged, ZeRO stages 1 and 2 sharding the optimizer states (CPU
+    tensors; stage 3, fp16 and GPUs across ranks are refused, not built yet). The loop is
+    DeepSpeed's::
 
         engine, opt, _, _ = strata.torch.initialize(model=model, config="ds_config.json")
         for batch in loader:
@@ -202,31 +204,28 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         config = from_args
     if config is None:
         raise ValueError("initialize() needs config= (a DeepSpeed config file or dict)")
-    place = _ranks.join(dist_init_required)
-    loaded, document = _ranks.read_config_alike(
-        place, lambda: load_config(config, args, place.world_size), model)
-    _report(loaded)
-    options = json.loads(loaded["options"])
-    stage = options["placement"]["zero_stage"]
-    _ranks.check_stage(place, stage)
-    if "scheduler" in document and lr_scheduler is None:
-        raise NotImplementedError(
-            "the config's \"scheduler\" section is not built into Strata: build the schedule "
-            "with torch.optim.lr_scheduler and pass initialize(lr_scheduler=...)")
-    if optimizer is None and not loaded["has_optimizer"]:
-        raise ValueError("the config has no \"optimizer\" section: add one, or pass "
-                         "optimizer= (a callable taking the parameters)")
-    if optimizer is not None and loaded["has_optimizer"]:
-        raise ValueError("the config has an \"optimizer\" section and optimizer= was given: "
-                         "use one (DeepSpeed refuses both too)")
     if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer)
                                   or not callable(optimizer)):
         raise TypeError("optimizer= must be a callable taking the parameters (the optimizer "
                         "is built after the parameters are offloaded)")
+    place = _ranks.join(dist_init_required)
 
-    # What DeepSpeed does to the model: onto this rank's GPU if there is one, in the config's
-    # dtype.
-    device = _ranks.device_of(place, model)
+    def read() -> tuple[dict, dict]:
+        # Everything that can refuse the config, on every rank before the model changes:
+        # across ranks, read_config_alike tells every rank of one that refused.
+        loaded, document = load_config(config, args, place.world_size)
+        _check_config(loaded, document, place, client_optimizer=optimizer is not None,
+                      lr_scheduler=lr_scheduler)
+        return loaded, document
+
+    loaded, document = _ranks.read_config_alike(place, read, model)
+    _report(loaded)
+    options = json.loads(loaded["options"])
+    stage = options["placement"]["zero_stage"]
+
+    # What DeepSpeed does to the model: onto the process's GPU if there is one, in the
+    # config's dtype.
+    device = _ranks.device_of(model)
     model.to(device, _DTYPES[options["precision"]["working_dtype"]])
     placement = options["placement"]
     nvme = options["nvme"]
@@ -253,6 +252,30 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                          loaded["micro_batch_size"], loaded["train_batch_size"], device,
                          place=place, forward=forward)
     return engine, optimizer, None, lr_scheduler
+
+
+def _check_config(loaded: dict, document: dict, place: _ranks.Place, *, client_optimizer: bool,
+                  lr_scheduler: Any) -> None:
+    """What initialize refuses in a config the engine's parser accepted, NVMe paths that are
+    not directories among it (each rank checks its own node's)."""
+    options = json.loads(loaded["options"])
+    _ranks.check_stage(place, options["placement"]["zero_stage"],
+                       options["precision"]["working_dtype"])
+    if "scheduler" in document and lr_scheduler is None:
+        raise NotImplementedError(
+            "the config's \"scheduler\" section is not built into Strata: build the schedule "
+            "with torch.optim.lr_scheduler and pass initialize(lr_scheduler=...)")
+    if not client_optimizer and not loaded["has_optimizer"]:
+        raise ValueError("the config has no \"optimizer\" section: add one, or pass "
+                         "optimizer= (a callable taking the parameters)")
+    if client_optimizer and loaded["has_optimizer"]:
+        raise ValueError("the config has an \"optimizer\" section and optimizer= was given: "
+                         "use one (DeepSpeed refuses both too)")
+    placement, paths = options["placement"], options["nvme"]["paths"]
+    for section, tier in (("offload_param", placement["params"]),
+                          ("offload_optimizer", placement["optimizer_states"])):
+        if tier == "nvme":
+            nvme_directory(_nvme_path(document, section, paths))
 
 
 def _report(loaded: dict) -> None:

@@ -1,12 +1,14 @@
-"""initialize across ranks: the process group DeepSpeed's initialize would create, this rank's
-device, and the model wrapped as the config's ZeRO stage shares it.
+"""initialize across ranks: the process group DeepSpeed's initialize would create, what
+every rank must agree on, and the model wrapped as the config's ZeRO stage shares it. CPU
+tensors (gloo) so far: across ranks on GPUs is refused before a process group is made.
 
 DeepSpeed's stages map onto what strata.torch already runs across ranks:
 
 * stage 0 -> DDP (every rank holds everything; gradients averaged across ranks);
 * stages 1 and 2 -> DDP with the optimizer's ``shard_states``: each rank keeps and updates 1/N
   of every parameter's optimizer states (where offload_optimizer says), and the updated slices
-  are all-gathered, so the parameters stay whole on every rank, as ZeRO-1/2's do;
+  are all-gathered, so the parameters stay whole on every rank, as ZeRO-1/2's do (the
+  gradients stay whole too: DDP all-reduces them, so stage 2 holds what stage 1 holds);
 * stage 3 (parameters partitioned, offloaded or not) is refused across ranks: it is not built.
 
 Every rank reads the config, then the ranks compare what they read and their models' parameters
@@ -44,17 +46,29 @@ def join(dist_init_required: bool | None) -> Place:
     DeepSpeed's: None creates the group where needed, False refuses to."""
     launched = _native.detect_ranks()
     if dist.is_available() and dist.is_initialized():
-        return Place(dist.get_rank(), launched["local_rank"], dist.get_world_size())
+        place = Place(dist.get_rank(), launched["local_rank"], dist.get_world_size())
+        _refuse_gpus(place.world_size)
+        return place
     if launched["size"] == 1:
         return Place(0, 0, 1)
+    _refuse_gpus(launched["size"])
     if dist_init_required is False:
         raise ValueError(
             f"{launched['launcher']} started {launched['size']} ranks, no torch.distributed "
             "process group exists and initialize(dist_init_required=False) was given: call "
             "strata.torch.init_process_group() (or torch.distributed.init_process_group) "
             "first, or leave dist_init_required unset for initialize to create it")
-    init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group("gloo")  # CPU tensors: GPUs across ranks are refused above.
     return Place(dist.get_rank(), launched["local_rank"], dist.get_world_size())
+
+
+def _refuse_gpus(world_size: int) -> None:
+    """initialize puts the model on the GPU where there is one; across ranks that is not built
+    (refused before a process group is made, on every rank alike)."""
+    if world_size > 1 and torch.cuda.is_available():
+        raise NotImplementedError(
+            f"strata.torch.initialize across {world_size} ranks on GPUs (CUDA tensors over "
+            "NCCL) is not built yet: across ranks it runs on CPU tensors (gloo) so far")
 
 
 def read_config_alike(place: Place, read: Callable[[], tuple[dict, dict]],
@@ -115,17 +129,21 @@ def _first_difference(a: dict, b: dict) -> tuple[str, str, str] | None:
     return None
 
 
-def device_of(place: Place, model: torch.nn.Module) -> torch.device:
-    """Each rank's own GPU (its local rank's), as DeepSpeed places it; the model's device (CPU)
-    where there is no GPU."""
+def device_of(model: torch.nn.Module) -> torch.device:
+    """The process's current GPU where there is one (one rank: GPUs across ranks are refused
+    in join), else the model's device (CPU)."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(place.local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return next(model.parameters()).device
 
 
-def check_stage(place: Place, stage: int) -> None:
-    """Before anything is changed: the stages initialize cannot run across these ranks."""
+def check_stage(place: Place, stage: int, working_dtype: str) -> None:
+    """Before anything is changed: what initialize cannot run across these ranks."""
+    if place.world_size > 1 and working_dtype == "fp16":
+        raise NotImplementedError(
+            f"fp16 across {place.world_size} ranks is not built yet in strata.torch.initialize: "
+            "each rank's engine would check overflow on its part of the states alone, and a "
+            "step skipped on one rank must be skipped on all; use bf16 (or fp32)")
     if place.world_size > 1 and stage == 3:
         raise NotImplementedError(
             f"ZeRO stage 3 across {place.world_size} ranks (parameters partitioned between "
@@ -141,8 +159,12 @@ def wrap(model: torch.nn.Module, place: Place) -> torch.nn.Module:
     if place.world_size == 1:
         return model
     device = next(model.parameters()).device
+    # As DeepSpeed's stages 0-2 do: parameters that get no gradient in a step are allowed
+    # (find_unused_parameters), and buffers are each rank's own after the start (no broadcast
+    # from rank 0 before each forward, which would hang an evaluation run on rank 0 alone).
     return DistributedDataParallel(model,
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+                                   device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False, find_unused_parameters=True)
 
 
 def shards_states(place: Place, stage: int) -> bool:

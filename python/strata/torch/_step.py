@@ -212,6 +212,5 @@ class StepBody:
         """Puts back the states saved by save_untouched; on an error they stay pending and the
         next step or state access tries again."""
         if self._restore_pending:
-            self.layout.write_states([(i, k, v, "a saved state")
-                                      for i, k, v in self._restore_pending])
+            self.layout.write_read_states(self._restore_pending)
             self._restore_pending = []
