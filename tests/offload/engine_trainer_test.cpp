@@ -85,10 +85,11 @@ TEST_P(TrainerOnDeviceTest, CopiesWaitForWorkOnTheTrainersOwnStream) {
 // An update that finishes while the trainer still holds its chunk (preempted between
 // GradsReady and Release) sends its parameters to the device at the Release, not at the commit:
 // they are there before Step() is called, as when the Release comes first.
-TEST(EngineTrainerTest, AnUpdateDoneBeforeItsChunksReleaseUploadsAtTheRelease) {
+TEST_P(TrainerOnDeviceTest, AnUpdateDoneBeforeItsChunksReleaseUploadsAtTheRelease) {
   ScratchDir dir;
   const TinyModel model(kLayers, kWidth, kBatch);
-  const Placement& placement = kPlacements[0];  // Host-kept states, device-home parameters.
+  const Placement& placement = kPlacements[1];  // Host-kept states, device-home parameters.
+  ASSERT_TRUE(testing::RunsOn(placement, device_kind()));
   const EngineOptions options = MakeOptions(placement, dir.path());
   auto device = MakeDevice(placement.device_budget);
   ASSERT_NE(device, nullptr);
