@@ -43,6 +43,8 @@ GLOBAL_BATCH = 6  # Split evenly by 1, 2 or 3 ranks.
 # compare --die: the rank that kills itself (SIGKILL, as the OOM killer would) after its first
 # strata step.
 DYING_RANK = -1
+# initialize --raise: the rank whose forward raises in its third step.
+RAISING_RANK = -1
 
 
 def wrap(model: nn.Module, how: str) -> nn.Module:
@@ -316,6 +318,11 @@ def initialize_scenario(name: str, nvme: str) -> dict:
 
     model, (engine, opt, _, _) = initialize_engine(
         ds_config(stage, states, nvme, gas=gas, clip=max_norm))
+    if RAISING_RANK == dist.get_rank():
+        def fail(module, inputs):
+            if engine.global_steps == 2:
+                raise RuntimeError(f"rank {RAISING_RANK} raised in forward, as asked")
+        model.register_forward_pre_hook(fail)
     losses, norms = [], []
     for step in range(STEPS):
         total = torch.zeros(())
@@ -365,6 +372,8 @@ def main() -> None:
     commands.add_parser("save-on-rank-0")
     initialize_parser = commands.add_parser("initialize")
     initialize_parser.add_argument("--nvme", required=True, help="one directory for every rank")
+    initialize_parser.add_argument("--raise", dest="raising", type=int, default=-1,
+                                   help="this rank's forward raises in the third step")
     initialize_parser.add_argument("scenarios", nargs="+")
     checkpoint_parser = commands.add_parser("checkpoint")
     checkpoint_parser.add_argument("--optimizer", choices=["strata", "torch"], required=True)
@@ -376,6 +385,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.command == "initialize":
+        global RAISING_RANK
+        RAISING_RANK = args.raising
         # No process group yet: initialize creates it, as DeepSpeed's does.
         results = [initialize_refusals(args.nvme)]
         results += [initialize_scenario(name, args.nvme) for name in args.scenarios]

@@ -109,6 +109,17 @@ def test_initialize_across_ranks_trains_as_ddp_with_torch_adamw(ranks, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_rank_raising_in_forward_under_initialize_fails_the_job_naming_it(tmp_path):
+    start = time.monotonic()
+    run = torchrun(2, "initialize", "--nvme", str(tmp_path), "--raise", "1", "zero1-cpu")
+    assert run.returncode != 0
+    # The raising rank's error, and torchrun's summary naming it (the other rank, waiting in
+    # the step's collectives, is stopped).
+    assert "RuntimeError: rank 1 raised in forward, as asked" in run.stderr, run.stderr
+    assert "rank      : 1" in run.stderr, run.stderr
+    assert time.monotonic() - start < TIMEOUT
+
+
 def test_a_killed_rank_fails_the_job_naming_it(tmp_path):
     start = time.monotonic()
     run = torchrun(2, "compare", "--nvme", str(tmp_path), "--die", "1", "fsdp2-nvme-user-clip")

@@ -388,6 +388,12 @@ class ModelEngine(torch.nn.Module):
         self.global_steps = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward_module is not self.module:
+            # DDP reduces at the accumulation window's end only, as DeepSpeed does: the
+            # micro-steps before sum their gradients locally (what DDP's no_sync() does; the
+            # choice is DDP's at each forward).
+            self._forward_module.require_backward_grad_sync = \
+                self.is_gradient_accumulation_boundary()
         return self._forward_module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
