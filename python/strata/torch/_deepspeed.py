@@ -160,7 +160,8 @@ def load_config(config: Any, args: Any = None, world_size: int = 1) -> tuple[dic
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None,
                lr_scheduler: Any = None, config: Any = None, config_params: Any = None,
-               dist_init_required: bool | None = None, **unsupported: Any) -> tuple["ModelEngine", Any, None, Any]:
+               dist_init_required: bool | None = None,
+               **unsupported: Any) -> tuple["ModelEngine", Any, None, Any]:
     """``deepspeed.initialize`` on Strata: returns ``(model_engine, optimizer, None,
     lr_scheduler)``. ``config`` is a DeepSpeed (or Strata) config file or dict
     (``config_params`` is DeepSpeed's other name for it; ``args.deepspeed_config``, or the HF
@@ -259,7 +260,7 @@ def _check_config(loaded: dict, document: dict, place: _ranks.Place, *, client_o
     """What initialize refuses in a config the engine's parser accepted, NVMe paths that are
     not directories among it (each rank checks its own node's)."""
     options = json.loads(loaded["options"])
-    _ranks.check_stage(place, options["placement"]["zero_stage"],
+    _ranks.refuse_unbuilt(place, options["placement"]["zero_stage"],
                        options["precision"]["working_dtype"])
     if "scheduler" in document and lr_scheduler is None:
         raise NotImplementedError(

@@ -137,7 +137,7 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def check_stage(place: Place, stage: int, working_dtype: str) -> None:
+def refuse_unbuilt(place: Place, stage: int, working_dtype: str) -> None:
     """Before anything is changed: what initialize cannot run across these ranks."""
     if place.world_size > 1 and working_dtype == "fp16":
         raise NotImplementedError(
