@@ -200,12 +200,6 @@ class Layout:
     def write_states(self, writes: list[tuple[int, int, Any, str]]) -> None:
         self.write_state_batch(self.state_batch(writes))
 
-    def write_read_states(self, writes: list[tuple[int, int, torch.Tensor]]) -> None:
-        """States (parameter index, kind, values) as read_states gave them, written back as
-        they are: the engine's part of each (a mirrored layout's slice, or an empty part's
-        stand-in), which state_batch's whole-parameter check would refuse."""
-        self.write_state_batch(writes)
-
     def masters_written(self) -> None:
         """Masters were written: the chunks' working values changed (mirrored layouts copy
         them into the parameters' parts)."""

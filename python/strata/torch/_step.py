@@ -212,5 +212,7 @@ class StepBody:
         """Puts back the states saved by save_untouched; on an error they stay pending and the
         next step or state access tries again."""
         if self._restore_pending:
-            self.layout.write_read_states(self._restore_pending)
+            # As read_states gave them: the engine's part of each (a mirrored layout's slice,
+            # an empty part's stand-in), not the whole parameters state_batch checks for.
+            self.layout.write_state_batch(self._restore_pending)
             self._restore_pending = []
